@@ -1,0 +1,147 @@
+"""Typed errors shared by every layer, and their wire codes.
+
+The broker sends an error as ``(code, message, details)``; the client turns the code back into
+the same exception class, so ``except StreamNotFound`` works the same in-process and over TCP.
+Each message says what went wrong and, where there is one, the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class SlipstreamError(Exception):
+    """Base class of every error slipstream raises on purpose."""
+
+    code: ClassVar[str] = "internal"
+    #: True when the same request may succeed if sent again later (full disk, lost connection).
+    retriable: ClassVar[bool] = False
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class ProtocolError(SlipstreamError):
+    """Bytes on the wire that do not follow the protocol (bad frame, unknown type, bad field)."""
+
+    code = "protocol"
+
+
+class UnsupportedVersion(ProtocolError):
+    """The peer speaks a protocol version this side does not."""
+
+    code = "unsupported_version"
+
+
+class CorruptBatch(SlipstreamError):
+    """A record batch whose header or CRC32C does not check out; it is never served."""
+
+    code = "corrupt_batch"
+
+
+class CorruptData(SlipstreamError):
+    """Stored data failed its CRC32C check when read; ``details`` name segment and offset."""
+
+    code = "corrupt_data"
+
+
+class BatchTooLarge(SlipstreamError):
+    """A batch above the broker's ``max_batch_bytes``; send smaller batches."""
+
+    code = "batch_too_large"
+
+
+class InvalidName(SlipstreamError):
+    """A stream name that is not ``scope/name`` of ``[a-z0-9._-]``, at most 255 characters."""
+
+    code = "invalid_name"
+
+
+class InvalidArgument(SlipstreamError):
+    """A request field out of range (segment count, retention, offsets, options)."""
+
+    code = "invalid_argument"
+
+
+class StreamNotFound(SlipstreamError):
+    """The stream does not exist, or was deleted."""
+
+    code = "stream_not_found"
+
+
+class StreamExists(SlipstreamError):
+    """``create_stream`` for a name that is already taken."""
+
+    code = "stream_exists"
+
+
+class SegmentNotFound(SlipstreamError):
+    """The segment is not part of the stream (stale routing table or a bad StreamCut)."""
+
+    code = "segment_not_found"
+
+
+class OffsetOutOfRange(SlipstreamError):
+    """A read before the oldest retained event or past the end; ``details`` name the bounds."""
+
+    code = "offset_out_of_range"
+
+
+class StorageFull(SlipstreamError):
+    """The broker could not make an append durable (disk full); nothing was acknowledged."""
+
+    code = "storage_full"
+    retriable = True
+
+
+class StorageError(SlipstreamError):
+    """The broker could not make an append durable for another IO reason; not acknowledged."""
+
+    code = "storage_error"
+    retriable = True
+
+
+class AuthenticationFailed(SlipstreamError):
+    """Credentials were missing or wrong."""
+
+    code = "authentication_failed"
+
+
+class BrokerUnavailable(SlipstreamError):
+    """No broker answered at the address, or the connection was lost."""
+
+    code = "broker_unavailable"
+    retriable = True
+
+
+class BrokerShuttingDown(SlipstreamError):
+    """The broker is stopping; retry against it after it restarts."""
+
+    code = "shutting_down"
+    retriable = True
+
+
+class DataDirLocked(SlipstreamError):
+    """Another broker already owns the data directory."""
+
+    code = "data_dir_locked"
+
+
+def _all_subclasses(cls: type[SlipstreamError]) -> list[type[SlipstreamError]]:
+    found = [cls]
+    for sub in cls.__subclasses__():
+        found.extend(_all_subclasses(sub))
+    return found
+
+
+ERRORS_BY_CODE: dict[str, type[SlipstreamError]] = {
+    cls.code: cls for cls in _all_subclasses(SlipstreamError)
+}
+
+
+def error_from_wire(code: str, message: str, details: dict[str, Any]) -> SlipstreamError:
+    """Rebuild the typed exception the broker sent; unknown codes become the base class."""
+    cls = ERRORS_BY_CODE.get(code, SlipstreamError)
+    return cls(message, **details)

@@ -1,0 +1,168 @@
+"""The record batch: a fixed header plus an Apache Arrow IPC stream body.
+
+Byte layout, version 1 (all integers little-endian; docs/format.md says the same):
+
+    offset size  field            meaning
+    0      4     magic            b"SLB1"
+    4      1     version          1
+    5      1     reserved         0
+    6      2     header_length    64; readers skip unknown trailing header bytes of later versions
+    8      8     base_offset      i64, offset of the first event; set by the broker on append
+    16     4     batch_length     u32, header + body bytes
+    20     4     crc32c           u32, CRC32C (Castagnoli) of bytes [24, batch_length)
+    24     2     flags            u16, bit 0 transactional, bit 1 control; others 0
+    26     2     producer_epoch   i16, -1 when the producer is not idempotent
+    28     4     event_count      u32, > 0
+    32     8     min_timestamp    i64, ms since the Unix epoch
+    40     8     max_timestamp    i64, ms since the Unix epoch
+    48     8     producer_id      i64, -1 when the producer is not idempotent
+    56     4     sequence         i32, per segment and producer; -1 when not idempotent
+    60     4     reserved         0
+    64     ...   body             Arrow IPC stream: one schema message, one record batch
+
+The CRC leaves out ``base_offset`` so that the broker assigns offsets by patching eight bytes
+in place, without recomputing a checksum over the body (Kafka's v2 batch does the same).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+
+import crc32c
+import msgspec
+import pyarrow as pa
+
+from .._errors import CorruptBatch
+
+MAGIC = b"SLB1"
+VERSION = 1
+HEADER_LENGTH = 64
+CRC_START = 24
+FLAG_TRANSACTIONAL = 0x1
+FLAG_CONTROL = 0x2
+_KNOWN_FLAGS = FLAG_TRANSACTIONAL | FLAG_CONTROL
+
+_HEADER = struct.Struct("<4sBBHqII HhIqqqiI")
+_BASE_OFFSET = struct.Struct("<q")
+_BASE_OFFSET_AT = 8
+assert _HEADER.size == HEADER_LENGTH
+
+
+class BatchHeader(msgspec.Struct, frozen=True):
+    """The decoded fixed header of one record batch."""
+
+    base_offset: int
+    batch_length: int
+    crc: int
+    flags: int
+    producer_epoch: int
+    event_count: int
+    min_timestamp: int
+    max_timestamp: int
+    producer_id: int
+    sequence: int
+
+    @property
+    def next_offset(self) -> int:
+        """The offset right after this batch's last event."""
+        return self.base_offset + self.event_count
+
+
+def encode_header(
+    body: pa.Buffer | bytes | memoryview,
+    *,
+    event_count: int,
+    min_timestamp: int,
+    max_timestamp: int,
+    base_offset: int = 0,
+    flags: int = 0,
+    producer_id: int = -1,
+    producer_epoch: int = -1,
+    sequence: int = -1,
+) -> bytes:
+    """Build the 64-byte header for ``body``; header + body is the batch, sent without copying."""
+    batch_length = HEADER_LENGTH + len(memoryview(body))
+    if batch_length > 0xFFFFFFFF:
+        raise CorruptBatch(f"batch of {batch_length} bytes exceeds the 4 GiB format limit")
+    head = bytearray(
+        _HEADER.pack(
+            MAGIC, VERSION, 0, HEADER_LENGTH, base_offset, batch_length, 0,
+            flags, producer_epoch, event_count, min_timestamp, max_timestamp,
+            producer_id, sequence, 0,
+        )
+    )
+    crc = crc32c.crc32c(memoryview(body), crc32c.crc32c(head[CRC_START:]))
+    struct.pack_into("<I", head, 20, crc)
+    return bytes(head)
+
+
+def decode_header(buf: bytes | bytearray | memoryview, at: int = 0) -> BatchHeader:
+    """Decode and sanity-check the header at ``buf[at:]`` (not the CRC: see :func:`verify`).
+
+    Raises :class:`CorruptBatch` for a short buffer, wrong magic, unknown version, unknown flags,
+    a zero event count or a length that does not fit.
+    """
+    if len(buf) - at < HEADER_LENGTH:
+        raise CorruptBatch(f"batch header needs {HEADER_LENGTH} bytes, {len(buf) - at} left")
+    (magic, version, _, header_length, base_offset, batch_length, crc, flags, epoch, count,
+     min_ts, max_ts, producer_id, sequence, _) = _HEADER.unpack_from(buf, at)
+    if magic != MAGIC:
+        raise CorruptBatch(f"bad batch magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise CorruptBatch(f"unknown batch format version {version}, this build reads {VERSION}")
+    if header_length != HEADER_LENGTH or batch_length < HEADER_LENGTH:
+        raise CorruptBatch(f"bad batch lengths: header {header_length}, batch {batch_length}")
+    if flags & ~_KNOWN_FLAGS:
+        raise CorruptBatch(f"unknown batch flags {flags:#x}")
+    if count == 0:
+        raise CorruptBatch("batch with zero events")
+    if base_offset < 0:
+        raise CorruptBatch(f"negative base offset {base_offset}")
+    return BatchHeader(
+        base_offset, batch_length, crc, flags, epoch, count, min_ts, max_ts, producer_id,
+        sequence,
+    )
+
+
+def verify(buf: bytes | bytearray | memoryview, at: int = 0) -> BatchHeader:
+    """Decode the header at ``buf[at:]`` and check that the whole batch is there and its CRC32C
+    matches. Raises :class:`CorruptBatch` otherwise."""
+    header = decode_header(buf, at)
+    end = at + header.batch_length
+    if end > len(buf):
+        raise CorruptBatch(f"batch says {header.batch_length} bytes, only {len(buf) - at} present")
+    actual = crc32c.crc32c(memoryview(buf)[at + CRC_START : end])
+    if actual != header.crc:
+        raise CorruptBatch(f"batch CRC32C mismatch: stored {header.crc:#010x}, computed {actual:#010x}")
+    return header
+
+
+def set_base_offset(buf: bytearray | memoryview, base_offset: int, at: int = 0) -> None:
+    """Patch the broker-assigned base offset into a batch in place (outside the CRC)."""
+    _BASE_OFFSET.pack_into(buf, at + _BASE_OFFSET_AT, base_offset)
+
+
+def iter_batches(
+    buf: bytes | bytearray | memoryview, *, check_crc: bool = True
+) -> Iterator[tuple[BatchHeader, memoryview]]:
+    """Split back-to-back batches, yielding each header with a zero-copy view of the batch."""
+    view = memoryview(buf)
+    at = 0
+    while at < len(view):
+        header = verify(view, at) if check_crc else decode_header(view, at)
+        end = at + header.batch_length
+        if end > len(view):
+            raise CorruptBatch(f"batch at byte {at} runs past the end of the buffer")
+        yield header, view[at:end]
+        at = end
+
+
+def read_body(batch: bytes | bytearray | memoryview) -> pa.RecordBatch:
+    """Decode the Arrow body of one whole batch (header included) without copying its buffers."""
+    view = memoryview(batch)
+    try:
+        reader = pa.ipc.open_stream(pa.py_buffer(view[HEADER_LENGTH:]))
+        return reader.read_next_batch()
+    except (pa.ArrowInvalid, pa.ArrowTypeError, StopIteration, OSError) as exc:
+        raise CorruptBatch(f"batch body is not a valid Arrow IPC stream: {exc}") from exc

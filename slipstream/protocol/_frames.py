@@ -1,0 +1,148 @@
+"""Frames: the sans-IO codec that broker and client share. Bytes in, frames out.
+
+Byte layout of a frame (little-endian; docs/protocol.md says the same):
+
+    offset size  field           meaning
+    0      4     frame_length    u32, bytes after this field (>= 12)
+    4      2     kind            u16, message type (see ``KINDS``)
+    6      2     flags           u16, 0 (reserved)
+    8      4     correlation_id  u32, echoed by the response; 0 for broker pushes
+    12     4     meta_length     u32, bytes of msgpack meta that follow
+    16     ...   meta            msgpack array of the message's fields
+    16+m   ...   payload         raw bytes up to frame_length (record batches); may be empty
+
+No checksum at this level: TCP guards transport, and batches carry their own CRC32C end to end.
+
+A frame longer than ``max_frame_bytes`` is not buffered: its prefix is read to learn its
+correlation id, the rest is discarded as it arrives, and an ``Oversized`` item is produced so
+the receiver can answer with a typed error and carry on. A frame whose meta does not decode
+yields ``Malformed`` for the same reason. Only a frame length below the minimum breaks the
+stream; then ``next_item`` raises :class:`ProtocolError` and the connection must close.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import msgspec
+
+from .._errors import ProtocolError
+from ._messages import KIND_OF, KINDS, Message
+
+_PREFIX = struct.Struct("<IHHII")
+PREFIX_LENGTH = _PREFIX.size  # 16
+_MIN_FRAME_LENGTH = PREFIX_LENGTH - 4
+DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024 + 64 * 1024
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in KINDS.items()}
+
+
+class Frame(msgspec.Struct, frozen=True):
+    """A decoded frame. ``payload`` is a private copy the receiver may patch in place."""
+
+    correlation_id: int
+    message: Message
+    payload: bytearray
+
+
+class Oversized(msgspec.Struct, frozen=True):
+    """A frame above the limit was skipped; answer ``correlation_id`` with an error."""
+
+    correlation_id: int
+    kind: int
+    frame_length: int
+
+
+class Malformed(msgspec.Struct, frozen=True):
+    """A well-delimited frame whose kind or meta is invalid; answer with an error."""
+
+    correlation_id: int
+    reason: str
+
+
+def encode_frame(
+    message: Message, correlation_id: int = 0, payload_length: int = 0
+) -> bytearray:
+    """Prefix + meta of a frame; the caller sends ``payload_length`` payload bytes right after
+    (as separate buffers, so a batch is never copied into the frame)."""
+    meta = _ENCODER.encode(message)
+    frame_length = PREFIX_LENGTH - 4 + len(meta) + payload_length
+    out = bytearray(_PREFIX.pack(frame_length, KIND_OF[type(message)], 0, correlation_id, len(meta)))
+    out += meta
+    return out
+
+
+def frame_bytes(
+    message: Message, correlation_id: int = 0, payload: Sequence[bytes | memoryview] = ()
+) -> list[bytes | bytearray | memoryview]:
+    """Buffers of one whole frame, ready for ``writelines``."""
+    length = sum(len(p) for p in payload)
+    return [encode_frame(message, correlation_id, length), *payload]
+
+
+class FrameDecoder:
+    """Incremental decoder: ``feed(bytes)`` then ``next_item()`` until it returns None."""
+
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self._buf = bytearray()
+        self._pos = 0  # start of the first undecoded byte; compacted on feed
+        self._skip = 0  # bytes of an oversized frame still to discard
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self._skip:
+            dropped = min(self._skip, len(data))
+            self._skip -= dropped
+            data = memoryview(data)[dropped:]
+        if self._pos:
+            del self._buf[: self._pos]
+            self._pos = 0
+        self._buf += data
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf) - self._pos
+
+    def next_item(self) -> Frame | Oversized | Malformed | None:
+        """The next complete frame, or None if more bytes are needed."""
+        pos = self._pos
+        if self._skip or len(self._buf) - pos < PREFIX_LENGTH:
+            return None
+        frame_length, kind, _flags, correlation_id, meta_length = _PREFIX.unpack_from(
+            self._buf, pos
+        )
+        if frame_length < _MIN_FRAME_LENGTH:
+            raise ProtocolError(
+                f"frame length {frame_length} is below the minimum {_MIN_FRAME_LENGTH}"
+            )
+        total = frame_length + 4
+        if frame_length > self.max_frame_bytes:
+            available = min(total, len(self._buf) - pos)
+            self._pos += available
+            self._skip = total - available
+            return Oversized(correlation_id, kind, frame_length)
+        if len(self._buf) - pos < total:
+            return None
+        self._pos += total
+        with memoryview(self._buf) as view:
+            return self._decode(view[pos : pos + total], kind, correlation_id, meta_length)
+
+    @staticmethod
+    def _decode(
+        frame: memoryview, kind: int, correlation_id: int, meta_length: int
+    ) -> Frame | Malformed:
+        decoder = _DECODERS.get(kind)
+        if decoder is None:
+            return Malformed(correlation_id, f"unknown message kind {kind}")
+        meta_end = PREFIX_LENGTH + meta_length
+        if meta_end > len(frame):
+            return Malformed(
+                correlation_id, f"meta length runs past the frame end ({meta_end} > {len(frame)})"
+            )
+        try:
+            message = decoder.decode(frame[PREFIX_LENGTH:meta_end])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return Malformed(correlation_id, f"bad {KINDS[kind].__name__} fields: {exc}")
+        return Frame(correlation_id, message, bytearray(frame[meta_end:]))

@@ -1,0 +1,197 @@
+"""Protocol messages: frozen msgspec structs, each with a numeric kind on the wire.
+
+Requests go client -> broker with a fresh correlation id; each gets exactly one response
+(``Error`` or the response named in its docstring) with the same id. ``Data`` and
+``FollowEnded``/``FollowFailed`` are pushed by the broker for a follow, with correlation id 0.
+Meta fields are msgpack arrays (``array_like``): new optional fields go at the end.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class Message(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=False):
+    """Base of all protocol messages (not sent itself)."""
+
+
+# --- requests -------------------------------------------------------------------------------
+
+
+class Hello(Message, frozen=True):
+    """First frame of a connection -> ``Welcome``. ``credentials`` is for the security issue."""
+
+    protocol_version: int
+    client_name: str
+    credentials: dict[str, str] | None = None
+
+
+class CreateStream(Message, frozen=True):
+    """-> ``StreamInfo``."""
+
+    name: str
+    segments: int
+    retention_ms: int | None = None
+    retention_bytes: int | None = None
+
+
+class DeleteStream(Message, frozen=True):
+    """-> ``Done``. Readers following the stream get ``FollowFailed(stream_not_found)``."""
+
+    name: str
+
+
+class ListStreams(Message, frozen=True):
+    """-> ``StreamList``."""
+
+    scope: str | None = None
+
+
+class DescribeStream(Message, frozen=True):
+    """-> ``StreamInfo`` with live per-segment counts."""
+
+    name: str
+
+
+class Append(Message, frozen=True):
+    """Payload: one record batch. -> ``AppendAck`` once the batch is durable."""
+
+    stream: str
+    segment: int
+
+
+class GetCut(Message, frozen=True):
+    """-> ``Cut``. ``at``: "earliest", "latest" or "time" (first events at or after
+    ``timestamp_ms``)."""
+
+    stream: str
+    at: str
+    timestamp_ms: int | None = None
+
+
+class Follow(Message, frozen=True):
+    """Start pushing a segment from ``offset`` -> ``Done``, then ``Data`` frames while credit
+    lasts, and ``FollowEnded`` at ``end_offset`` (None: follow the tail forever)."""
+
+    sub_id: int
+    stream: str
+    segment: int
+    offset: int
+    end_offset: int | None
+    credit: int
+
+
+class Credit(Message, frozen=True):
+    """Grant a follow more bytes of ``Data``; no response."""
+
+    sub_id: int
+    credit: int
+
+
+class Unfollow(Message, frozen=True):
+    """Stop a follow -> ``Done``."""
+
+    sub_id: int
+
+
+# --- responses and pushes ---------------------------------------------------------------------
+
+
+class Welcome(Message, frozen=True):
+    protocol_version: int
+    broker_version: str
+    max_batch_bytes: int
+
+
+class Error(Message, frozen=True):
+    code: str
+    message: str
+    details: dict[str, Any] = {}
+
+
+class Done(Message, frozen=True):
+    pass
+
+
+class SegmentInfo(Message, frozen=True):
+    """A segment: hashes ``key_lo..key_hi`` (both inclusive, unsigned 64-bit) route to it."""
+
+    number: int
+    epoch: int
+    key_lo: int
+    key_hi: int
+    sealed: bool
+    start_offset: int
+    end_offset: int
+    bytes: int
+    first_timestamp: int | None
+    last_timestamp: int | None
+
+
+class StreamInfo(Message, frozen=True):
+    name: str
+    segments: list[SegmentInfo]
+    retention_ms: int | None
+    retention_bytes: int | None
+    created_ms: int
+
+
+class StreamList(Message, frozen=True):
+    streams: list[StreamInfo]
+
+
+class AppendAck(Message, frozen=True):
+    base_offset: int
+    event_count: int
+
+
+class Cut(Message, frozen=True):
+    stream: str
+    positions: dict[int, int]
+
+
+class Data(Message, frozen=True):
+    """Payload: whole batches of the followed segment, in offset order."""
+
+    sub_id: int
+
+
+class FollowEnded(Message, frozen=True):
+    sub_id: int
+    next_offset: int
+
+
+class FollowFailed(Message, frozen=True):
+    sub_id: int
+    code: str
+    message: str
+    details: dict[str, Any] = {}
+
+
+KINDS: dict[int, type[Message]] = {
+    1: Hello,
+    2: CreateStream,
+    3: DeleteStream,
+    4: ListStreams,
+    5: DescribeStream,
+    6: Append,
+    7: GetCut,
+    8: Follow,
+    9: Credit,
+    10: Unfollow,
+    64: Welcome,
+    65: Error,
+    66: Done,
+    67: StreamInfo,
+    68: StreamList,
+    69: AppendAck,
+    70: Cut,
+    71: Data,
+    72: FollowEnded,
+    73: FollowFailed,
+}
+KIND_OF: dict[type[Message], int] = {cls: kind for kind, cls in KINDS.items()}

@@ -1,0 +1,22 @@
+"""The stream domain: names, routing, positions, units. Pure decisions, no IO."""
+
+from ._cuts import Position, StreamCut
+from ._names import MAX_NAME_LENGTH, validate_scope, validate_stream_name
+from ._routing import KEY_SPACE, MAX_KEY_HASH, MAX_SEGMENTS, Router, key_hash, split_key_space
+from ._units import parse_duration_ms, parse_size_bytes
+
+__all__ = [
+    "KEY_SPACE",
+    "MAX_KEY_HASH",
+    "MAX_NAME_LENGTH",
+    "MAX_SEGMENTS",
+    "Position",
+    "Router",
+    "StreamCut",
+    "key_hash",
+    "parse_duration_ms",
+    "parse_size_bytes",
+    "split_key_space",
+    "validate_scope",
+    "validate_stream_name",
+]

@@ -1,0 +1,49 @@
+"""Positions in a stream: one event (Position) and a consistent cut across segments (StreamCut)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from .._errors import InvalidArgument
+
+
+class Position(msgspec.Struct, frozen=True):
+    """Where one event is stored: its segment and its offset in that segment."""
+
+    segment: int
+    offset: int
+
+
+class StreamCut(msgspec.Struct, frozen=True):
+    """A consistent position in a whole stream: for each segment, the offset of the next event.
+
+    Readers start at a StreamCut or stop before one (bounded reads). Its JSON form,
+    ``{"stream": "demo/orders", "positions": {"0": 12, "1": 40}}``, is what the CLI accepts.
+    """
+
+    stream: str
+    positions: Mapping[int, int]
+
+    def to_json(self) -> str:
+        return msgspec.json.encode(
+            {"stream": self.stream, "positions": {str(k): v for k, v in self.positions.items()}}
+        ).decode()
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> StreamCut:
+        """Parse the JSON form; raises :class:`InvalidArgument` with the expected shape."""
+        try:
+            raw: Any = msgspec.json.decode(text)
+            stream = raw["stream"]
+            positions = {int(k): int(v) for k, v in raw["positions"].items()}
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise InvalidArgument(
+                'a StreamCut is JSON like {"stream": "demo/orders", "positions": {"0": 12}}',
+                error=str(exc),
+            ) from exc
+        if not isinstance(stream, str) or any(o < 0 for o in positions.values()):
+            raise InvalidArgument("a StreamCut needs a stream name and non-negative offsets")
+        return cls(stream, positions)

@@ -1,0 +1,36 @@
+"""Parsing human durations (``7d``) and sizes (``10GiB``) for retention settings."""
+
+from __future__ import annotations
+
+import re
+
+from .._errors import InvalidArgument
+
+_DURATION = re.compile(r"(\d+)(ms|s|m|h|d|w)")
+_DURATION_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000,
+                "w": 604_800_000}
+_SIZE = re.compile(r"(\d+)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?", re.IGNORECASE)
+_SIZE_BYTES = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_duration_ms(text: str) -> int:
+    """``"90s"``, ``"15m"``, ``"7d"``, ``"1h30m"`` -> milliseconds (> 0)."""
+    compact = text.strip().replace(" ", "")
+    pos, total = 0, 0
+    for match in _DURATION.finditer(compact):
+        if match.start() != pos:
+            break
+        total += int(match.group(1)) * _DURATION_MS[match.group(2)]
+        pos = match.end()
+    if pos != len(compact) or not compact or total <= 0:
+        raise InvalidArgument(f"bad duration {text!r}: use e.g. 90s, 15m, 12h, 7d or 1h30m")
+    return total
+
+
+def parse_size_bytes(text: str) -> int:
+    """``"10GiB"``, ``"500MB"``, ``"4096"`` -> bytes (> 0)."""
+    match = _SIZE.fullmatch(text.strip())
+    if not match or int(match.group(1)) <= 0:
+        raise InvalidArgument(f"bad size {text!r}: use e.g. 512MiB, 10GiB or 1TB")
+    return int(match.group(1)) * _SIZE_BYTES[(match.group(2) or "b").lower()]
