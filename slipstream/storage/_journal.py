@@ -1,0 +1,402 @@
+"""Journal: durable tier 1 of a container, an append-only log of opaque entries.
+
+On-disk layout of a ``FileJournal``: a directory of files ``<file_id:016d>.journal``; the
+highest id is the active file, the rest are sealed. Each file is a sequence of entries:
+
+    offset size  field    meaning
+    0      4     length   u32, payload bytes (> 0)
+    4      4     crc32c   u32, CRC32C of the payload
+    8      ...   payload  ``length`` bytes
+
+Recovery reads entries in file order and stops at the first one that is short, zero-length or
+fails its CRC: that entry and everything after it in the journal is a torn or corrupt tail. It is
+cut off (the file truncated, later files removed) and logged, so nothing half-written is served.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import struct
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import crc32c
+import msgspec
+
+from .._errors import CorruptData, StorageError, StorageFull
+
+log = logging.getLogger("slipstream.journal")
+
+_ENTRY = struct.Struct("<II")
+ENTRY_OVERHEAD = _ENTRY.size
+Buffer = bytes | bytearray | memoryview
+
+
+class JournalAddress(msgspec.Struct, frozen=True, gc=False):
+    """Where an entry's payload lies: file, byte position of the payload, payload length."""
+
+    file_id: int
+    position: int
+    length: int
+
+
+class RecoveryReport(msgspec.Struct):
+    """What recovery found: entries kept, and bytes cut off as torn or corrupt."""
+
+    entries: int = 0
+    files: int = 0
+    cut_bytes: int = 0
+    cut_reason: str | None = None
+
+
+def storage_error(exc: OSError, action: str) -> StorageFull | StorageError:
+    """The typed error for an IO failure while making appends durable."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFull(f"disk full while {action}: free space, then retry ({exc})")
+    return StorageError(f"IO error while {action}: {exc}")
+
+
+class Journal(ABC):
+    """An append-only log of entries with explicit durability.
+
+    ``append`` writes entries but does not make them durable; ``sync`` makes everything appended
+    so far durable. If ``append`` or ``sync`` raises, the entries since the last successful
+    ``sync`` are in an unknown state: the caller must call ``discard_unsynced`` (which cuts them
+    off) before appending again, and must not acknowledge any of them. Only one thread appends.
+    """
+
+    @abstractmethod
+    def recover(self) -> Iterator[tuple[JournalAddress, memoryview]]:
+        """Yield every valid entry in order, cutting off a torn or corrupt tail first."""
+
+    @abstractmethod
+    def append(self, entries: Sequence[Sequence[Buffer]]) -> list[JournalAddress]:
+        """Write entries (each given as buffers to concatenate); return their addresses."""
+
+    @abstractmethod
+    def sync(self) -> None:
+        """Make every appended entry durable. Raises StorageFull / StorageError."""
+
+    @abstractmethod
+    def discard_unsynced(self) -> None:
+        """Cut off entries appended since the last successful ``sync``."""
+
+    @abstractmethod
+    def read(self, address: JournalAddress) -> bytes:
+        """The payload at ``address``; raises CorruptData if it no longer checks out."""
+
+    @abstractmethod
+    def roll(self) -> int | None:
+        """Seal the active file and start a new one; returns the sealed id (None if empty)."""
+
+    @abstractmethod
+    def sealed_files(self) -> list[int]:
+        """Ids of sealed files, oldest first."""
+
+    @abstractmethod
+    def entries(self, file_id: int) -> Iterator[tuple[JournalAddress, memoryview]]:
+        """The entries of one sealed file."""
+
+    @abstractmethod
+    def delete_file(self, file_id: int) -> None:
+        """Remove a sealed file whose entries have all moved to long-term storage."""
+
+    @property
+    @abstractmethod
+    def active_bytes(self) -> int:
+        """Bytes in the active file."""
+
+    @property
+    @abstractmethod
+    def total_bytes(self) -> int:
+        """Bytes in all files."""
+
+    def close(self) -> None:
+        """Release files; appends after close fail."""
+
+
+def _parse_entries(
+    file_id: int, data: memoryview
+) -> tuple[list[tuple[JournalAddress, memoryview]], int, str | None]:
+    """Valid entries of one file's bytes, the length of the valid prefix, and why it stops."""
+    found: list[tuple[JournalAddress, memoryview]] = []
+    pos, size = 0, len(data)
+    while pos < size:
+        if size - pos < ENTRY_OVERHEAD:
+            return found, pos, f"torn entry header at byte {pos}"
+        length, crc = _ENTRY.unpack_from(data, pos)
+        end = pos + ENTRY_OVERHEAD + length
+        if length == 0 or end > size:
+            return found, pos, f"torn or zero-length entry at byte {pos} (length {length})"
+        payload = data[pos + ENTRY_OVERHEAD : end]
+        if crc32c.crc32c(payload) != crc:
+            return found, pos, f"CRC32C mismatch in entry at byte {pos}"
+        found.append((JournalAddress(file_id, pos + ENTRY_OVERHEAD, length), payload))
+        pos = end
+    return found, pos, None
+
+
+def _entry_buffers(entry: Sequence[Buffer]) -> list[Buffer]:
+    length = sum(len(b) for b in entry)
+    crc = 0
+    for b in entry:
+        crc = crc32c.crc32c(b, crc)
+    return [_ENTRY.pack(length, crc), *entry]
+
+
+class FileJournal(Journal):
+    """The journal on local files: one ``os.writev`` per group, one ``fdatasync`` per sync."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        fsync: bool = True,
+        fault: Callable[[str], None] | None = None,
+    ) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self._fsync = fsync
+        self._fault = fault  # deterministic fault injection: called with "write" / "sync"
+        self._files: dict[int, int] = {}  # file id -> size in bytes
+        self._active_id = 0
+        self._fd = -1
+        self._synced_size = 0
+        self._lock = threading.Lock()  # guards the fd against a concurrent close
+        self.report = RecoveryReport()
+
+    def _path(self, file_id: int) -> Path:
+        return self.directory / f"{file_id:016d}.journal"
+
+    def recover(self) -> Iterator[tuple[JournalAddress, memoryview]]:
+        ids = sorted(int(p.stem) for p in self.directory.glob("*.journal"))
+        report = self.report
+        cut = False
+        for file_id in ids:
+            path = self._path(file_id)
+            if cut:
+                report.cut_bytes += path.stat().st_size
+                path.unlink()
+                continue
+            data = memoryview(path.read_bytes())
+            entries, valid, reason = _parse_entries(file_id, data)
+            report.files += 1
+            report.entries += len(entries)
+            if reason is not None:
+                cut = True
+                report.cut_bytes += len(data) - valid
+                report.cut_reason = f"{path.name}: {reason}"
+                log.warning("journal %s: cutting %d bytes: %s", path.name, len(data) - valid, reason)
+                with open(path, "r+b") as f:
+                    f.truncate(valid)
+                    os.fsync(f.fileno())
+            self._files[file_id] = valid
+            yield from entries
+        self._active_id = max(self._files, default=0)
+        if not self._files:
+            self._files[0] = 0
+        self._open_active()
+
+    def _open_active(self) -> None:
+        path = self._path(self._active_id)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._synced_size = self._files[self._active_id]
+        if self._synced_size == 0:
+            _fsync_dir(self.directory)
+
+    def append(self, entries: Sequence[Sequence[Buffer]]) -> list[JournalAddress]:
+        buffers: list[Buffer] = []
+        addresses = []
+        position = self._files[self._active_id]
+        for entry in entries:
+            framed = _entry_buffers(entry)
+            length = sum(len(b) for b in entry)
+            addresses.append(JournalAddress(self._active_id, position + ENTRY_OVERHEAD, length))
+            position += ENTRY_OVERHEAD + length
+            buffers.extend(framed)
+        try:
+            if self._fault:
+                self._fault("write")
+            _writev_all(self._fd, buffers)
+        except OSError as exc:
+            raise storage_error(exc, "writing the journal") from exc
+        self._files[self._active_id] = position
+        return addresses
+
+    def sync(self) -> None:
+        try:
+            if self._fault:
+                self._fault("sync")
+            if self._fsync:
+                os.fdatasync(self._fd)
+        except OSError as exc:
+            raise storage_error(exc, "syncing the journal") from exc
+        self._synced_size = self._files[self._active_id]
+
+    def discard_unsynced(self) -> None:
+        # After a failed fsync the page cache may be lying (the PostgreSQL "fsyncgate" lesson):
+        # cut back to the last synced size and reopen, so later appends start from known bytes.
+        with self._lock:
+            os.close(self._fd)
+            with open(self._path(self._active_id), "r+b") as f:
+                f.truncate(self._synced_size)
+            self._files[self._active_id] = self._synced_size
+            self._open_active()
+
+    def read(self, address: JournalAddress) -> bytes:
+        with open(self._path(address.file_id), "rb") as f:
+            f.seek(address.position - ENTRY_OVERHEAD)
+            data = f.read(address.length + ENTRY_OVERHEAD)
+        length, crc = _ENTRY.unpack_from(data) if len(data) >= ENTRY_OVERHEAD else (-1, 0)
+        payload = data[ENTRY_OVERHEAD:]
+        if length != address.length or crc32c.crc32c(payload) != crc:
+            raise CorruptData(
+                f"journal entry at {self._path(address.file_id).name}:{address.position} "
+                "failed its CRC32C check",
+                file=address.file_id,
+                position=address.position,
+            )
+        return payload
+
+    def roll(self) -> int | None:
+        if self._files[self._active_id] == 0:
+            return None
+        self.sync()
+        sealed = self._active_id
+        with self._lock:
+            os.close(self._fd)
+            self._active_id += 1
+            self._files[self._active_id] = 0
+            self._open_active()
+        return sealed
+
+    def sealed_files(self) -> list[int]:
+        return sorted(i for i in self._files if i != self._active_id)
+
+    def entries(self, file_id: int) -> Iterator[tuple[JournalAddress, memoryview]]:
+        data = memoryview(self._path(file_id).read_bytes())
+        found, _, reason = _parse_entries(file_id, data)
+        if reason is not None:
+            raise CorruptData(f"sealed journal file {file_id}: {reason}", file=file_id)
+        return iter(found)
+
+    def delete_file(self, file_id: int) -> None:
+        if file_id == self._active_id:
+            raise ValueError("the active journal file cannot be deleted")
+        self._path(file_id).unlink(missing_ok=True)
+        del self._files[file_id]
+
+    @property
+    def active_bytes(self) -> int:
+        return self._files[self._active_id]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self._files.values())
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+class MemoryJournal(Journal):
+    """The journal in memory: for tests and embedded use where a crash may lose everything.
+
+    It honours the same contract (including discard after failure) so the conformance suite runs
+    on it, and ``fault`` injects the same failures as on files.
+    """
+
+    def __init__(self, *, fault: Callable[[str], None] | None = None) -> None:
+        self._fault = fault
+        self._files: dict[int, list[bytes]] = {0: []}
+        self._active_id = 0
+        self._synced = 0
+
+    def recover(self) -> Iterator[tuple[JournalAddress, memoryview]]:
+        for file_id in sorted(self._files):
+            for index, payload in enumerate(self._files[file_id]):
+                yield JournalAddress(file_id, index, len(payload)), memoryview(payload)
+
+    def append(self, entries: Sequence[Sequence[Buffer]]) -> list[JournalAddress]:
+        try:
+            if self._fault:
+                self._fault("write")
+        except OSError as exc:
+            raise storage_error(exc, "writing the journal") from exc
+        active = self._files[self._active_id]
+        addresses = []
+        for entry in entries:
+            payload = b"".join(bytes(b) for b in entry)
+            addresses.append(JournalAddress(self._active_id, len(active), len(payload)))
+            active.append(payload)
+        return addresses
+
+    def sync(self) -> None:
+        try:
+            if self._fault:
+                self._fault("sync")
+        except OSError as exc:
+            raise storage_error(exc, "syncing the journal") from exc
+        self._synced = len(self._files[self._active_id])
+
+    def discard_unsynced(self) -> None:
+        del self._files[self._active_id][self._synced :]
+
+    def read(self, address: JournalAddress) -> bytes:
+        return self._files[address.file_id][address.position]
+
+    def roll(self) -> int | None:
+        if not self._files[self._active_id]:
+            return None
+        sealed = self._active_id
+        self._active_id += 1
+        self._files[self._active_id] = []
+        self._synced = 0
+        return sealed
+
+    def sealed_files(self) -> list[int]:
+        return sorted(i for i in self._files if i != self._active_id)
+
+    def entries(self, file_id: int) -> Iterator[tuple[JournalAddress, memoryview]]:
+        for index, payload in enumerate(self._files[file_id]):
+            yield JournalAddress(file_id, index, len(payload)), memoryview(payload)
+
+    def delete_file(self, file_id: int) -> None:
+        if file_id == self._active_id:
+            raise ValueError("the active journal file cannot be deleted")
+        del self._files[file_id]
+
+    @property
+    def active_bytes(self) -> int:
+        return sum(map(len, self._files[self._active_id]))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(sum(map(len, f)) for f in self._files.values())
+
+
+def _writev_all(fd: int, buffers: list[Buffer]) -> None:
+    # os.writev may write less than asked (and takes at most IOV_MAX buffers); loop until done.
+    pending = [memoryview(b) for b in buffers if len(b)]
+    while pending:
+        written = os.writev(fd, pending[:1024])
+        while written and pending:
+            if written >= len(pending[0]):
+                written -= len(pending.pop(0))
+            else:
+                pending[0] = pending[0][written:]
+                written = 0
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

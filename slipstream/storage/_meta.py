@@ -1,0 +1,277 @@
+"""MetaStore: the catalog of streams, segments and chunks. SQLite by default.
+
+Everything that must change together changes in one transaction: a stream with its segments;
+a journal file's chunks with the mark that the file has moved; retention's chunk removals with
+the new start offsets. Key ranges are unsigned 64-bit; SQLite integers are signed, so they are
+stored shifted by -2**63.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import msgspec
+
+from .._errors import StreamExists, StreamNotFound
+
+_SHIFT = 1 << 63
+
+
+class SegmentRecord(msgspec.Struct, frozen=True):
+    number: int
+    epoch: int
+    key_lo: int
+    key_hi: int
+    container: int
+    sealed: bool = False
+    start_offset: int = 0
+
+
+class StreamRecord(msgspec.Struct, frozen=True):
+    id: int
+    name: str
+    retention_ms: int | None
+    retention_bytes: int | None
+    created_ms: int
+    segments: list[SegmentRecord]
+
+
+class ChunkRecord(msgspec.Struct, frozen=True):
+    """A chunk of one segment: offsets ``[base_offset, next_offset)``, its bytes and times, and
+    ``index``: little-endian int64 pairs (batch base offset, byte position) for every batch."""
+
+    stream_id: int
+    segment: int
+    base_offset: int
+    next_offset: int
+    bytes: int
+    min_timestamp: int
+    max_timestamp: int
+    name: str
+    index: bytes
+
+
+class MetaStore(ABC):
+    """The catalog interface; implementations must be safe to call from several threads."""
+
+    @abstractmethod
+    def create_stream(
+        self,
+        name: str,
+        segments: Sequence[SegmentRecord],
+        retention_ms: int | None,
+        retention_bytes: int | None,
+        created_ms: int,
+    ) -> StreamRecord:
+        """Add a stream; raises StreamExists if the name is taken."""
+
+    @abstractmethod
+    def delete_stream(self, name: str) -> tuple[StreamRecord, list[ChunkRecord]]:
+        """Remove a stream and its chunk records; returns them so the chunks can be deleted.
+        Raises StreamNotFound."""
+
+    @abstractmethod
+    def streams(self) -> list[StreamRecord]:
+        """Every live stream."""
+
+    @abstractmethod
+    def chunks(self) -> list[ChunkRecord]:
+        """Every chunk record, by stream, segment and offset."""
+
+    @abstractmethod
+    def add_chunks(self, container: int, moved_file: int, chunks: Sequence[ChunkRecord]) -> None:
+        """Record new chunks and that journal file ``moved_file`` of ``container`` is moved."""
+
+    @abstractmethod
+    def moved_file(self, container: int) -> int:
+        """The highest journal file id of a container whose entries are all in chunks (-1)."""
+
+    @abstractmethod
+    def remove_chunks(self, chunks: Sequence[ChunkRecord]) -> None:
+        """Forget chunks (retention) and move their segments' start offsets past them."""
+
+    def close(self) -> None:
+        """Release the store."""
+
+
+class SqliteMetaStore(MetaStore):
+    """The catalog in SQLite (WAL mode, synchronous=FULL). ``":memory:"`` keeps it in memory."""
+
+    def __init__(self, path: Path | str) -> None:
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Cursor]:
+        with self._lock:
+            cursor = self._db.cursor()
+            cursor.execute("BEGIN IMMEDIATE")
+            try:
+                yield cursor
+            except BaseException:
+                cursor.execute("ROLLBACK")
+                raise
+            cursor.execute("COMMIT")
+
+    def create_stream(
+        self,
+        name: str,
+        segments: Sequence[SegmentRecord],
+        retention_ms: int | None,
+        retention_bytes: int | None,
+        created_ms: int,
+    ) -> StreamRecord:
+        with self._transaction() as cur:
+            if cur.execute("SELECT 1 FROM streams WHERE name = ?", (name,)).fetchone():
+                raise StreamExists(f"stream {name!r} already exists", stream=name)
+            cur.execute(
+                "INSERT INTO streams (name, retention_ms, retention_bytes, created_ms) "
+                "VALUES (?, ?, ?, ?)",
+                (name, retention_ms, retention_bytes, created_ms),
+            )
+            stream_id = cur.lastrowid
+            assert stream_id is not None
+            cur.executemany(
+                "INSERT INTO segments (stream_id, number, epoch, key_lo, key_hi, container, "
+                "sealed, start_offset) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (stream_id, s.number, s.epoch, s.key_lo - _SHIFT, s.key_hi - _SHIFT,
+                     s.container, s.sealed, s.start_offset)
+                    for s in segments
+                ],
+            )
+        return StreamRecord(
+            stream_id, name, retention_ms, retention_bytes, created_ms, list(segments)
+        )
+
+    def delete_stream(self, name: str) -> tuple[StreamRecord, list[ChunkRecord]]:
+        with self._transaction() as cur:
+            record = self._stream(cur, name)
+            chunks = self._chunks(cur, "WHERE stream_id = ?", (record.id,))
+            for table in ("chunks", "segments"):
+                cur.execute(f"DELETE FROM {table} WHERE stream_id = ?", (record.id,))
+            cur.execute("DELETE FROM streams WHERE id = ?", (record.id,))
+        return record, chunks
+
+    def streams(self) -> list[StreamRecord]:
+        with self._lock:
+            cur = self._db.cursor()
+            names = [row[0] for row in cur.execute("SELECT name FROM streams ORDER BY name")]
+            return [self._stream(cur, name) for name in names]
+
+    def _stream(self, cur: sqlite3.Cursor, name: str) -> StreamRecord:
+        row = cur.execute(
+            "SELECT id, retention_ms, retention_bytes, created_ms FROM streams WHERE name = ?",
+            (name,),
+        ).fetchone()
+        if row is None:
+            raise StreamNotFound(f"stream {name!r} does not exist", stream=name)
+        segments = [
+            SegmentRecord(number, epoch, lo + _SHIFT, hi + _SHIFT, container, bool(sealed), start)
+            for number, epoch, lo, hi, container, sealed, start in cur.execute(
+                "SELECT number, epoch, key_lo, key_hi, container, sealed, start_offset "
+                "FROM segments WHERE stream_id = ? ORDER BY number",
+                (row[0],),
+            )
+        ]
+        return StreamRecord(row[0], name, row[1], row[2], row[3], segments)
+
+    def chunks(self) -> list[ChunkRecord]:
+        with self._lock:
+            return self._chunks(self._db.cursor(), "", ())
+
+    @staticmethod
+    def _chunks(cur: sqlite3.Cursor, where: str, args: tuple[int, ...]) -> list[ChunkRecord]:
+        rows = cur.execute(
+            "SELECT stream_id, segment, base_offset, next_offset, bytes, min_timestamp, "
+            f"max_timestamp, name, idx FROM chunks {where} "
+            "ORDER BY stream_id, segment, base_offset",
+            args,
+        )
+        return [ChunkRecord(*row) for row in rows]
+
+    def add_chunks(self, container: int, moved_file: int, chunks: Sequence[ChunkRecord]) -> None:
+        with self._transaction() as cur:
+            cur.executemany(
+                "INSERT OR REPLACE INTO chunks (stream_id, segment, base_offset, next_offset, "
+                "bytes, min_timestamp, max_timestamp, name, idx) "
+                "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ? WHERE EXISTS "
+                "(SELECT 1 FROM streams WHERE id = ?)",
+                [(*msgspec.structs.astuple(c), c.stream_id) for c in chunks],
+            )
+            cur.execute(
+                "INSERT INTO containers (id, moved_file) VALUES (?, ?) "
+                "ON CONFLICT (id) DO UPDATE SET moved_file = excluded.moved_file",
+                (container, moved_file),
+            )
+
+    def moved_file(self, container: int) -> int:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT moved_file FROM containers WHERE id = ?", (container,)
+            ).fetchone()
+        return -1 if row is None else int(row[0])
+
+    def remove_chunks(self, chunks: Sequence[ChunkRecord]) -> None:
+        with self._transaction() as cur:
+            for c in chunks:
+                cur.execute(
+                    "DELETE FROM chunks WHERE stream_id = ? AND segment = ? AND base_offset = ?",
+                    (c.stream_id, c.segment, c.base_offset),
+                )
+                cur.execute(
+                    "UPDATE segments SET start_offset = MAX(start_offset, ?) "
+                    "WHERE stream_id = ? AND number = ?",
+                    (c.next_offset, c.stream_id, c.segment),
+                )
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS streams (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL UNIQUE,
+    retention_ms INTEGER,
+    retention_bytes INTEGER,
+    created_ms INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS segments (
+    stream_id INTEGER NOT NULL,
+    number INTEGER NOT NULL,
+    epoch INTEGER NOT NULL,
+    key_lo INTEGER NOT NULL,
+    key_hi INTEGER NOT NULL,
+    container INTEGER NOT NULL,
+    sealed INTEGER NOT NULL DEFAULT 0,
+    start_offset INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (stream_id, number)
+);
+CREATE TABLE IF NOT EXISTS chunks (
+    stream_id INTEGER NOT NULL,
+    segment INTEGER NOT NULL,
+    base_offset INTEGER NOT NULL,
+    next_offset INTEGER NOT NULL,
+    bytes INTEGER NOT NULL,
+    min_timestamp INTEGER NOT NULL,
+    max_timestamp INTEGER NOT NULL,
+    name TEXT NOT NULL,
+    idx BLOB NOT NULL,
+    PRIMARY KEY (stream_id, segment, base_offset)
+);
+CREATE TABLE IF NOT EXISTS containers (
+    id INTEGER PRIMARY KEY,
+    moved_file INTEGER NOT NULL
+);
+"""
