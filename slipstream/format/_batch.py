@@ -87,9 +87,21 @@ def encode_header(
         raise CorruptBatch(f"batch of {batch_length} bytes exceeds the 4 GiB format limit")
     head = bytearray(
         _HEADER.pack(
-            MAGIC, VERSION, 0, HEADER_LENGTH, base_offset, batch_length, 0,
-            flags, producer_epoch, event_count, min_timestamp, max_timestamp,
-            producer_id, sequence, 0,
+            MAGIC,
+            VERSION,
+            0,
+            HEADER_LENGTH,
+            base_offset,
+            batch_length,
+            0,
+            flags,
+            producer_epoch,
+            event_count,
+            min_timestamp,
+            max_timestamp,
+            producer_id,
+            sequence,
+            0,
         )
     )
     crc = crc32c.crc32c(memoryview(body), crc32c.crc32c(head[CRC_START:]))
@@ -105,8 +117,23 @@ def decode_header(buf: bytes | bytearray | memoryview, at: int = 0) -> BatchHead
     """
     if len(buf) - at < HEADER_LENGTH:
         raise CorruptBatch(f"batch header needs {HEADER_LENGTH} bytes, {len(buf) - at} left")
-    (magic, version, _, header_length, base_offset, batch_length, crc, flags, epoch, count,
-     min_ts, max_ts, producer_id, sequence, _) = _HEADER.unpack_from(buf, at)
+    (
+        magic,
+        version,
+        _,
+        header_length,
+        base_offset,
+        batch_length,
+        crc,
+        flags,
+        epoch,
+        count,
+        min_ts,
+        max_ts,
+        producer_id,
+        sequence,
+        _,
+    ) = _HEADER.unpack_from(buf, at)
     if magic != MAGIC:
         raise CorruptBatch(f"bad batch magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != VERSION:
@@ -120,7 +147,15 @@ def decode_header(buf: bytes | bytearray | memoryview, at: int = 0) -> BatchHead
     if base_offset < 0:
         raise CorruptBatch(f"negative base offset {base_offset}")
     return BatchHeader(
-        base_offset, batch_length, crc, flags, epoch, count, min_ts, max_ts, producer_id,
+        base_offset,
+        batch_length,
+        crc,
+        flags,
+        epoch,
+        count,
+        min_ts,
+        max_ts,
+        producer_id,
         sequence,
     )
 
@@ -134,7 +169,9 @@ def verify(buf: bytes | bytearray | memoryview, at: int = 0) -> BatchHeader:
         raise CorruptBatch(f"batch says {header.batch_length} bytes, only {len(buf) - at} present")
     actual = crc32c.crc32c(memoryview(buf)[at + CRC_START : end])
     if actual != header.crc:
-        raise CorruptBatch(f"batch CRC32C mismatch: stored {header.crc:#010x}, computed {actual:#010x}")
+        raise CorruptBatch(
+            f"batch CRC32C mismatch: stored {header.crc:#010x}, computed {actual:#010x}"
+        )
     return header
 
 

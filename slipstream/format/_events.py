@@ -74,9 +74,7 @@ def headers_array(headers: Sequence[Mapping[str, bytes] | None]) -> pa.Array:
     """The ``headers`` column; all-empty headers cost one null array, not a list per event."""
     if not any(headers):
         return pa.nulls(len(headers), HEADER_TYPE)
-    rows: list[list[tuple[str, bytes]] | None] = [
-        list(h.items()) if h else None for h in headers
-    ]
+    rows: list[list[tuple[str, bytes]] | None] = [list(h.items()) if h else None for h in headers]
     return pa.array(rows, HEADER_TYPE)
 
 
@@ -132,7 +130,12 @@ def events_of(batch: pa.RecordBatch, segment: int, base_offset: int) -> Iterator
     timestamps = batch.column(2).view(pa.int64()).to_numpy().tolist()
     headers = _headers_rows(batch.column(3))
     return map(
-        Event, keys, values, headers, timestamps, repeat(segment, count),
+        Event,
+        keys,
+        values,
+        headers,
+        timestamps,
+        repeat(segment, count),
         range(base_offset, base_offset + count),
     )
 

@@ -62,14 +62,14 @@ class Malformed(msgspec.Struct, frozen=True):
     reason: str
 
 
-def encode_frame(
-    message: Message, correlation_id: int = 0, payload_length: int = 0
-) -> bytearray:
+def encode_frame(message: Message, correlation_id: int = 0, payload_length: int = 0) -> bytearray:
     """Prefix + meta of a frame; the caller sends ``payload_length`` payload bytes right after
     (as separate buffers, so a batch is never copied into the frame)."""
     meta = _ENCODER.encode(message)
     frame_length = PREFIX_LENGTH - 4 + len(meta) + payload_length
-    out = bytearray(_PREFIX.pack(frame_length, KIND_OF[type(message)], 0, correlation_id, len(meta)))
+    out = bytearray(
+        _PREFIX.pack(frame_length, KIND_OF[type(message)], 0, correlation_id, len(meta))
+    )
     out += meta
     return out
 

@@ -79,7 +79,9 @@ class LocalChunkStore(LongTermStore):
                 f.seek(start)
                 data = f.read() if length is None else f.read(length)
         except FileNotFoundError as exc:
-            raise CorruptData(f"chunk {name} is missing from long-term storage", chunk=name) from exc
+            raise CorruptData(
+                f"chunk {name} is missing from long-term storage", chunk=name
+            ) from exc
         if length is not None and len(data) != length:
             raise CorruptData(
                 f"chunk {name} is shorter than its catalog entry", chunk=name, position=start

@@ -190,7 +190,9 @@ class FileJournal(Journal):
                 cut = True
                 report.cut_bytes += len(data) - valid
                 report.cut_reason = f"{path.name}: {reason}"
-                log.warning("journal %s: cutting %d bytes: %s", path.name, len(data) - valid, reason)
+                log.warning(
+                    "journal %s: cutting %d bytes: %s", path.name, len(data) - valid, reason
+                )
                 with open(path, "r+b") as f:
                     f.truncate(valid)
                     os.fsync(f.fileno())

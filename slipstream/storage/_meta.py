@@ -144,8 +144,16 @@ class SqliteMetaStore(MetaStore):
                 "INSERT INTO segments (stream_id, number, epoch, key_lo, key_hi, container, "
                 "sealed, start_offset) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 [
-                    (stream_id, s.number, s.epoch, s.key_lo - _SHIFT, s.key_hi - _SHIFT,
-                     s.container, s.sealed, s.start_offset)
+                    (
+                        stream_id,
+                        s.number,
+                        s.epoch,
+                        s.key_lo - _SHIFT,
+                        s.key_hi - _SHIFT,
+                        s.container,
+                        s.sealed,
+                        s.start_offset,
+                    )
                     for s in segments
                 ],
             )

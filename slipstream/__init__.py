@@ -1,0 +1,87 @@
+"""slipstream: durable messaging, stream storage and stream compute on Spark, as one service.
+
+import slipstream
+client = slipstream.connect("127.0.0.1:7070")
+client.create_stream("demo/orders", segments=4)
+with client.producer("demo/orders") as producer:
+    producer.send(b"payload", key="user-42")
+for event in client.reader("demo/orders", start="earliest", end=client.tail("demo/orders")):
+    print(event.key, event.value, event.offset)
+"""
+
+__version__ = "0.1.0"
+
+from . import _errors as errors
+from ._errors import (
+    AuthenticationFailed,
+    BatchTooLarge,
+    BrokerShuttingDown,
+    BrokerUnavailable,
+    CorruptBatch,
+    CorruptData,
+    DataDirLocked,
+    InvalidArgument,
+    InvalidName,
+    OffsetOutOfRange,
+    ProtocolError,
+    SegmentNotFound,
+    SlipstreamError,
+    StorageError,
+    StorageFull,
+    StreamExists,
+    StreamNotFound,
+    UnsupportedVersion,
+)
+from .client import (
+    AsyncClient,
+    AsyncProducer,
+    AsyncReader,
+    BulkReceipt,
+    Client,
+    Producer,
+    Reader,
+    Receipt,
+    connect,
+    connect_async,
+)
+from .format import Event
+from .protocol import SegmentInfo, StreamInfo
+from .streams import Position, StreamCut
+
+__all__ = [
+    "AsyncClient",
+    "AsyncProducer",
+    "AsyncReader",
+    "AuthenticationFailed",
+    "BatchTooLarge",
+    "BrokerShuttingDown",
+    "BrokerUnavailable",
+    "BulkReceipt",
+    "Client",
+    "CorruptBatch",
+    "CorruptData",
+    "DataDirLocked",
+    "Event",
+    "InvalidArgument",
+    "InvalidName",
+    "OffsetOutOfRange",
+    "Position",
+    "Producer",
+    "ProtocolError",
+    "Reader",
+    "Receipt",
+    "SegmentInfo",
+    "SegmentNotFound",
+    "SlipstreamError",
+    "StorageError",
+    "StorageFull",
+    "StreamCut",
+    "StreamExists",
+    "StreamInfo",
+    "StreamNotFound",
+    "UnsupportedVersion",
+    "__version__",
+    "connect",
+    "connect_async",
+    "errors",
+]

@@ -1,0 +1,6 @@
+"""The broker: asyncio wiring of sessions, the controller and segment containers."""
+
+from ._broker import Broker, BrokerConfig
+from ._container import FSYNC_MODES, ContainerConfig
+
+__all__ = ["FSYNC_MODES", "Broker", "BrokerConfig", "ContainerConfig"]

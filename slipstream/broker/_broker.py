@@ -1,0 +1,195 @@
+"""The broker process: data directory, recovery, the TCP server, background work, shutdown.
+
+Data directory layout (docs/operations.md says the same):
+
+    <data-dir>/LOCK                       flock'ed by the running broker; holds its pid
+    <data-dir>/broker.json                format version and container count (fixed at creation)
+    <data-dir>/meta.db                    the catalog (SQLite, WAL)
+    <data-dir>/journal/<container>/*.journal   tier 1: group-committed journals
+    <data-dir>/chunks/<stream>/<segment>/<base offset>.chunk   tier 2: long-term chunks
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+import msgspec
+
+from .._errors import DataDirLocked, InvalidArgument
+from ..storage import FileJournal, LocalChunkStore, SqliteMetaStore
+from ._container import FSYNC_MODES, Container, ContainerConfig
+from ._controller import Controller
+
+if TYPE_CHECKING:
+    from ._session import Session
+
+log = logging.getLogger("slipstream.broker")
+
+DATA_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    data_dir: Path = Path(".slipstream")
+    host: str = "127.0.0.1"
+    port: int = 7070
+    containers: int = 4
+    max_batch_bytes: int = 8 * 1024 * 1024
+    retention_check_ms: int = 30_000
+    container: ContainerConfig = field(default_factory=ContainerConfig)
+
+
+class _Layout(msgspec.Struct):
+    format: int
+    containers: int
+
+
+class Broker:
+    """A single-node broker. ``await broker.serve()`` runs until ``stop()`` (or a signal)."""
+
+    def __init__(self, config: BrokerConfig) -> None:
+        if config.container.fsync not in FSYNC_MODES:
+            raise InvalidArgument(
+                f"fsync must be one of {', '.join(FSYNC_MODES)}, not {config.container.fsync!r}"
+            )
+        self.config = config
+        self.sessions: set[Session] = set()
+        self._stop = asyncio.Event()
+        self._lock_file: IO[str] | None = None
+        self.address: tuple[str, int] | None = None
+
+    def _lock(self, data_dir: Path) -> None:
+        lock = open(data_dir / "LOCK", "a+")  # noqa: SIM115 - held for the broker's life
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "unknown"
+            lock.close()
+            raise DataDirLocked(
+                f"another broker (pid {holder}) is already using {data_dir}; stop it or pass a "
+                "different --data-dir",
+                data_dir=str(data_dir),
+                pid=holder,
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(os.getpid()))
+        lock.flush()
+        self._lock_file = lock
+
+    def _layout(self, data_dir: Path) -> _Layout:
+        path = data_dir / "broker.json"
+        if path.exists():
+            layout = msgspec.json.decode(path.read_bytes(), type=_Layout)
+            if layout.format != DATA_FORMAT:
+                raise InvalidArgument(
+                    f"{data_dir} has data format {layout.format}; this build reads {DATA_FORMAT}"
+                )
+            return layout
+        layout = _Layout(DATA_FORMAT, self.config.containers)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(msgspec.json.encode(layout))
+        os.replace(tmp, path)
+        return layout
+
+    def open(self) -> dict[str, int]:
+        """Lock the data directory and recover everything in it; returns what was recovered."""
+        data_dir = self.config.data_dir
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock(data_dir)
+        layout = self._layout(data_dir)
+        do_sync = self.config.container.fsync != "never"
+        self.meta = SqliteMetaStore(data_dir / "meta.db")
+        self.long_term = LocalChunkStore(data_dir / "chunks", fsync=do_sync)
+        self.read_pool = ThreadPoolExecutor(4, thread_name_prefix="reader")
+        self.journals = [
+            FileJournal(data_dir / "journal" / str(cid), fsync=do_sync)
+            for cid in range(layout.containers)
+        ]
+        self.containers = [
+            Container(
+                cid, journal, self.long_term, self.meta, self.read_pool, self.config.container
+            )
+            for cid, journal in enumerate(self.journals)
+        ]
+        self.controller = Controller(self.meta, self.long_term, self.containers, self.read_pool)
+        started = time.monotonic()
+        totals = self.controller.recover()
+        totals["cut_bytes"] = sum(j.report.cut_bytes for j in self.journals)
+        totals["ms"] = int((time.monotonic() - started) * 1000)
+        for journal in self.journals:
+            if journal.report.cut_reason:
+                log.warning(
+                    "recovery cut a torn or corrupt journal tail: %s", journal.report.cut_reason
+                )
+        log.info(
+            "recovered %(streams)d streams, %(batches)d journal batches in %(ms)d ms "
+            "(%(cut_bytes)d torn bytes cut, %(skipped)d entries of deleted streams skipped)",
+            totals,
+        )
+        return totals
+
+    async def serve(self, ready: Callable[[tuple[str, int]], None] | None = None) -> None:
+        """Recover, listen, and run until ``stop()``; then close connections and sync."""
+        self.open()
+        loop = asyncio.get_running_loop()
+        from ._session import Session
+
+        server = await loop.create_server(
+            lambda: Session(self),
+            self.config.host,
+            self.config.port,
+            reuse_address=True,
+            backlog=1024,
+        )
+        sockname = server.sockets[0].getsockname()
+        self.address = (sockname[0], sockname[1])
+        log.info(
+            "listening on %s:%d (data in %s, fsync=%s)",
+            *self.address,
+            self.config.data_dir,
+            self.config.container.fsync,
+        )
+        if ready is not None:
+            ready(self.address)
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                background = [tasks.create_task(c.run()) for c in self.containers]
+                background.append(tasks.create_task(self._retention_loop()))
+                await self._stop.wait()
+                server.close()
+                for session in list(self.sessions):
+                    if session.transport is not None:
+                        session.transport.close()
+                for task in background:
+                    task.cancel()
+        finally:
+            await server.wait_closed()
+            for container in self.containers:
+                await container.close()
+            self.read_pool.shutdown(wait=True)
+            self.meta.close()
+            if self._lock_file is not None:
+                self._lock_file.close()
+            log.info("stopped cleanly")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _retention_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.retention_check_ms / 1000)
+            try:
+                await self.controller.enforce_retention()
+            except Exception:
+                log.exception("retention pass failed; will retry")

@@ -1,0 +1,441 @@
+"""A segment container: one journal with group commit, the tail cache, and the mover that
+turns sealed journal files into per-segment chunks in long-term storage.
+
+Appends from all of the container's segments queue up; the commit loop takes everything queued,
+assigns offsets, writes it with one ``writev`` and makes it durable with one ``fdatasync`` (in
+``fsync="always"`` mode), then acknowledges the whole group and wakes the segments' followers.
+If the write or sync fails, every append of the group fails (none is acknowledged), the journal
+is cut back to its last durable byte and the offsets handed out are taken back, so the next
+group starts from a clean, gap-free state.
+
+Journal entry payload: ``u64 segment global id`` (little-endian) followed by the batch verbatim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._errors import (
+    CorruptBatch,
+    CorruptData,
+    OffsetOutOfRange,
+    SlipstreamError,
+    StreamNotFound,
+)
+from ..format import BatchHeader, decode_header, iter_batches, set_base_offset
+from ..storage import (
+    ChunkRecord,
+    Journal,
+    JournalAddress,
+    LongTermStore,
+    MetaStore,
+    chunk_name,
+)
+from ._segment import Chunk, JournalBatch, Segment
+
+log = logging.getLogger("slipstream.container")
+
+_SEGMENT_ID = struct.Struct("<Q")
+FSYNC_MODES = ("always", "interval", "never")
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerConfig:
+    fsync: str = "always"
+    fsync_interval_ms: int = 50
+    roll_bytes: int = 64 * 1024 * 1024
+    roll_ms: int = 300_000
+    tail_cache_bytes: int = 64 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class _Append:
+    segment: Segment
+    batch: bytearray
+    header: BatchHeader
+    future: asyncio.Future[int]
+
+
+class Container:
+    def __init__(
+        self,
+        container_id: int,
+        journal: Journal,
+        long_term: LongTermStore,
+        meta: MetaStore,
+        read_pool: ThreadPoolExecutor,
+        config: ContainerConfig,
+    ) -> None:
+        self.id = container_id
+        self.journal = journal
+        self.long_term = long_term
+        self.meta = meta
+        self.config = config
+        self._read_pool = read_pool
+        self._io = ThreadPoolExecutor(1, thread_name_prefix=f"journal-{container_id}")
+        self._mover = ThreadPoolExecutor(1, thread_name_prefix=f"mover-{container_id}")
+        self._queue: list[_Append] = []
+        self._wakeup = asyncio.Event()
+        self._cached: deque[JournalBatch] = deque()
+        self._cached_bytes = 0
+        self._roll_started = time.monotonic()
+        self._sealed = asyncio.Event()
+        self.appended_batches = 0
+        #: live segments of this container by global id; the controller keeps it current
+        self.segments: dict[int, Segment] = {}
+
+    # --- recovery --------------------------------------------------------------------------
+
+    def recover(self) -> dict[str, int]:
+        """Rebuild segment indexes from the journal (before serving), after the controller
+        registered the live segments with their chunks. Entries of unknown (deleted) segments
+        are skipped, as are entries already moved to chunks.
+        """
+        segments = self.segments
+        moved = self.meta.moved_file(self.id)
+        kept = skipped = 0
+        for address, payload in self.journal.recover():
+            if address.file_id <= moved:
+                continue
+            (global_id,) = _SEGMENT_ID.unpack_from(payload)
+            segment = segments.get(global_id)
+            if segment is None:
+                skipped += 1
+                continue
+            try:
+                header = decode_header(payload, _SEGMENT_ID.size)
+            except CorruptBatch as exc:  # the entry CRC passed, so this is a bug, not a torn write
+                log.error("container %d: undecodable batch at %s: %s", self.id, address, exc)
+                skipped += 1
+                continue
+            if header.base_offset < segment.next_offset:
+                continue
+            if header.base_offset > segment.next_offset:
+                log.error(
+                    "container %d: segment %s/%d has a gap at offset %d (next batch at %d); "
+                    "skipping the rest of it",
+                    self.id,
+                    segment.stream_name,
+                    segment.number,
+                    segment.next_offset,
+                    header.base_offset,
+                )
+                skipped += 1
+                continue
+            segment.journal.append(
+                JournalBatch(
+                    header.base_offset,
+                    header.next_offset,
+                    address,
+                    header.min_timestamp,
+                    header.max_timestamp,
+                    None,
+                )
+            )
+            segment.next_offset = segment.pending_offset = header.next_offset
+            segment.note_batch(header.batch_length, header.min_timestamp, header.max_timestamp)
+            kept += 1
+        for file_id in self.journal.sealed_files():
+            if file_id <= moved:
+                self.journal.delete_file(file_id)
+        return {"batches": kept, "skipped": skipped}
+
+    # --- appends ---------------------------------------------------------------------------
+
+    def append(
+        self, segment: Segment, batch: bytearray, header: BatchHeader
+    ) -> asyncio.Future[int]:
+        """Queue a verified batch; the future gives its base offset once durable, or fails with
+        StorageFull / StorageError / StreamNotFound (then nothing of it is acknowledged)."""
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Append(segment, batch, header, future))
+        self._wakeup.set()
+        return future
+
+    async def run(self) -> None:
+        """The container's background work: group commit, periodic sync, the mover."""
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self._commit_loop())
+            tasks.create_task(self._move_loop())
+            if self.config.fsync == "interval":
+                tasks.create_task(self._sync_loop())
+
+    async def _commit_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        sync = self.config.fsync == "always"
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            group, self._queue = self._queue, []
+            live = []
+            for item in group:
+                segment = item.segment
+                if segment.deleted:
+                    _fail(
+                        item.future, StreamNotFound(f"stream {segment.stream_name!r} was deleted")
+                    )
+                    continue
+                set_base_offset(item.batch, segment.pending_offset)
+                segment.pending_offset += item.header.event_count
+                live.append(item)
+            if not live:
+                continue
+            entries = [(_SEGMENT_ID.pack(i.segment.global_id), i.batch) for i in live]
+            try:
+                addresses = await loop.run_in_executor(self._io, self._write_group, entries, sync)
+            except SlipstreamError as exc:
+                log.error(
+                    "container %d: %d appends failed, none acknowledged: %s",
+                    self.id,
+                    len(live),
+                    exc,
+                )
+                for item in live:
+                    item.segment.pending_offset = item.segment.next_offset
+                    _fail(item.future, exc)
+                continue
+            self._publish(live, addresses)
+
+    def _write_group(
+        self, entries: Sequence[tuple[bytes, bytearray]], sync: bool
+    ) -> list[JournalAddress]:
+        try:
+            addresses = self.journal.append(entries)
+            if sync:
+                self.journal.sync()
+        except SlipstreamError:
+            self.journal.discard_unsynced()
+            raise
+        if self.journal.active_bytes >= self.config.roll_bytes:
+            self._roll()
+        return addresses
+
+    def _roll(self) -> None:
+        try:
+            sealed = self.journal.roll()
+        except SlipstreamError as exc:
+            log.warning("container %d: journal roll failed, will retry: %s", self.id, exc)
+            return
+        self._roll_started = time.monotonic()
+        if sealed is not None:
+            self._sealed.set()
+
+    def _publish(self, group: list[_Append], addresses: list[JournalAddress]) -> None:
+        touched: set[Segment] = set()
+        for item, address in zip(group, addresses, strict=True):
+            segment, header = item.segment, item.header
+            base = segment.next_offset
+            cached = JournalBatch(
+                base,
+                base + header.event_count,
+                address,
+                header.min_timestamp,
+                header.max_timestamp,
+                item.batch,
+            )
+            segment.journal.append(cached)
+            segment.next_offset = cached.next_offset
+            segment.note_batch(header.batch_length, header.min_timestamp, header.max_timestamp)
+            self._cache(cached)
+            touched.add(segment)
+            if not item.future.done():
+                item.future.set_result(base)
+        self.appended_batches += len(group)
+        for segment in touched:
+            segment.notify()
+
+    def _cache(self, batch: JournalBatch) -> None:
+        assert batch.data is not None
+        self._cached.append(batch)
+        self._cached_bytes += len(batch.data)
+        while self._cached_bytes > self.config.tail_cache_bytes and self._cached:
+            old = self._cached.popleft()
+            if old.data is not None:
+                self._cached_bytes -= len(old.data)
+                old.data = None
+
+    async def _sync_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.config.fsync_interval_ms / 1000)
+            try:
+                await loop.run_in_executor(self._io, self.journal.sync)
+            except SlipstreamError as exc:
+                log.error("container %d: periodic sync failed: %s", self.id, exc)
+
+    # --- reads -----------------------------------------------------------------------------
+
+    async def read(
+        self, segment: Segment, offset: int, max_bytes: int
+    ) -> list[bytes | bytearray | memoryview]:
+        """Whole batches from the one holding ``offset``, about ``max_bytes`` (at least one
+        batch), never past the durable end. Empty when ``offset`` is at the end.
+
+        Raises OffsetOutOfRange below the oldest retained offset, StreamNotFound after delete,
+        CorruptData (naming segment and offset) if stored bytes fail their CRC32C.
+        """
+        for _ in range(3):  # a batch may move to a chunk while we read it from the journal
+            if segment.deleted:
+                raise StreamNotFound(f"stream {segment.stream_name!r} was deleted")
+            if offset < segment.start_offset:
+                raise OffsetOutOfRange(
+                    f"offset {offset} of segment {segment.number} of {segment.stream_name!r} "
+                    f"was removed by retention; the oldest retained offset is "
+                    f"{segment.start_offset}",
+                    segment=segment.number,
+                    offset=offset,
+                    oldest=segment.start_offset,
+                )
+            if offset >= segment.next_offset:
+                return []
+            try:
+                if segment.chunks and offset < segment.chunks[-1].record.next_offset:
+                    chunk = segment.chunks[segment.chunk_index(offset)]
+                    return await asyncio.get_running_loop().run_in_executor(
+                        self._read_pool, self._read_chunk, segment, chunk, offset, max_bytes
+                    )
+                return await self._read_journal(segment, offset, max_bytes)
+            except FileNotFoundError:
+                continue
+        raise CorruptData(f"segment {segment.number} offset {offset} could not be located")
+
+    async def _read_journal(
+        self, segment: Segment, offset: int, max_bytes: int
+    ) -> list[bytes | bytearray | memoryview]:
+        out: list[bytes | bytearray | memoryview] = []
+        total = 0
+        index = segment.journal_index(offset)
+        batches = segment.journal[index:]
+        for batch in batches:
+            if total >= max_bytes:
+                break
+            data = batch.data
+            if data is None:
+                payload = await asyncio.get_running_loop().run_in_executor(
+                    self._read_pool, self.journal.read, batch.address
+                )
+                data = memoryview(payload)[_SEGMENT_ID.size :]
+            out.append(data)
+            total += len(data)
+        return out
+
+    def _read_chunk(
+        self, segment: Segment, chunk: Chunk, offset: int, max_bytes: int
+    ) -> list[bytes | bytearray | memoryview]:
+        first = chunk.batch_containing(offset)
+        start = int(chunk.positions[first])
+        last = int(np.searchsorted(chunk.positions, start + max_bytes, side="right"))
+        last = max(last, first + 1)
+        end = int(chunk.positions[last]) if last < len(chunk.positions) else chunk.record.bytes
+        data = self.long_term.read_chunk(chunk.record.name, start, end - start)
+        try:
+            return [view for _, view in iter_batches(data)]
+        except CorruptBatch as exc:
+            raise CorruptData(
+                f"corrupt data in segment {segment.number} of {segment.stream_name!r} near "
+                f"offset {int(chunk.offsets[first])} (chunk {chunk.record.name}): {exc}",
+                segment=segment.number,
+                offset=int(chunk.offsets[first]),
+            ) from exc
+
+    # --- moving journal files to long-term chunks ------------------------------------------
+
+    async def _move_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await asyncio.wait_for(self._sealed.wait(), self.config.roll_ms / 1000)
+            except TimeoutError:
+                if time.monotonic() - self._roll_started >= self.config.roll_ms / 1000:
+                    await loop.run_in_executor(self._io, self._roll)
+            self._sealed.clear()
+            for file_id in self.journal.sealed_files():
+                try:
+                    await self._move_file(file_id)
+                except SlipstreamError as exc:
+                    log.error(
+                        "container %d: moving journal file %d failed, will retry: %s",
+                        self.id,
+                        file_id,
+                        exc,
+                    )
+                    break
+
+    async def _move_file(self, file_id: int) -> None:
+        loop = asyncio.get_running_loop()
+        entries = await loop.run_in_executor(
+            self._mover, lambda: list(self.journal.entries(file_id))
+        )
+        by_segment: dict[int, list[memoryview]] = {}
+        for _, payload in entries:
+            (global_id,) = _SEGMENT_ID.unpack_from(payload)
+            by_segment.setdefault(global_id, []).append(payload[_SEGMENT_ID.size :])
+        live = self.segments
+        plans = []
+        for global_id, batches in by_segment.items():
+            segment = live.get(global_id)
+            if segment is None:
+                continue
+            headers = [decode_header(b) for b in batches]
+            positions = np.cumsum([0] + [h.batch_length for h in headers[:-1]], dtype=np.int64)
+            index = np.column_stack(
+                [np.array([h.base_offset for h in headers], dtype=np.int64), positions]
+            ).astype("<i8")
+            record = ChunkRecord(
+                segment.stream_id,
+                segment.number,
+                headers[0].base_offset,
+                headers[-1].next_offset,
+                sum(h.batch_length for h in headers),
+                min(h.min_timestamp for h in headers),
+                max(h.max_timestamp for h in headers),
+                chunk_name(segment.stream_id, segment.number, headers[0].base_offset),
+                index.tobytes(),
+            )
+            plans.append((segment, record, batches))
+
+        def write_chunks() -> None:
+            for _, record, batches in plans:
+                self.long_term.write_chunk(record.name, batches)
+            self.meta.add_chunks(self.id, file_id, [record for _, record, _ in plans])
+
+        await loop.run_in_executor(self._mover, write_chunks)
+        for segment, record, _ in plans:
+            moved = 0
+            while (
+                moved < len(segment.journal) and segment.journal[moved].address.file_id == file_id
+            ):
+                batch = segment.journal[moved]
+                if batch.data is not None:
+                    self._cached_bytes -= len(batch.data)
+                    batch.data = None
+                moved += 1
+            del segment.journal[:moved]
+            segment.chunks.append(Chunk.of(record))
+        self._cached = deque(b for b in self._cached if b.data is not None)
+        await loop.run_in_executor(self._io, self.journal.delete_file, file_id)
+
+    async def close(self) -> None:
+        """Sync what is written and stop the IO threads."""
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._io, self.journal.sync)
+        except SlipstreamError as exc:
+            log.error("container %d: final sync failed: %s", self.id, exc)
+        await loop.run_in_executor(self._io, self.journal.close)
+        self._io.shutdown(wait=True)
+        self._mover.shutdown(wait=True)
+
+
+def _fail(future: asyncio.Future[int], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

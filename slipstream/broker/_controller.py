@@ -1,0 +1,307 @@
+"""The controller: streams and their segments, positions by time, and retention.
+
+It owns the catalog (MetaStore) and the containers; sessions call it, never the storage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .._errors import InvalidArgument, SegmentNotFound, StreamNotFound
+from ..format import read_body
+from ..protocol import SegmentInfo, StreamInfo
+from ..storage import ChunkRecord, LongTermStore, MetaStore, SegmentRecord
+from ..streams import MAX_SEGMENTS, split_key_space, validate_scope, validate_stream_name
+from ._container import Container
+from ._segment import Chunk, Segment
+
+log = logging.getLogger("slipstream.controller")
+
+
+class Stream:
+    def __init__(
+        self,
+        stream_id: int,
+        name: str,
+        retention_ms: int | None,
+        retention_bytes: int | None,
+        created_ms: int,
+        segments: list[Segment],
+    ) -> None:
+        self.id = stream_id
+        self.name = name
+        self.retention_ms = retention_ms
+        self.retention_bytes = retention_bytes
+        self.created_ms = created_ms
+        self.segments = {s.number: s for s in segments}
+
+    def segment(self, number: int) -> Segment:
+        try:
+            return self.segments[number]
+        except KeyError:
+            raise SegmentNotFound(
+                f"stream {self.name!r} has no segment {number}; segments are "
+                f"{sorted(self.segments)}",
+                stream=self.name,
+                segment=number,
+            ) from None
+
+    def info(self) -> StreamInfo:
+        return StreamInfo(
+            self.name,
+            [
+                SegmentInfo(
+                    s.number,
+                    s.epoch,
+                    s.key_lo,
+                    s.key_hi,
+                    s.sealed,
+                    s.start_offset,
+                    s.next_offset,
+                    s.bytes,
+                    s.first_timestamp,
+                    s.last_timestamp,
+                )
+                for s in self.segments.values()
+            ],
+            self.retention_ms,
+            self.retention_bytes,
+            self.created_ms,
+        )
+
+
+class Controller:
+    def __init__(
+        self,
+        meta: MetaStore,
+        long_term: LongTermStore,
+        containers: Sequence[Container],
+        read_pool: ThreadPoolExecutor,
+    ) -> None:
+        self.meta = meta
+        self.long_term = long_term
+        self.containers = list(containers)
+        self._read_pool = read_pool
+        self.streams: dict[str, Stream] = {}
+
+    # --- startup ---------------------------------------------------------------------------
+
+    def recover(self) -> dict[str, int]:
+        """Load the catalog, then let every container replay its journal."""
+        chunks_by_segment: dict[tuple[int, int], list[ChunkRecord]] = {}
+        for chunk in self.meta.chunks():
+            chunks_by_segment.setdefault((chunk.stream_id, chunk.segment), []).append(chunk)
+        for record in self.meta.streams():
+            segments = []
+            for s in record.segments:
+                segment = Segment(
+                    record.id,
+                    record.name,
+                    s.number,
+                    s.epoch,
+                    s.key_lo,
+                    s.key_hi,
+                    s.container % len(self.containers),
+                    start_offset=s.start_offset,
+                    sealed=s.sealed,
+                )
+                for chunk in chunks_by_segment.get((record.id, s.number), []):
+                    segment.chunks.append(Chunk.of(chunk))
+                    segment.note_batch(chunk.bytes, chunk.min_timestamp, chunk.max_timestamp)
+                segment.next_offset = segment.pending_offset = max(
+                    s.start_offset, segment.chunks[-1].record.next_offset if segment.chunks else 0
+                )
+                segments.append(segment)
+            self._register(
+                Stream(
+                    record.id,
+                    record.name,
+                    record.retention_ms,
+                    record.retention_bytes,
+                    record.created_ms,
+                    segments,
+                )
+            )
+        totals = {"streams": len(self.streams), "batches": 0, "skipped": 0}
+        for container in self.containers:
+            for key, value in container.recover().items():
+                totals[key] += value
+        return totals
+
+    def _register(self, stream: Stream) -> None:
+        self.streams[stream.name] = stream
+        for segment in stream.segments.values():
+            self.containers[segment.container].segments[segment.global_id] = segment
+
+    # --- catalog operations ----------------------------------------------------------------
+
+    def stream(self, name: str) -> Stream:
+        stream = self.streams.get(name)
+        if stream is None:
+            validate_stream_name(name)
+            raise StreamNotFound(
+                f"stream {name!r} does not exist; create it with 'slipstream stream create {name}'",
+                stream=name,
+            )
+        return stream
+
+    def create_stream(
+        self, name: str, segments: int, retention_ms: int | None, retention_bytes: int | None
+    ) -> Stream:
+        validate_stream_name(name)
+        if not 1 <= segments <= MAX_SEGMENTS:
+            raise InvalidArgument(f"segments must be between 1 and {MAX_SEGMENTS}, not {segments}")
+        for value, what in ((retention_ms, "retention time"), (retention_bytes, "retention bytes")):
+            if value is not None and value <= 0:
+                raise InvalidArgument(f"{what} must be positive, not {value}")
+        base = zlib.crc32(name.encode())  # spreads streams over containers, stably
+        records = [
+            SegmentRecord(number, 0, lo, hi, (base + number) % len(self.containers))
+            for number, (lo, hi) in enumerate(split_key_space(segments))
+        ]
+        created_ms = int(time.time() * 1000)
+        record = self.meta.create_stream(name, records, retention_ms, retention_bytes, created_ms)
+        stream = Stream(
+            record.id,
+            name,
+            retention_ms,
+            retention_bytes,
+            created_ms,
+            [
+                Segment(record.id, name, r.number, r.epoch, r.key_lo, r.key_hi, r.container)
+                for r in records
+            ],
+        )
+        self._register(stream)
+        log.info("created stream %s with %d segments", name, segments)
+        return stream
+
+    async def delete_stream(self, name: str) -> None:
+        stream = self.stream(name)
+        _, chunks = await asyncio.get_running_loop().run_in_executor(
+            self._read_pool, self.meta.delete_stream, name
+        )
+        del self.streams[name]
+        for segment in stream.segments.values():
+            segment.deleted = True
+            self.containers[segment.container].segments.pop(segment.global_id, None)
+            segment.notify()
+        await asyncio.get_running_loop().run_in_executor(
+            self._read_pool, lambda: [self.long_term.delete_chunk(c.name) for c in chunks]
+        )
+        log.info("deleted stream %s (%d chunks removed)", name, len(chunks))
+
+    def list_streams(self, scope: str | None) -> list[Stream]:
+        if scope is not None:
+            validate_scope(scope)
+        return [
+            s
+            for name, s in sorted(self.streams.items())
+            if scope is None or name.split("/", 1)[0] == scope
+        ]
+
+    # --- positions -------------------------------------------------------------------------
+
+    async def cut(self, name: str, at: str, timestamp_ms: int | None) -> dict[int, int]:
+        stream = self.stream(name)
+        segments = stream.segments.values()
+        if at == "earliest":
+            return {s.number: s.start_offset for s in segments}
+        if at == "latest":
+            return {s.number: s.next_offset for s in segments}
+        if at == "time" and timestamp_ms is not None:
+            return {s.number: await self._offset_at_time(s, timestamp_ms) for s in segments}
+        raise InvalidArgument(
+            f"cut 'at' must be earliest, latest or time (with a timestamp), not {at!r}"
+        )
+
+    async def _offset_at_time(self, segment: Segment, timestamp_ms: int) -> int:
+        """The first offset whose event timestamp is >= ``timestamp_ms`` (the end if none)."""
+        candidates: list[tuple[int, int]] = []  # (base offset, max timestamp) of batches
+        for chunk in segment.chunks:
+            if chunk.record.max_timestamp >= timestamp_ms:
+                candidates.extend((int(o), chunk.record.max_timestamp) for o in chunk.offsets)
+                break
+        if not candidates:
+            candidates = [(b.base_offset, b.max_timestamp) for b in segment.journal]
+        container = self.containers[segment.container]
+        for base, max_ts in candidates:
+            if max_ts < timestamp_ms or base < segment.start_offset:
+                continue
+            for batch in await container.read(segment, base, 1):
+                body = read_body(batch)
+                timestamps = body.column(2).view("int64").to_numpy()
+                hits = np.flatnonzero(timestamps >= timestamp_ms)
+                if len(hits):
+                    return base + int(hits[0])
+        return segment.next_offset
+
+    # --- retention -------------------------------------------------------------------------
+
+    async def enforce_retention(self, now_ms: int | None = None) -> int:
+        """Remove whole old chunks of streams over their time or size limit; returns how many.
+
+        Only chunks (long-term storage) are removed: data still in the journal is young by
+        construction and is retained until the mover turns it into chunks.
+        """
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        removed = 0
+        for stream in list(self.streams.values()):
+            doomed = _expired_chunks(stream, now_ms)
+            if not doomed:
+                continue
+            records = [chunk.record for _, chunk in doomed]
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._read_pool, self.meta.remove_chunks, records)
+            for segment, chunk in doomed:
+                segment.chunks.remove(chunk)
+                segment.start_offset = max(segment.start_offset, chunk.record.next_offset)
+                segment.bytes -= chunk.record.bytes
+                first = segment.chunks[0].record if segment.chunks else None
+                segment.first_timestamp = (
+                    first.min_timestamp
+                    if first
+                    else (min((b.min_timestamp for b in segment.journal), default=None))
+                )
+            await loop.run_in_executor(
+                self._read_pool, lambda: [self.long_term.delete_chunk(r.name) for r in records]
+            )
+            removed += len(records)
+            log.info("retention removed %d chunks of %s", len(records), stream.name)
+        return removed
+
+
+def _expired_chunks(stream: Stream, now_ms: int) -> list[tuple[Segment, Chunk]]:
+    """Chunks to remove, oldest first per segment (retention only ever cuts a prefix)."""
+    doomed: list[tuple[Segment, Chunk]] = []
+    if stream.retention_ms is not None:
+        horizon = now_ms - stream.retention_ms
+        for segment in stream.segments.values():
+            for chunk in segment.chunks:
+                if chunk.record.max_timestamp >= horizon:
+                    break
+                doomed.append((segment, chunk))
+    if stream.retention_bytes is not None:
+        total = sum(s.bytes for s in stream.segments.values()) - sum(
+            c.record.bytes for _, c in doomed
+        )
+        fronts = {
+            s.number: [c for c in s.chunks if (s, c) not in doomed]
+            for s in stream.segments.values()
+        }
+        while total > stream.retention_bytes:
+            heads = [(chunks[0].record.max_timestamp, n) for n, chunks in fronts.items() if chunks]
+            if not heads:
+                break
+            _, number = min(heads)
+            chunk = fronts[number].pop(0)
+            doomed.append((stream.segments[number], chunk))
+            total -= chunk.record.bytes
+    return doomed

@@ -1,0 +1,58 @@
+"""``slipstream up``: run the broker in the foreground until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from .._errors import SlipstreamError
+from ..broker import Broker, BrokerConfig, ContainerConfig
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+    )
+
+
+def run_broker(
+    data_dir: Path,
+    host: str,
+    port: int,
+    fsync: str,
+    containers: int = 4,
+    max_batch_bytes: int = 8 * 1024 * 1024,
+    roll_bytes: int = 64 * 1024 * 1024,
+    roll_ms: int = 300_000,
+    retention_check_ms: int = 30_000,
+) -> None:
+    """Run a broker until a signal; raises SlipstreamError for a bad setup (locked dir)."""
+    config = BrokerConfig(
+        data_dir=data_dir,
+        host=host,
+        port=port,
+        containers=containers,
+        max_batch_bytes=max_batch_bytes,
+        retention_check_ms=retention_check_ms,
+        container=ContainerConfig(fsync=fsync, roll_bytes=roll_bytes, roll_ms=roll_ms),
+    )
+    broker = Broker(config)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, broker.stop)
+        await broker.serve()
+
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:  # pragma: no cover
+        asyncio.run(main())
+
+
+__all__ = ["SlipstreamError", "run_broker", "setup_logging"]

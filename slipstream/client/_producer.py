@@ -1,0 +1,383 @@
+"""The producer: batches events per segment, sends them pipelined, reports positions.
+
+Batching rule: a segment's batch is sent when it reaches ``batch_bytes``, when ``linger_ms``
+has passed since its first event, or at once when the producer has nothing in flight (so a
+lone event does not wait for the linger time, and under load batches grow while the previous
+ones are being made durable: group commit on the client side).
+
+``send`` may be called from any thread; the network side runs on the client's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Generator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .._errors import BatchTooLarge, InvalidArgument, SlipstreamError
+from ..format import (
+    COMPRESSIONS,
+    EVENT_SCHEMA,
+    binary_array,
+    encode_body,
+    encode_header,
+    headers_array,
+    make_record_batch,
+    timestamp_array,
+)
+from ..protocol import Append, AppendAck
+from ..streams import Position, Router
+from ._connection import Connection
+
+_EVENT_OVERHEAD = 24  # bytes of Arrow offsets and timestamp per event, for sizing batches
+
+
+class _Batch:
+    """One batch of one segment: rows accumulate here until it is sealed and sent."""
+
+    __slots__ = ("bytes", "created", "future", "headers", "keys", "segment", "timestamps", "values")
+
+    def __init__(self, segment: int) -> None:
+        self.segment = segment
+        self.keys: list[bytes | None] = []
+        self.values: list[bytes] = []
+        self.timestamps: list[int] = []
+        self.headers: list[Mapping[str, bytes] | None] | None = None
+        self.bytes = 0
+        self.created = time.monotonic()
+        self.future: concurrent.futures.Future[int] = concurrent.futures.Future()
+
+    def record_batch(self) -> pa.RecordBatch:
+        return make_record_batch(
+            binary_array(self.keys),
+            binary_array(self.values),
+            timestamp_array(self.timestamps),
+            headers_array(self.headers) if self.headers is not None else None,
+        )
+
+
+class Receipt:
+    """The outcome of one ``send``: ``result()`` blocks until the event is acknowledged and
+    returns its Position; ``await receipt`` does the same in asyncio code.
+
+    An acknowledgement means the broker has made the event durable (with the broker's default
+    ``fsync=always``: on stable storage). If the batch failed, ``result()`` raises the typed
+    error (e.g. StorageFull) and the event was not stored.
+    """
+
+    __slots__ = ("_future", "_index", "_segment")
+
+    def __init__(self, future: concurrent.futures.Future[int], segment: int, index: int) -> None:
+        self._future = future
+        self._segment = segment
+        self._index = index
+
+    def result(self, timeout: float | None = None) -> Position:
+        return Position(self._segment, self._future.result(timeout) + self._index)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def __await__(self) -> Generator[Any, None, Position]:
+        base = yield from asyncio.wrap_future(self._future).__await__()
+        return Position(self._segment, base + self._index)
+
+
+class BulkReceipt:
+    """The outcome of ``send_many``: ``result()`` returns every event's Position, in order."""
+
+    def __init__(self, parts: list[tuple[concurrent.futures.Future[int], int, np.ndarray]]) -> None:
+        self._parts = parts  # (batch future, segment, row indexes of the input in that batch)
+        self.count = sum(len(rows) for _, _, rows in parts)
+
+    def result(self, timeout: float | None = None) -> list[Position]:
+        out: list[Position | None] = [None] * self.count
+        for future, segment, rows in self._parts:
+            base = future.result(timeout)
+            for i, row in enumerate(rows.tolist()):
+                out[row] = Position(segment, base + i)
+        return out  # type: ignore[return-value]
+
+    def done(self) -> bool:
+        return all(f.done() for f, _, _ in self._parts)
+
+
+class ProducerCore:
+    """Shared by the sync and asyncio producers. Thread-safe ``send``; the rest runs on the
+    connection's loop."""
+
+    def __init__(
+        self,
+        connection: Connection,
+        loop: asyncio.AbstractEventLoop,
+        stream: str,
+        router: Router,
+        *,
+        linger_ms: float = 5.0,
+        batch_bytes: int = 1024 * 1024,
+        compression: str | None = None,
+        max_in_flight: int = 8,
+        buffer_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
+        if compression is not None and compression not in COMPRESSIONS:
+            raise InvalidArgument(f"compression must be one of {COMPRESSIONS} or None")
+        if batch_bytes > connection.max_batch_bytes - 64 * 1024:
+            raise InvalidArgument(
+                f"batch_bytes {batch_bytes} is above the broker's limit "
+                f"({connection.max_batch_bytes} bytes, less room for the Arrow framing)"
+            )
+        self.connection = connection
+        self.loop = loop
+        self.stream = stream
+        self.router = router
+        self.linger = linger_ms / 1000
+        self.batch_bytes = batch_bytes
+        self.compression = compression
+        self.max_in_flight = max_in_flight
+        self.buffer_bytes = buffer_bytes
+        self._lock = threading.Lock()
+        self._space = threading.Condition(self._lock)
+        self._open: dict[int, _Batch] = {}
+        self._sealed: list[_Batch | tuple[pa.RecordBatch, int, concurrent.futures.Future[int]]] = []
+        self._buffered = 0  # bytes accepted but not yet acknowledged
+        self._in_flight = 0
+        self._unacked: set[concurrent.futures.Future[int]] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._wakeup_pending = False
+        self._sticky = 0
+        self.closed = False
+        self.error: SlipstreamError | None = None
+
+    # --- any thread --------------------------------------------------------------------------
+
+    def send(
+        self,
+        value: bytes,
+        key: str | bytes | None = None,
+        headers: Mapping[str, bytes] | None = None,
+        timestamp: int | None = None,
+    ) -> Receipt:
+        if self.closed:
+            raise InvalidArgument("the producer is closed")
+        if isinstance(key, str):
+            key = key.encode()
+        size = len(value) + (len(key) if key else 0) + _EVENT_OVERHEAD
+        if size > self.batch_bytes:
+            raise BatchTooLarge(
+                f"an event of {size} bytes does not fit in a batch of {self.batch_bytes} bytes",
+                size=size,
+                limit=self.batch_bytes,
+            )
+        with self._lock:
+            while self._buffered > self.buffer_bytes:
+                if self.loop.is_running() and _on_loop(self.loop):
+                    break  # never block the loop itself; AsyncProducer waits before calling
+                self._space.wait()
+            segment = self.router.segment_for(key) if key is not None else self._sticky_segment()
+            batch = self._open.get(segment)
+            if batch is None:
+                batch = self._open[segment] = _Batch(segment)
+                wake = True
+            else:
+                wake = False
+            index = len(batch.values)
+            batch.keys.append(key)
+            batch.values.append(value)
+            batch.timestamps.append(time.time_ns() // 1_000_000 if timestamp is None else timestamp)
+            if headers:
+                if batch.headers is None:
+                    batch.headers = [None] * index
+                batch.headers.append(headers)
+            elif batch.headers is not None:
+                batch.headers.append(None)
+            batch.bytes += size
+            self._buffered += size
+            if batch.bytes >= self.batch_bytes:
+                del self._open[segment]
+                self._sealed.append(batch)
+                if key is None:
+                    self._sticky += 1
+                wake = True
+            if wake:
+                self._wake()
+            return Receipt(batch.future, segment, index)
+
+    def send_many(
+        self,
+        values: Sequence[bytes] | pa.Array,
+        keys: Sequence[str | bytes | None] | None = None,
+        timestamps: Sequence[int] | np.ndarray | None = None,
+    ) -> BulkReceipt:
+        """Send many events at once, column-wise (no per-event Python work without keys)."""
+        if self.closed:
+            raise InvalidArgument("the producer is closed")
+        value_array = values if isinstance(values, pa.Array) else binary_array(values)
+        count = len(value_array)
+        if timestamps is None:
+            ts_array = pa.array(
+                np.full(count, time.time_ns() // 1_000_000, dtype=np.int64),
+                EVENT_SCHEMA.field(2).type,
+            )
+        else:
+            ts_array = timestamp_array(timestamps)
+        if keys is None:
+            key_array = pa.nulls(count, pa.binary())
+            segments = None
+        else:
+            encoded = [k.encode() if isinstance(k, str) else k for k in keys]
+            key_array = binary_array(encoded)
+            segments = np.fromiter(
+                (self.router.segment_for(k) if k is not None else 0 for k in encoded),
+                dtype=np.int64,
+                count=count,
+            )
+        columns = [key_array, value_array, ts_array]
+        per_row = max(1, sum(c.nbytes for c in columns) // max(1, count))
+        rows_per_batch = max(1, (self.batch_bytes - 64 * 1024) // per_row)
+        groups = (
+            [(None, np.arange(count))]
+            if segments is None
+            else [(int(s), np.flatnonzero(segments == s)) for s in np.unique(segments)]
+        )
+        parts = []
+        for segment, rows in groups:
+            for start in range(0, len(rows), rows_per_batch):
+                chunk_rows = rows[start : start + rows_per_batch]
+                target = self._sticky_segment() if segment is None else segment
+                if segment is None:
+                    self._sticky += 1
+                    part = [c.slice(int(chunk_rows[0]), len(chunk_rows)) for c in columns]
+                else:
+                    indices = pa.array(chunk_rows)
+                    part = [c.take(indices) for c in columns]
+                # Each batch gets its own headers column: a slice of one big null list array
+                # would drag the whole array's offsets into the IPC body.
+                record = make_record_batch(*part)
+                future: concurrent.futures.Future[int] = concurrent.futures.Future()
+                size = record.nbytes
+                with self._lock:
+                    while self._buffered > self.buffer_bytes and not _on_loop(self.loop):
+                        self._space.wait()
+                    self._buffered += size
+                    self._sealed.append((record, target, future))
+                    self._wake()
+                parts.append((future, target, chunk_rows))
+        return BulkReceipt(parts)
+
+    def _sticky_segment(self) -> int:
+        # Keyless events fill one segment's batch at a time, then move on when it is sealed
+        # (Kafka's sticky partitioner): big batches, and an even spread over time.
+        segments = self.router.segments
+        return segments[self._sticky % len(segments)]
+
+    def _wake(self) -> None:
+        if not self._wakeup_pending:
+            self._wakeup_pending = True
+            if _on_loop(self.loop):
+                self.loop.call_soon(self._dispatch)
+            else:
+                self.loop.call_soon_threadsafe(self._dispatch)
+
+    def flush_nowait(self) -> list[concurrent.futures.Future[int]]:
+        """Seal every open batch and return the futures of everything not yet acknowledged."""
+        with self._lock:
+            self._seal_all()
+            self._wake()
+            return list(self._unacked) + [
+                b.future if isinstance(b, _Batch) else b[2] for b in self._sealed
+            ]
+
+    # --- loop thread -------------------------------------------------------------------------
+
+    def _seal_all(self) -> None:
+        if self._open:
+            self._sealed.extend(self._open.values())
+            self._open.clear()
+            self._sticky += 1
+
+    def _dispatch(self) -> None:
+        with self._lock:
+            self._wakeup_pending = False
+            if self._in_flight == 0:
+                self._seal_all()
+            elif self._open and self._timer is None:
+                oldest = min(b.created for b in self._open.values())
+                delay = max(0.0, oldest + self.linger - time.monotonic())
+                self._timer = self.loop.call_later(delay, self._linger_expired)
+            room = self.max_in_flight - self._in_flight
+            ready, self._sealed = self._sealed[:room], self._sealed[room:]
+        for item in ready:
+            self._send(item)
+
+    def _linger_expired(self) -> None:
+        self._timer = None
+        with self._lock:
+            now = time.monotonic()
+            for segment, batch in list(self._open.items()):
+                if now - batch.created >= self.linger:
+                    del self._open[segment]
+                    self._sealed.append(batch)
+        self._dispatch()
+
+    def _send(
+        self, item: _Batch | tuple[pa.RecordBatch, int, concurrent.futures.Future[int]]
+    ) -> None:
+        if isinstance(item, _Batch):
+            record, segment, future, size = (
+                item.record_batch(),
+                item.segment,
+                item.future,
+                item.bytes,
+            )
+        else:
+            record, segment, future = item
+            size = record.nbytes
+        body = encode_body(record, self.compression)
+        timestamps = record.column(2).view(pa.int64())
+        min_max = pc.min_max(timestamps).as_py()
+        head = encode_header(
+            body,
+            event_count=record.num_rows,
+            min_timestamp=min_max["min"],
+            max_timestamp=min_max["max"],
+        )
+        self._in_flight += 1
+        self._unacked.add(future)
+        reply = self.connection.send_request(Append(self.stream, segment), [head, body])
+        reply.add_done_callback(lambda done: self._acked(done, future, size))
+
+    def _acked(
+        self,
+        done: asyncio.Future[Any],
+        future: concurrent.futures.Future[int],
+        size: int,
+    ) -> None:
+        self._in_flight -= 1
+        self._unacked.discard(future)
+        exc = done.exception()
+        if exc is not None:
+            if isinstance(exc, SlipstreamError):
+                self.error = exc
+            future.set_exception(exc)
+        else:
+            ack, _ = done.result()
+            assert isinstance(ack, AppendAck)
+            future.set_result(ack.base_offset)
+        with self._lock:
+            self._buffered -= size
+            self._space.notify_all()
+        self._dispatch()
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
