@@ -1,0 +1,113 @@
+"""Shared fixtures: a real broker process on loopback, started and killed like a user would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import slipstream
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class BrokerProcess:
+    """``python -m slipstream up`` in a subprocess, with helpers to kill and restart it."""
+
+    def __init__(self, data_dir: Path, *extra: str) -> None:
+        self.data_dir = data_dir
+        self.extra = list(extra)
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = data_dir.parent / f"{data_dir.name}-broker.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 20.0) -> BrokerProcess:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "slipstream", "up", "--data-dir", str(self.data_dir),
+                 "--port", str(self.port), "--log-level", "debug", *self.extra],
+                stdout=log, stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"broker did not listen within {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        """kill -9: no chance to flush or close anything."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> int:
+        """SIGTERM and wait for a clean exit; returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def restart(self) -> BrokerProcess:
+        self.kill()
+        return self.start()
+
+    def client(self) -> slipstream.Client:
+        return slipstream.connect(self.address)
+
+
+@pytest.fixture
+def broker_factory(tmp_path: Path) -> Iterator[type[BrokerProcess]]:
+    started: list[BrokerProcess] = []
+
+    class Factory(BrokerProcess):
+        def __init__(self, *extra: str, data_dir: Path | None = None) -> None:
+            super().__init__(data_dir or tmp_path / f"data{len(started)}", *extra)
+            started.append(self)
+
+    yield Factory
+    for broker in started:
+        broker.kill()
+
+
+@pytest.fixture
+def broker(broker_factory: type[BrokerProcess]) -> BrokerProcess:
+    return broker_factory().start()
+
+
+@pytest.fixture
+def client(broker: BrokerProcess) -> Iterator[slipstream.Client]:
+    with broker.client() as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_broker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLIPSTREAM_BROKER", raising=False)
+    monkeypatch.setenv("PYTHONFAULTHANDLER", "1")
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
