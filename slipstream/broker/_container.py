@@ -163,6 +163,8 @@ class Container:
 
     async def run(self) -> None:
         """The container's background work: group commit, periodic sync, the mover."""
+        if self.journal.sealed_files():
+            self._sealed.set()  # files sealed before a restart still need moving
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(self._commit_loop())
             tasks.create_task(self._move_loop())
@@ -295,7 +297,13 @@ class Container:
                     offset=offset,
                     oldest=segment.start_offset,
                 )
-            if offset >= segment.next_offset:
+            if offset > segment.next_offset:
+                raise OffsetOutOfRange(
+                    f"offset {offset} of segment {segment.number} of {segment.stream_name!r} is "
+                    f"past its end {segment.next_offset}",
+                    segment=segment.number, offset=offset, end=segment.next_offset,
+                )
+            if offset == segment.next_offset:
                 return []
             try:
                 if segment.chunks and offset < segment.chunks[-1].record.next_offset:

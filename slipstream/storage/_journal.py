@@ -63,11 +63,15 @@ def storage_error(exc: OSError, action: str) -> StorageFull | StorageError:
 class Journal(ABC):
     """An append-only log of entries with explicit durability.
 
+    ``report`` says what the last ``recover`` kept and cut.
+
     ``append`` writes entries but does not make them durable; ``sync`` makes everything appended
     so far durable. If ``append`` or ``sync`` raises, the entries since the last successful
     ``sync`` are in an unknown state: the caller must call ``discard_unsynced`` (which cuts them
     off) before appending again, and must not acknowledge any of them. Only one thread appends.
     """
+
+    report: RecoveryReport
 
     @abstractmethod
     def recover(self) -> Iterator[tuple[JournalAddress, memoryview]]:
@@ -316,6 +320,7 @@ class MemoryJournal(Journal):
 
     def __init__(self, *, fault: Callable[[str], None] | None = None) -> None:
         self._fault = fault
+        self.report = RecoveryReport()
         self._files: dict[int, list[bytes]] = {0: []}
         self._active_id = 0
         self._synced = 0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import msgspec
 
-from .._errors import StreamExists, StreamNotFound
+from .._errors import StorageError, StorageFull, StreamExists, StreamNotFound
 
 _SHIFT = 1 << 63
 
@@ -114,13 +114,20 @@ class SqliteMetaStore(MetaStore):
     def _transaction(self) -> Iterator[sqlite3.Cursor]:
         with self._lock:
             cursor = self._db.cursor()
-            cursor.execute("BEGIN IMMEDIATE")
             try:
-                yield cursor
-            except BaseException:
-                cursor.execute("ROLLBACK")
-                raise
-            cursor.execute("COMMIT")
+                cursor.execute("BEGIN IMMEDIATE")
+                try:
+                    yield cursor
+                except BaseException:
+                    cursor.execute("ROLLBACK")
+                    raise
+                cursor.execute("COMMIT")
+            except sqlite3.OperationalError as exc:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                if "full" in str(exc):
+                    raise StorageFull(f"disk full while updating the catalog: {exc}") from exc
+                raise StorageError(f"catalog update failed: {exc}") from exc
 
     def create_stream(
         self,

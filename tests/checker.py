@@ -1,0 +1,66 @@
+"""A history checker: verifies a whole run, not one example.
+
+Producers record what the broker acknowledged; a reader reads everything back. The checker
+verifies: every acknowledged event is present exactly at its acknowledged position with its
+value; no value appears twice; offsets of every segment are contiguous from its start; events
+of one key appear in the order they were sent.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+
+import msgspec
+
+from slipstream import Event, Position
+
+
+class Sent(msgspec.Struct, frozen=True):
+    """The value producers send: who sent it, its sequence number for the key, the key."""
+
+    producer: int
+    key: str
+    seq: int
+
+
+_decode = msgspec.json.Decoder(Sent).decode
+
+
+def encode(sent: Sent) -> bytes:
+    return msgspec.json.encode(sent)
+
+
+def check_history(
+    acknowledged: Mapping[bytes, Position],
+    events: Iterable[Event],
+    start_offsets: Mapping[int, int] | None = None,
+) -> list[str]:
+    """Return every violation found (empty list: the history is correct)."""
+    problems: list[str] = []
+    seen: dict[bytes, Position] = {}
+    offsets: dict[int, list[int]] = defaultdict(list)
+    last_seq: dict[tuple[int, str], int] = {}
+    for event in events:
+        position = Position(event.segment, event.offset)
+        if event.value in seen:
+            problems.append(f"duplicate {event.value!r} at {position} and {seen[event.value]}")
+        seen[event.value] = position
+        offsets[event.segment].append(event.offset)
+        sent = _decode(event.value)
+        if event.key != sent.key.encode():
+            problems.append(f"{event.value!r} read with key {event.key!r}")
+        previous = last_seq.get((sent.producer, sent.key))
+        if previous is not None and sent.seq <= previous:
+            problems.append(f"key {sent.key} of producer {sent.producer}: seq {sent.seq} after {previous}")
+        last_seq[(sent.producer, sent.key)] = sent.seq
+    for value, position in acknowledged.items():
+        if value not in seen:
+            problems.append(f"acknowledged {value!r} at {position} is lost")
+        elif seen[value] != position:
+            problems.append(f"acknowledged {value!r} at {position} was read at {seen[value]}")
+    for segment, found in offsets.items():
+        first = (start_offsets or {}).get(segment, 0)
+        if found != list(range(first, first + len(found))):
+            problems.append(f"segment {segment}: offsets are not contiguous from {first}")
+    return problems
