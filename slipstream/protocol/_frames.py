@@ -31,6 +31,7 @@ from .._errors import ProtocolError
 from ._messages import KIND_OF, KINDS, Message
 
 _PREFIX = struct.Struct("<IHHII")
+_LENGTH = struct.Struct("<I")
 PREFIX_LENGTH = _PREFIX.size  # 16
 _MIN_FRAME_LENGTH = PREFIX_LENGTH - 4
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024 + 64 * 1024
@@ -108,15 +109,18 @@ class FrameDecoder:
     def next_item(self) -> Frame | Oversized | Malformed | None:
         """The next complete frame, or None if more bytes are needed."""
         pos = self._pos
-        if self._skip or len(self._buf) - pos < PREFIX_LENGTH:
+        if self._skip or len(self._buf) - pos < 4:
             return None
-        frame_length, kind, _flags, correlation_id, meta_length = _PREFIX.unpack_from(
-            self._buf, pos
-        )
+        (frame_length,) = _LENGTH.unpack_from(self._buf, pos)
         if frame_length < _MIN_FRAME_LENGTH:
             raise ProtocolError(
                 f"frame length {frame_length} is below the minimum {_MIN_FRAME_LENGTH}"
             )
+        if len(self._buf) - pos < PREFIX_LENGTH:
+            return None
+        frame_length, kind, _flags, correlation_id, meta_length = _PREFIX.unpack_from(
+            self._buf, pos
+        )
         total = frame_length + 4
         if frame_length > self.max_frame_bytes:
             available = min(total, len(self._buf) - pos)
