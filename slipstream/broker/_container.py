@@ -301,7 +301,9 @@ class Container:
                 raise OffsetOutOfRange(
                     f"offset {offset} of segment {segment.number} of {segment.stream_name!r} is "
                     f"past its end {segment.next_offset}",
-                    segment=segment.number, offset=offset, end=segment.next_offset,
+                    segment=segment.number,
+                    offset=offset,
+                    end=segment.next_offset,
                 )
             if offset == segment.next_offset:
                 return []
@@ -326,8 +328,10 @@ class Container:
         for batch in batches:
             if total >= max_bytes:
                 break
-            data = batch.data
-            if data is None:
+            data: bytes | bytearray | memoryview
+            if batch.data is not None:
+                data = batch.data
+            else:
                 payload = await asyncio.get_running_loop().run_in_executor(
                     self._read_pool, self.journal.read, batch.address
                 )

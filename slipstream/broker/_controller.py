@@ -270,9 +270,10 @@ class Controller:
                     if first
                     else (min((b.min_timestamp for b in segment.journal), default=None))
                 )
-            await loop.run_in_executor(
-                self._read_pool, lambda: [self.long_term.delete_chunk(r.name) for r in records]
-            )
+            for record in records:
+                await loop.run_in_executor(
+                    self._read_pool, self.long_term.delete_chunk, record.name
+                )
             removed += len(records)
             log.info("retention removed %d chunks of %s", len(records), stream.name)
         return removed

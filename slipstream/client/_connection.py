@@ -9,7 +9,7 @@ import asyncio
 import itertools
 import socket
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from .. import __version__
 from .._errors import (
@@ -97,7 +97,7 @@ class Connection(asyncio.Protocol):
     # --- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's: no subclass
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

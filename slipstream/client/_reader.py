@@ -8,6 +8,7 @@ holds. Every batch's CRC32C is checked here again: end-to-end, not just on the b
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -144,10 +145,8 @@ class ReaderCore:
     async def close(self) -> None:
         for sub_id in self.sub_ids.values():
             if self.connection.follows.pop(sub_id, None) is not None:
-                try:
+                with contextlib.suppress(SlipstreamError):  # already gone with the connection
                     await self.connection.request(Unfollow(sub_id))
-                except SlipstreamError:
-                    pass
 
 
 def decode_delivery(

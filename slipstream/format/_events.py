@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -54,17 +54,18 @@ class Event(msgspec.Struct, frozen=True, gc=False):
     offset: int
 
 
-def binary_array(values: Sequence[bytes]) -> pa.Array:
+def binary_array(values: Sequence[bytes | None]) -> pa.Array:
     """A ``binary`` Arrow array from a list of bytes, built from two buffers (no per-item Arrow
     calls). None items fall back to Arrow's own converter, which handles validity."""
     count = len(values)
+    present = cast("Sequence[bytes]", values)
     try:
-        data = b"".join(values)
-    except TypeError:
+        data = b"".join(present)
+    except TypeError:  # a None among them: Arrow's converter builds the validity bitmap
         return pa.array(values, pa.binary())
     offsets = np.empty(count + 1, dtype=np.int32)
     offsets[0] = 0
-    np.cumsum(np.fromiter(map(len, values), dtype=np.int32, count=count), out=offsets[1:])
+    np.cumsum(np.fromiter(map(len, present), dtype=np.int32, count=count), out=offsets[1:])
     return pa.Array.from_buffers(
         pa.binary(), count, [None, pa.py_buffer(offsets), pa.py_buffer(data)]
     )

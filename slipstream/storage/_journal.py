@@ -119,7 +119,7 @@ class Journal(ABC):
     def total_bytes(self) -> int:
         """Bytes in all files."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook; in-memory journals hold no files
         """Release files; appends after close fail."""
 
 

@@ -8,6 +8,7 @@ stored shifted by -2**63.
 
 from __future__ import annotations
 
+import builtins
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
@@ -53,7 +54,7 @@ class ChunkRecord(msgspec.Struct, frozen=True):
     min_timestamp: int
     max_timestamp: int
     name: str
-    index: bytes
+    index: builtins.bytes
 
 
 class MetaStore(ABC):
@@ -95,7 +96,7 @@ class MetaStore(ABC):
     def remove_chunks(self, chunks: Sequence[ChunkRecord]) -> None:
         """Forget chunks (retention) and move their segments' start offsets past them."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook
         """Release the store."""
 
 
