@@ -31,7 +31,7 @@ from .._errors import (
     SlipstreamError,
     StreamNotFound,
 )
-from ..format import BatchHeader, decode_header, iter_batches, set_base_offset
+from ..format import BatchHeader, decode_header, set_base_offset, verify
 from ..storage import (
     ChunkRecord,
     Journal,
@@ -344,20 +344,29 @@ class Container:
         self, segment: Segment, chunk: Chunk, offset: int, max_bytes: int
     ) -> list[bytes | bytearray | memoryview]:
         first = chunk.batch_containing(offset)
+        sizes = np.cumsum(chunk.lengths[first:])
+        last = first + max(1, int(np.searchsorted(sizes, max_bytes, side="right")))
         start = int(chunk.positions[first])
-        last = int(np.searchsorted(chunk.positions, start + max_bytes, side="right"))
-        last = max(last, first + 1)
-        end = int(chunk.positions[last]) if last < len(chunk.positions) else chunk.record.bytes
-        data = self.long_term.read_chunk(chunk.record.name, start, end - start)
-        try:
-            return [view for _, view in iter_batches(data)]
-        except CorruptBatch as exc:
-            raise CorruptData(
-                f"corrupt data in segment {segment.number} of {segment.stream_name!r} near "
-                f"offset {int(chunk.offsets[first])} (chunk {chunk.record.name}): {exc}",
-                segment=segment.number,
-                offset=int(chunk.offsets[first]),
-            ) from exc
+        end = int(chunk.positions[last - 1] + chunk.lengths[last - 1])
+        data = memoryview(self.long_term.read_chunk(chunk.record.name, start, end - start))
+        out: list[bytes | bytearray | memoryview] = []
+        for i in range(first, last):
+            at = int(chunk.positions[i]) - start
+            try:
+                header = verify(data, at)
+                if header.batch_length != chunk.lengths[i]:
+                    raise CorruptBatch(
+                        f"batch length {header.batch_length} != index {chunk.lengths[i]}"
+                    )
+            except CorruptBatch as exc:
+                raise CorruptData(
+                    f"corrupt data in segment {segment.number} of {segment.stream_name!r} at "
+                    f"offset {int(chunk.offsets[i])} (chunk {chunk.record.name}): {exc}",
+                    segment=segment.number,
+                    offset=int(chunk.offsets[i]),
+                ) from exc
+            out.append(data[at : at + header.batch_length])
+        return out
 
     # --- moving journal files to long-term chunks ------------------------------------------
 
@@ -384,44 +393,53 @@ class Container:
 
     async def _move_file(self, file_id: int) -> None:
         loop = asyncio.get_running_loop()
-        entries = await loop.run_in_executor(
-            self._mover, lambda: list(self.journal.entries(file_id))
-        )
-        by_segment: dict[int, list[memoryview]] = {}
-        for _, payload in entries:
-            (global_id,) = _SEGMENT_ID.unpack_from(payload)
-            by_segment.setdefault(global_id, []).append(payload[_SEGMENT_ID.size :])
+        source = self.journal.file_path(file_id)
         live = self.segments
-        plans = []
-        for global_id, batches in by_segment.items():
-            segment = live.get(global_id)
-            if segment is None:
-                continue
-            headers = [decode_header(b) for b in batches]
-            positions = np.cumsum([0] + [h.batch_length for h in headers[:-1]], dtype=np.int64)
-            index = np.column_stack(
-                [np.array([h.base_offset for h in headers], dtype=np.int64), positions]
-            ).astype("<i8")
-            record = ChunkRecord(
-                segment.stream_id,
-                segment.number,
-                headers[0].base_offset,
-                headers[-1].next_offset,
-                sum(h.batch_length for h in headers),
-                min(h.min_timestamp for h in headers),
-                max(h.max_timestamp for h in headers),
-                chunk_name(segment.stream_id, segment.number, headers[0].base_offset),
-                index.tobytes(),
-            )
-            plans.append((segment, record, batches))
 
-        def write_chunks() -> None:
-            for _, record, batches in plans:
-                self.long_term.write_chunk(record.name, batches)
-            self.meta.add_chunks(self.id, file_id, [record for _, record, _ in plans])
+        def write_chunks() -> list[tuple[Segment, ChunkRecord]]:
+            # (payload position, header) of each live segment's batches, in offset order
+            by_segment: dict[int, list[tuple[int, BatchHeader, memoryview]]] = {}
+            for address, payload in self.journal.entries(file_id):
+                (global_id,) = _SEGMENT_ID.unpack_from(payload)
+                if global_id in live:
+                    batch = payload[_SEGMENT_ID.size :]
+                    at = address.position + _SEGMENT_ID.size
+                    by_segment.setdefault(global_id, []).append((at, decode_header(batch), batch))
+            plans = []
+            for global_id, batches in by_segment.items():
+                segment = live[global_id]
+                headers = [h for _, h, _ in batches]
+                name = chunk_name(segment.stream_id, segment.number, headers[0].base_offset)
+                if source is not None:
+                    ranges = [(at, h.batch_length) for at, h, _ in batches]
+                    positions = self.long_term.adopt_ranges(name, source, ranges)
+                else:
+                    self.long_term.write_chunk(name, [b for _, _, b in batches])
+                    positions = np.cumsum([0] + [h.batch_length for h in headers[:-1]]).tolist()
+                index = np.array(
+                    [
+                        (h.base_offset, p, h.batch_length)
+                        for h, p in zip(headers, positions, strict=True)
+                    ],
+                    dtype="<i8",
+                )
+                record = ChunkRecord(
+                    segment.stream_id,
+                    segment.number,
+                    headers[0].base_offset,
+                    headers[-1].next_offset,
+                    sum(h.batch_length for h in headers),
+                    min(h.min_timestamp for h in headers),
+                    max(h.max_timestamp for h in headers),
+                    name,
+                    index.tobytes(),
+                )
+                plans.append((segment, record))
+            self.meta.add_chunks(self.id, file_id, [record for _, record in plans])
+            return plans
 
-        await loop.run_in_executor(self._mover, write_chunks)
-        for segment, record, _ in plans:
+        plans = await loop.run_in_executor(self._mover, write_chunks)
+        for segment, record in plans:
             moved = 0
             while (
                 moved < len(segment.journal) and segment.journal[moved].address.file_id == file_id

@@ -31,16 +31,17 @@ class JournalBatch:
 
 @dataclass(slots=True, eq=False)
 class Chunk:
-    """A chunk in long-term storage with its batch index (base offsets and byte positions)."""
+    """A chunk in long-term storage with its batch index: base offsets, positions, lengths."""
 
     record: ChunkRecord
     offsets: np.ndarray
     positions: np.ndarray
+    lengths: np.ndarray
 
     @classmethod
     def of(cls, record: ChunkRecord) -> Chunk:
-        pairs = np.frombuffer(record.index, dtype="<i8").reshape(-1, 2)
-        return cls(record, pairs[:, 0].copy(), pairs[:, 1].copy())
+        triples = np.frombuffer(record.index, dtype="<i8").reshape(-1, 3)
+        return cls(record, triples[:, 0].copy(), triples[:, 1].copy(), triples[:, 2].copy())
 
     def batch_containing(self, offset: int) -> int:
         return max(0, int(np.searchsorted(self.offsets, offset, side="right")) - 1)

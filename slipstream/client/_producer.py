@@ -40,25 +40,66 @@ _EVENT_OVERHEAD = 24  # bytes of Arrow offsets and timestamp per event, for sizi
 
 
 class _Batch:
-    """One batch of one segment: rows accumulate here until it is sealed and sent."""
+    """One batch of one segment: rows accumulate here until it is sealed and sent.
 
-    __slots__ = ("bytes", "created", "future", "headers", "keys", "segment", "timestamps", "values")
+    Keyless and keyed events go to separate batches (``keys`` is None for a keyless one).
+    Timestamps and headers are lists only once some event of the batch has one: the common
+    event costs two list appends.
+    """
 
-    def __init__(self, segment: int) -> None:
+    __slots__ = (
+        "bytes",
+        "created",
+        "created_ms",
+        "future",
+        "headers",
+        "keys",
+        "segment",
+        "timestamps",
+        "values",
+    )
+
+    def __init__(self, segment: int, keyed: bool) -> None:
         self.segment = segment
-        self.keys: list[bytes | None] = []
+        self.keys: list[bytes] | None = [] if keyed else None
         self.values: list[bytes] = []
-        self.timestamps: list[int] = []
+        self.timestamps: list[int | None] | None = None
         self.headers: list[Mapping[str, bytes] | None] | None = None
         self.bytes = 0
         self.created = time.monotonic()
+        self.created_ms = time.time_ns() // 1_000_000
         self.future: concurrent.futures.Future[int] = concurrent.futures.Future()
 
+    def add_extras(
+        self, index: int, timestamp: int | None, headers: Mapping[str, bytes] | None
+    ) -> None:
+        if self.timestamps is None:
+            self.timestamps = [None] * index
+        self.timestamps.append(timestamp)
+        if self.headers is None:
+            self.headers = [None] * index
+        self.headers.append(headers)
+
+    def pad_extras(self) -> None:
+        """Keep the optional columns as long as ``values`` (called when an event has none)."""
+        if self.timestamps is not None:
+            self.timestamps.append(None)
+        if self.headers is not None:
+            self.headers.append(None)
+
     def record_batch(self) -> pa.RecordBatch:
+        count = len(self.values)
+        if self.timestamps is None:
+            timestamps = np.full(count, self.created_ms, dtype=np.int64)
+        else:
+            now = self.created_ms
+            timestamps = np.array(
+                [now if t is None else t for t in self.timestamps], dtype=np.int64
+            )
         return make_record_batch(
-            binary_array(self.keys),
+            pa.nulls(count, pa.binary()) if self.keys is None else binary_array(self.keys),
             binary_array(self.values),
-            timestamp_array(self.timestamps),
+            timestamp_array(timestamps),
             headers_array(self.headers) if self.headers is not None else None,
         )
 
@@ -144,7 +185,8 @@ class ProducerCore:
         self.buffer_bytes = buffer_bytes
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)
-        self._open: dict[int, _Batch] = {}
+        self._open: dict[int, _Batch] = {}  # keyed events, by segment
+        self._keyless: _Batch | None = None
         self._sealed: list[_Batch | tuple[pa.RecordBatch, int, concurrent.futures.Future[int]]] = []
         self._buffered = 0  # bytes accepted but not yet acknowledged
         self._in_flight = 0
@@ -164,11 +206,15 @@ class ProducerCore:
         headers: Mapping[str, bytes] | None = None,
         timestamp: int | None = None,
     ) -> Receipt:
+        # The hot path of the whole client: keep it to a few list appends under one lock.
         if self.closed:
             raise InvalidArgument("the producer is closed")
-        if isinstance(key, str):
-            key = key.encode()
-        size = len(value) + (len(key) if key else 0) + _EVENT_OVERHEAD
+        if key is None:
+            size = len(value) + _EVENT_OVERHEAD
+        else:
+            if key.__class__ is str:
+                key = key.encode()
+            size = len(value) + len(key) + _EVENT_OVERHEAD
         if size > self.batch_bytes:
             raise BatchTooLarge(
                 f"an event of {size} bytes does not fit in a batch of {self.batch_bytes} bytes",
@@ -176,38 +222,54 @@ class ProducerCore:
                 limit=self.batch_bytes,
             )
         with self._lock:
-            while self._buffered > self.buffer_bytes:
-                if self.loop.is_running() and _on_loop(self.loop):
-                    break  # never block the loop itself; AsyncProducer waits before calling
-                self._space.wait()
-            segment = self.router.segment_for(key) if key is not None else self._sticky_segment()
-            batch = self._open.get(segment)
-            if batch is None:
-                batch = self._open[segment] = _Batch(segment)
-                wake = True
+            if self._buffered > self.buffer_bytes:
+                self._wait_for_space()
+            if key is None:
+                batch = self._keyless or self._open_batch(self._sticky_segment(), keyed=False)
             else:
-                wake = False
+                segment = self.router.segment_for(key)  # type: ignore[arg-type]
+                batch = self._open.get(segment) or self._open_batch(segment, keyed=True)
+                batch.keys.append(key)  # type: ignore[union-attr,arg-type]
             index = len(batch.values)
-            batch.keys.append(key)
             batch.values.append(value)
-            batch.timestamps.append(time.time_ns() // 1_000_000 if timestamp is None else timestamp)
-            if headers:
-                if batch.headers is None:
-                    batch.headers = [None] * index
-                batch.headers.append(headers)
-            elif batch.headers is not None:
-                batch.headers.append(None)
+            if timestamp is not None or headers:
+                batch.add_extras(index, timestamp, headers)
+            elif batch.timestamps is not None:
+                batch.pad_extras()
             batch.bytes += size
             self._buffered += size
             if batch.bytes >= self.batch_bytes:
-                del self._open[segment]
-                self._sealed.append(batch)
-                if key is None:
-                    self._sticky += 1
-                wake = True
-            if wake:
+                self._seal(batch)
                 self._wake()
-            return Receipt(batch.future, segment, index)
+                full = True
+            else:
+                full = False
+        if full:
+            # A thread sending in a tight loop holds the GIL for whole switch intervals (5 ms);
+            # let the network thread send this batch and take acknowledgements now.
+            time.sleep(0)
+        return Receipt(batch.future, batch.segment, index)
+
+    def _wait_for_space(self) -> None:
+        while self._buffered > self.buffer_bytes and not _on_loop(self.loop):
+            self._space.wait()  # never blocks the loop itself; AsyncProducer waits before
+
+    def _open_batch(self, segment: int, keyed: bool) -> _Batch:
+        batch = _Batch(segment, keyed)
+        if keyed:
+            self._open[segment] = batch
+        else:
+            self._keyless = batch
+        self._wake()
+        return batch
+
+    def _seal(self, batch: _Batch) -> None:
+        if batch.keys is None:
+            self._keyless = None
+            self._sticky += 1  # the next keyless batch goes to the next segment
+        else:
+            del self._open[batch.segment]
+        self._sealed.append(batch)
 
     def send_many(
         self,
@@ -263,8 +325,7 @@ class ProducerCore:
                 future: concurrent.futures.Future[int] = concurrent.futures.Future()
                 size = record.nbytes
                 with self._lock:
-                    while self._buffered > self.buffer_bytes and not _on_loop(self.loop):
-                        self._space.wait()
+                    self._wait_for_space()
                     self._buffered += size
                     self._sealed.append((record, target, future))
                     self._wake()
@@ -296,19 +357,23 @@ class ProducerCore:
 
     # --- loop thread -------------------------------------------------------------------------
 
+    def _open_batches(self) -> list[_Batch]:
+        batches = list(self._open.values())
+        if self._keyless is not None:
+            batches.append(self._keyless)
+        return batches
+
     def _seal_all(self) -> None:
-        if self._open:
-            self._sealed.extend(self._open.values())
-            self._open.clear()
-            self._sticky += 1
+        for batch in self._open_batches():
+            self._seal(batch)
 
     def _dispatch(self) -> None:
         with self._lock:
             self._wakeup_pending = False
             if self._in_flight == 0:
                 self._seal_all()
-            elif self._open and self._timer is None:
-                oldest = min(b.created for b in self._open.values())
+            elif (self._open or self._keyless) and self._timer is None:
+                oldest = min(b.created for b in self._open_batches())
                 delay = max(0.0, oldest + self.linger - time.monotonic())
                 self._timer = self.loop.call_later(delay, self._linger_expired)
             room = self.max_in_flight - self._in_flight
@@ -320,10 +385,9 @@ class ProducerCore:
         self._timer = None
         with self._lock:
             now = time.monotonic()
-            for segment, batch in list(self._open.items()):
+            for batch in self._open_batches():
                 if now - batch.created >= self.linger:
-                    del self._open[segment]
-                    self._sealed.append(batch)
+                    self._seal(batch)
         self._dispatch()
 
     def _send(

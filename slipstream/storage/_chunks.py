@@ -1,13 +1,16 @@
 """LongTermStore: durable tier 2, immutable named chunks of back-to-back record batches.
 
 A chunk is written once, whole, and is durable when ``write_chunk`` returns; it is read by byte
-ranges and deleted whole (that is how retention frees space). Names look like object keys
-(``<stream id>/<segment>/<base offset>``) so an S3-compatible store can implement the same
-interface later.
+ranges and deleted whole (that is how retention frees space). A chunk holds one segment's
+batches at the positions its catalog index records: back to back when copied, or in place
+inside a hard-linked sealed journal file (``LocalChunkStore.adopt_ranges``). Names look like
+object keys (``<stream id>/<segment>/<base offset>``) so an S3-compatible store can implement
+the same interface later.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -42,6 +45,22 @@ class LongTermStore(ABC):
     def list_chunks(self, prefix: str = "") -> list[str]:
         """Names of stored chunks that start with ``prefix``, sorted."""
 
+    def adopt_ranges(self, name: str, source: Path, ranges: Sequence[tuple[int, int]]) -> list[int]:
+        """Store byte ranges ``(position, length)`` of a durable local file as chunk ``name``;
+        returns where each range starts inside the stored chunk.
+
+        The default copies the ranges back to back. A store on the same filesystem may keep
+        the file as it is instead (see LocalChunkStore), so journal data is written once.
+        """
+        with open(source, "rb") as f:
+            parts = [os.pread(f.fileno(), length, position) for position, length in ranges]
+        self.write_chunk(name, parts)
+        starts, at = [], 0
+        for part in parts:
+            starts.append(at)
+            at += len(part)
+        return starts
+
 
 class LocalChunkStore(LongTermStore):
     """Chunks as files under a directory: written to a temporary name, fsynced, renamed."""
@@ -72,6 +91,26 @@ class LocalChunkStore(LongTermStore):
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise storage_error(exc, f"writing chunk {name}") from exc
+
+    def adopt_ranges(self, name: str, source: Path, ranges: Sequence[tuple[int, int]]) -> list[int]:
+        # A hard link: the sealed journal file becomes the chunk without a second write. The
+        # ranges stay where they are; bytes of other segments in the file are never read
+        # through this chunk, and the inode is freed when the last chunk linking it goes.
+        path = self._path(name)
+        tmp = path.with_suffix(".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.unlink(missing_ok=True)
+            os.link(source, tmp)
+            os.replace(tmp, path)
+            if self._fsync:
+                _fsync_dir(path.parent)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+                return super().adopt_ranges(name, source, ranges)  # another filesystem: copy
+            raise storage_error(exc, f"linking chunk {name}") from exc
+        return [position for position, _ in ranges]
 
     def read_chunk(self, name: str, start: int = 0, length: int | None = None) -> bytes:
         try:

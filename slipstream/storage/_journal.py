@@ -105,6 +105,10 @@ class Journal(ABC):
     def entries(self, file_id: int) -> Iterator[tuple[JournalAddress, memoryview]]:
         """The entries of one sealed file."""
 
+    def file_path(self, file_id: int) -> Path | None:
+        """The local file holding a sealed file's bytes, if there is one (for zero-copy moves)."""
+        return None
+
     @abstractmethod
     def delete_file(self, file_id: int) -> None:
         """Remove a sealed file whose entries have all moved to long-term storage."""
@@ -289,6 +293,9 @@ class FileJournal(Journal):
         if reason is not None:
             raise CorruptData(f"sealed journal file {file_id}: {reason}", file=file_id)
         return iter(found)
+
+    def file_path(self, file_id: int) -> Path | None:
+        return self._path(file_id)
 
     def delete_file(self, file_id: int) -> None:
         if file_id == self._active_id:

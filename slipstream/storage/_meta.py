@@ -43,8 +43,9 @@ class StreamRecord(msgspec.Struct, frozen=True):
 
 
 class ChunkRecord(msgspec.Struct, frozen=True):
-    """A chunk of one segment: offsets ``[base_offset, next_offset)``, its bytes and times, and
-    ``index``: little-endian int64 pairs (batch base offset, byte position) for every batch."""
+    """A chunk of one segment: offsets ``[base_offset, next_offset)``, its batch bytes and
+    times, and ``index``: little-endian int64 triples (base offset, byte position in the chunk,
+    length) for every batch, in offset order."""
 
     stream_id: int
     segment: int
