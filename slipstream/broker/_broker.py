@@ -91,6 +91,13 @@ class Broker:
         path = data_dir / "broker.json"
         if path.exists():
             layout = msgspec.json.decode(path.read_bytes(), type=_Layout)
+            if layout.containers != self.config.containers:
+                log.warning(
+                    "%s was created with %d containers; keeping them (ignoring %d)",
+                    data_dir,
+                    layout.containers,
+                    self.config.containers,
+                )
             if layout.format != DATA_FORMAT:
                 raise InvalidArgument(
                     f"{data_dir} has data format {layout.format}; this build reads {DATA_FORMAT}"
@@ -145,13 +152,22 @@ class Broker:
         loop = asyncio.get_running_loop()
         from ._session import Session
 
-        server = await loop.create_server(
-            lambda: Session(self),
-            self.config.host,
-            self.config.port,
-            reuse_address=True,
-            backlog=1024,
-        )
+        try:
+            server = await loop.create_server(
+                lambda: Session(self),
+                self.config.host,
+                self.config.port,
+                reuse_address=True,
+                backlog=1024,
+            )
+        except OSError as exc:
+            await self._close()
+            raise InvalidArgument(
+                f"cannot listen on {self.config.host}:{self.config.port} ({exc.strerror}); "
+                "is another broker running? Pass a different --port",
+                host=self.config.host,
+                port=self.config.port,
+            ) from exc
         sockname = server.sockets[0].getsockname()
         self.address = (sockname[0], sockname[1])
         log.info(
@@ -175,13 +191,16 @@ class Broker:
                     task.cancel()
         finally:
             await server.wait_closed()
-            for container in self.containers:
-                await container.close()
-            self.read_pool.shutdown(wait=True)
-            self.meta.close()
-            if self._lock_file is not None:
-                self._lock_file.close()
+            await self._close()
             log.info("stopped cleanly")
+
+    async def _close(self) -> None:
+        for container in self.containers:
+            await container.close()
+        self.read_pool.shutdown(wait=True)
+        self.meta.close()
+        if self._lock_file is not None:
+            self._lock_file.close()
 
     def stop(self) -> None:
         self._stop.set()

@@ -210,13 +210,14 @@ class Container:
     def _write_group(
         self, entries: Sequence[tuple[bytes, bytearray]], sync: bool
     ) -> list[JournalAddress]:
-        try:
-            addresses = self.journal.append(entries)
-            if sync:
+        addresses = self.journal.append(entries)  # a failed append leaves nothing behind
+        if sync:
+            try:
                 self.journal.sync()
-        except SlipstreamError:
-            self.journal.discard_unsynced()
-            raise
+            except SlipstreamError:
+                # fsync=always acknowledged only synced groups, so this cuts only this group
+                self.journal.discard_unsynced()
+                raise
         if self.journal.active_bytes >= self.config.roll_bytes:
             self._roll()
         return addresses
@@ -316,6 +317,10 @@ class Container:
                 return await self._read_journal(segment, offset, max_bytes)
             except FileNotFoundError:
                 continue
+            except CorruptData:
+                if offset < segment.start_offset:
+                    continue  # retention removed the chunk while we read it
+                raise
         raise CorruptData(f"segment {segment.number} offset {offset} could not be located")
 
     async def _read_journal(
@@ -354,6 +359,10 @@ class Container:
             at = int(chunk.positions[i]) - start
             try:
                 header = verify(data, at)
+                if header.base_offset != chunk.offsets[i]:
+                    raise CorruptBatch(
+                        f"base offset {header.base_offset} != index {chunk.offsets[i]}"
+                    )
                 if header.batch_length != chunk.lengths[i]:
                     raise CorruptBatch(
                         f"batch length {header.batch_length} != index {chunk.lengths[i]}"
@@ -382,7 +391,7 @@ class Container:
             for file_id in self.journal.sealed_files():
                 try:
                     await self._move_file(file_id)
-                except SlipstreamError as exc:
+                except (SlipstreamError, OSError) as exc:
                     log.error(
                         "container %d: moving journal file %d failed, will retry: %s",
                         self.id,

@@ -138,9 +138,9 @@ class Session(asyncio.Protocol):
     def send_error(self, correlation_id: int, exc: SlipstreamError) -> None:
         self.send(Error(exc.code, exc.message, exc.details), correlation_id)
 
-    def _fatal(self, exc: SlipstreamError) -> None:
+    def _fatal(self, exc: SlipstreamError, correlation_id: int = 0) -> None:
         log.warning("closing connection from %s: %s", self.peer, exc)
-        self.send_error(0, exc)
+        self.send_error(correlation_id, exc)
         if self.transport is not None:
             self.transport.close()
 
@@ -183,7 +183,7 @@ class Session(asyncio.Protocol):
 
     def _hello(self, message: Message, cid: int) -> None:
         if not isinstance(message, Hello):
-            self._fatal(ProtocolError("the first frame must be Hello"))
+            self._fatal(ProtocolError("the first frame must be Hello"), cid)
             return
         if message.protocol_version != PROTOCOL_VERSION:
             self._fatal(
@@ -191,7 +191,8 @@ class Session(asyncio.Protocol):
                     f"client speaks protocol {message.protocol_version}, this broker speaks "
                     f"{PROTOCOL_VERSION}; upgrade the older side",
                     supported=PROTOCOL_VERSION,
-                )
+                ),
+                cid,
             )
             return
         self.greeted = True

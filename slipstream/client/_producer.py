@@ -304,8 +304,8 @@ class ProducerCore:
         # Size batches by what a sample really encodes to (nbytes leaves out IPC framing and
         # the offsets of an all-null key column), with a margin for rows longer than average.
         sample = min(count, 1024)
-        encoded = len(encode_body(make_record_batch(*[c.slice(0, sample) for c in columns])))
-        per_row = int(encoded / max(1, sample) * 1.1) + 8
+        sample_bytes = len(encode_body(make_record_batch(*[c.slice(0, sample) for c in columns])))
+        per_row = int(sample_bytes / max(1, sample) * 1.1) + 8
         rows_per_batch = max(1, (self.batch_bytes - 64 * 1024) // per_row)
         groups = (
             [(None, np.arange(count))]

@@ -6,7 +6,7 @@ Byte layout, version 1 (all integers little-endian; docs/format.md says the same
     0      4     magic            b"SLB1"
     4      1     version          1
     5      1     reserved         0
-    6      2     header_length    64; readers skip unknown trailing header bytes of later versions
+    6      2     header_length    64 (lets a later version grow the header; v1 readers refuse it)
     8      8     base_offset      i64, offset of the first event; set by the broker on append
     16     4     batch_length     u32, header + body bytes
     20     4     crc32c           u32, CRC32C (Castagnoli) of bytes [24, batch_length)
@@ -20,8 +20,10 @@ Byte layout, version 1 (all integers little-endian; docs/format.md says the same
     60     4     reserved         0
     64     ...   body             Arrow IPC stream: one schema message, one record batch
 
-The CRC leaves out ``base_offset`` so that the broker assigns offsets by patching eight bytes
-in place, without recomputing a checksum over the body (Kafka's v2 batch does the same).
+The CRC covers bytes 24 to the end, leaving out magic, version, lengths and ``base_offset``:
+the broker assigns offsets by patching eight bytes in place without recomputing a checksum
+over the body (Kafka's v2 batch does the same). The uncovered fields are checked for sanity
+on decode, and the journal and the chunk index guard them on disk.
 """
 
 from __future__ import annotations

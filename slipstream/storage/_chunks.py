@@ -10,6 +10,7 @@ the same interface later.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -89,7 +90,8 @@ class LocalChunkStore(LongTermStore):
             if self._fsync:
                 _fsync_dir(path.parent)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             raise storage_error(exc, f"writing chunk {name}") from exc
 
     def adopt_ranges(self, name: str, source: Path, ranges: Sequence[tuple[int, int]]) -> list[int]:
@@ -101,12 +103,15 @@ class LocalChunkStore(LongTermStore):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp.unlink(missing_ok=True)
+            if path.exists() and os.path.samefile(path, source):
+                return [position for position, _ in ranges]  # adopted before a retry or crash
             os.link(source, tmp)
             os.replace(tmp, path)
             if self._fsync:
                 _fsync_dir(path.parent)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             if exc.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK):
                 return super().adopt_ranges(name, source, ranges)  # another filesystem: copy
             raise storage_error(exc, f"linking chunk {name}") from exc

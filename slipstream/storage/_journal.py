@@ -66,9 +66,12 @@ class Journal(ABC):
     ``report`` says what the last ``recover`` kept and cut.
 
     ``append`` writes entries but does not make them durable; ``sync`` makes everything appended
-    so far durable. If ``append`` or ``sync`` raises, the entries since the last successful
-    ``sync`` are in an unknown state: the caller must call ``discard_unsynced`` (which cuts them
-    off) before appending again, and must not acknowledge any of them. Only one thread appends.
+    so far durable. If ``append`` raises, none of its entries was written (a partial write is
+    cut off before it returns); earlier entries are untouched. If ``sync`` raises, the entries
+    since the last successful ``sync`` are in an unknown state: a caller that acknowledges only
+    synced entries calls ``discard_unsynced`` (which cuts them off) before appending again; a
+    caller that acknowledged after ``append`` (fsync=interval/never) must keep them. Only one
+    thread appends.
     """
 
     report: RecoveryReport
@@ -225,6 +228,8 @@ class FileJournal(Journal):
         for entry in entries:
             framed = _entry_buffers(entry)
             length = sum(len(b) for b in entry)
+            if length == 0:
+                raise ValueError("journal entries must not be empty")
             addresses.append(JournalAddress(self._active_id, position + ENTRY_OVERHEAD, length))
             position += ENTRY_OVERHEAD + length
             buffers.extend(framed)
@@ -233,6 +238,7 @@ class FileJournal(Journal):
                 self._fault("write")
             _writev_all(self._fd, buffers)
         except OSError as exc:
+            self._truncate_active(self._files[self._active_id])  # nothing of a failed append stays
             raise storage_error(exc, "writing the journal") from exc
         self._files[self._active_id] = position
         return addresses
@@ -250,11 +256,14 @@ class FileJournal(Journal):
     def discard_unsynced(self) -> None:
         # After a failed fsync the page cache may be lying (the PostgreSQL "fsyncgate" lesson):
         # cut back to the last synced size and reopen, so later appends start from known bytes.
+        self._truncate_active(self._synced_size)
+
+    def _truncate_active(self, size: int) -> None:
         with self._lock:
             os.close(self._fd)
             with open(self._path(self._active_id), "r+b") as f:
-                f.truncate(self._synced_size)
-            self._files[self._active_id] = self._synced_size
+                f.truncate(size)
+            self._files[self._active_id] = size
             self._open_active()
 
     def read(self, address: JournalAddress) -> bytes:
@@ -278,10 +287,15 @@ class FileJournal(Journal):
         self.sync()
         sealed = self._active_id
         with self._lock:
+            try:
+                fd = os.open(self._path(sealed + 1), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            except OSError as exc:
+                raise storage_error(exc, "starting a new journal file") from exc
             os.close(self._fd)
-            self._active_id += 1
+            self._fd = fd
+            self._active_id = sealed + 1
             self._files[self._active_id] = 0
-            self._open_active()
+            self._synced_size = 0
         return sealed
 
     def sealed_files(self) -> list[int]:
@@ -338,6 +352,8 @@ class MemoryJournal(Journal):
                 yield JournalAddress(file_id, index, len(payload)), memoryview(payload)
 
     def append(self, entries: Sequence[Sequence[Buffer]]) -> list[JournalAddress]:
+        if any(sum(len(b) for b in entry) == 0 for entry in entries):
+            raise ValueError("journal entries must not be empty")
         try:
             if self._fault:
                 self._fault("write")
@@ -363,11 +379,15 @@ class MemoryJournal(Journal):
         del self._files[self._active_id][self._synced :]
 
     def read(self, address: JournalAddress) -> bytes:
-        return self._files[address.file_id][address.position]
+        entries = self._files.get(address.file_id)
+        if entries is None:
+            raise FileNotFoundError(f"journal file {address.file_id} was deleted")
+        return entries[address.position]
 
     def roll(self) -> int | None:
         if not self._files[self._active_id]:
             return None
+        self.sync()
         sealed = self._active_id
         self._active_id += 1
         self._files[self._active_id] = []
