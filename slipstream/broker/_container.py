@@ -337,9 +337,19 @@ class Container:
             if batch.data is not None:
                 data = batch.data
             else:
-                payload = await asyncio.get_running_loop().run_in_executor(
-                    self._read_pool, self.journal.read, batch.address
-                )
+                try:
+                    payload = await asyncio.get_running_loop().run_in_executor(
+                        self._read_pool, self.journal.read, batch.address
+                    )
+                except CorruptData as exc:
+                    if out:
+                        break  # serve the good batches first; the next read reports this one
+                    raise CorruptData(
+                        f"corrupt data in segment {segment.number} of {segment.stream_name!r} "
+                        f"at offset {batch.base_offset} (journal): {exc.message}",
+                        segment=segment.number,
+                        offset=batch.base_offset,
+                    ) from exc
                 data = memoryview(payload)[_SEGMENT_ID.size :]
             out.append(data)
             total += len(data)
@@ -368,6 +378,8 @@ class Container:
                         f"batch length {header.batch_length} != index {chunk.lengths[i]}"
                     )
             except CorruptBatch as exc:
+                if out:
+                    break  # serve the good batches first; the next read reports this one
                 raise CorruptData(
                     f"corrupt data in segment {segment.number} of {segment.stream_name!r} at "
                     f"offset {int(chunk.offsets[i])} (chunk {chunk.record.name}): {exc}",

@@ -85,3 +85,26 @@ def test_corrupt_chunk_is_reported_with_segment_and_offset(
     assert raised.value.details["segment"] == 0
     assert raised.value.details["offset"] == 0
     assert "corrupt data in segment 0" in raised.value.message
+
+
+def test_journal_bytes_corrupted_while_running_are_reported_not_served(
+    broker_factory: type[BrokerProcess],
+) -> None:
+    broker = broker_factory().start()
+    with broker.client() as client:
+        client.create_stream("faults/torn", segments=1)
+        positions = _fill(client, 20)
+    broker.stop()
+    broker.start()  # the tail cache is empty now: reads go to the journal file
+    (journal,) = _journal_files(broker.data_dir)
+    data = journal.read_bytes()
+    at = data.index(b"event-5") - 1  # inside the Arrow body of the sixth batch
+    with open(journal, "r+b") as f:
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0x01]))
+    with broker.client() as client:
+        reader = iter(client.reader("faults/torn", start="earliest", end=client.tail("faults/torn")))
+        assert [next(reader).value for _ in range(5)] == [f"event-{i}".encode() for i in range(5)]
+        with pytest.raises(slipstream.CorruptData) as raised:
+            next(reader)
+    assert raised.value.details == {"segment": 0, "offset": positions[5].offset}
