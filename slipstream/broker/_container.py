@@ -103,9 +103,7 @@ class Container:
         segments = self.segments
         moved = self.meta.moved_file(self.id)
         kept = skipped = 0
-        for address, payload in self.journal.recover():
-            if address.file_id <= moved:
-                continue
+        for address, payload in self.journal.recover(moved):
             (global_id,) = _SEGMENT_ID.unpack_from(payload)
             segment = segments.get(global_id)
             if segment is None:
@@ -144,9 +142,6 @@ class Container:
             segment.next_offset = segment.pending_offset = header.next_offset
             segment.note_batch(header.batch_length, header.min_timestamp, header.max_timestamp)
             kept += 1
-        for file_id in self.journal.sealed_files():
-            if file_id <= moved:
-                self.journal.delete_file(file_id)
         return {"batches": kept, "skipped": skipped}
 
     # --- appends ---------------------------------------------------------------------------

@@ -77,8 +77,12 @@ class Journal(ABC):
     report: RecoveryReport
 
     @abstractmethod
-    def recover(self) -> Iterator[tuple[JournalAddress, memoryview]]:
-        """Yield every valid entry in order, cutting off a torn or corrupt tail first."""
+    def recover(self, moved_through: int = -1) -> Iterator[tuple[JournalAddress, memoryview]]:
+        """Yield every valid entry in order, cutting off a torn or corrupt tail first.
+
+        Files with ids up to ``moved_through`` are already in long-term storage (their chunks
+        may be hard links to them): they are removed unread, never cut or truncated.
+        """
 
     @abstractmethod
     def append(self, entries: Sequence[Sequence[Buffer]]) -> list[JournalAddress]:
@@ -183,12 +187,15 @@ class FileJournal(Journal):
     def _path(self, file_id: int) -> Path:
         return self.directory / f"{file_id:016d}.journal"
 
-    def recover(self) -> Iterator[tuple[JournalAddress, memoryview]]:
+    def recover(self, moved_through: int = -1) -> Iterator[tuple[JournalAddress, memoryview]]:
         ids = sorted(int(p.stem) for p in self.directory.glob("*.journal"))
         report = self.report
         cut = False
         for file_id in ids:
             path = self._path(file_id)
+            if file_id <= moved_through:
+                path.unlink()
+                continue
             if cut:
                 report.cut_bytes += path.stat().st_size
                 path.unlink()
@@ -209,6 +216,8 @@ class FileJournal(Journal):
                     os.fsync(f.fileno())
             self._files[file_id] = valid
             yield from entries
+        if cut or moved_through >= 0:
+            _fsync_dir(self.directory)  # make the removals and the cut durable
         self._active_id = max(self._files, default=0)
         if not self._files:
             self._files[0] = 0
@@ -259,12 +268,14 @@ class FileJournal(Journal):
         self._truncate_active(self._synced_size)
 
     def _truncate_active(self, size: int) -> None:
+        synced = min(self._synced_size, size)
         with self._lock:
             os.close(self._fd)
             with open(self._path(self._active_id), "r+b") as f:
                 f.truncate(size)
             self._files[self._active_id] = size
             self._open_active()
+        self._synced_size = synced
 
     def read(self, address: JournalAddress) -> bytes:
         with open(self._path(address.file_id), "rb") as f:
@@ -289,6 +300,7 @@ class FileJournal(Journal):
         with self._lock:
             try:
                 fd = os.open(self._path(sealed + 1), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                _fsync_dir(self.directory)  # the new file's name must survive a power cut
             except OSError as exc:
                 raise storage_error(exc, "starting a new journal file") from exc
             os.close(self._fd)
@@ -299,7 +311,8 @@ class FileJournal(Journal):
         return sealed
 
     def sealed_files(self) -> list[int]:
-        return sorted(i for i in self._files if i != self._active_id)
+        ids = list(self._files)  # one C-level copy: the IO thread may add a file meanwhile
+        return sorted(i for i in ids if i != self._active_id)
 
     def entries(self, file_id: int) -> Iterator[tuple[JournalAddress, memoryview]]:
         data = memoryview(self._path(file_id).read_bytes())
@@ -346,8 +359,11 @@ class MemoryJournal(Journal):
         self._active_id = 0
         self._synced = 0
 
-    def recover(self) -> Iterator[tuple[JournalAddress, memoryview]]:
+    def recover(self, moved_through: int = -1) -> Iterator[tuple[JournalAddress, memoryview]]:
         for file_id in sorted(self._files):
+            if file_id <= moved_through and file_id != self._active_id:
+                del self._files[file_id]
+                continue
             for index, payload in enumerate(self._files[file_id]):
                 yield JournalAddress(file_id, index, len(payload)), memoryview(payload)
 

@@ -1,0 +1,242 @@
+"""One suite for every LongTermStore: LocalChunkStore on a temporary directory, MemoryChunkStore.
+
+The contract (slipstream/storage/_chunks.py): a chunk is written whole and atomically, read by
+byte ranges, listed by name prefix and deleted whole; a missing chunk or a range past its end is
+``CorruptData``; a failed write is ``StorageFull`` / ``StorageError`` and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from slipstream import CorruptData, StorageError, StorageFull
+from slipstream.storage import LocalChunkStore, LongTermStore, MemoryChunkStore, chunk_name
+
+
+@pytest.fixture(params=["local", "memory"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LongTermStore]:
+    if request.param == "local":
+        yield LocalChunkStore(tmp_path / "chunks")
+    else:
+        yield MemoryChunkStore()
+
+
+DATA = bytes(range(256)) * 3
+
+
+def test_chunk_name_is_an_object_key() -> None:
+    assert chunk_name(7, 2, 1234) == "7/2/00000000000000001234"
+    # zero-padded so that names sort in offset order
+    names = [chunk_name(1, 0, offset) for offset in (10, 9, 100, 2**40)]
+    assert sorted(names) == [chunk_name(1, 0, o) for o in (9, 10, 100, 2**40)]
+
+
+def test_write_then_read_whole_and_ranges(store: LongTermStore) -> None:
+    name = chunk_name(1, 0, 0)
+    store.write_chunk(name, [DATA[:100], bytearray(DATA[100:300]), memoryview(DATA)[300:]])
+    assert store.read_chunk(name) == DATA
+    assert store.read_chunk(name, 0, len(DATA)) == DATA
+    assert store.read_chunk(name, 17) == DATA[17:]
+    assert store.read_chunk(name, 17, 100) == DATA[17:117]
+    assert store.read_chunk(name, len(DATA) - 1, 1) == DATA[-1:]
+    assert store.read_chunk(name, 5, 0) == b""
+    assert store.read_chunk(name, len(DATA)) == b""
+
+
+# one store for all examples: each example overwrites the same chunk first
+@settings(
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.binary(max_size=300), bounds=st.tuples(st.integers(0, 300), st.integers(0, 300)))
+def test_any_range_inside_the_chunk_reads_back(
+    store: LongTermStore, data: bytes, bounds: tuple[int, int]
+) -> None:
+    start, end = sorted(bounds)
+    end += 1  # a non-empty range (zero-length reads past the end are not used, nor agreed on)
+    store.write_chunk("p/0/0", [data])
+    if end <= len(data):
+        assert store.read_chunk("p/0/0", start, end - start) == data[start:end]
+    else:
+        with pytest.raises(CorruptData):
+            store.read_chunk("p/0/0", start, end - start)
+
+
+def test_empty_chunk(store: LongTermStore) -> None:
+    store.write_chunk("e/0/0", [])
+    assert store.read_chunk("e/0/0") == b""
+    assert store.list_chunks() == ["e/0/0"]
+
+
+def test_overwrite_replaces_the_whole_chunk(store: LongTermStore) -> None:
+    store.write_chunk("o/0/0", [b"a much longer first version"])
+    store.write_chunk("o/0/0", [b"second"])
+    assert store.read_chunk("o/0/0") == b"second"
+    assert store.list_chunks() == ["o/0/0"]
+
+
+def test_list_by_prefix_is_sorted_and_exact(store: LongTermStore) -> None:
+    names = [
+        chunk_name(1, 0, 100),
+        chunk_name(1, 0, 0),
+        chunk_name(1, 1, 0),
+        chunk_name(10, 0, 0),
+        chunk_name(2, 3, 5),
+    ]
+    for name in names:
+        store.write_chunk(name, [name.encode()])
+    assert store.list_chunks() == sorted(names)
+    assert store.list_chunks("1/") == [
+        chunk_name(1, 0, 0),
+        chunk_name(1, 0, 100),
+        chunk_name(1, 1, 0),
+    ]
+    assert store.list_chunks("1/0/") == [chunk_name(1, 0, 0), chunk_name(1, 0, 100)]
+    assert store.list_chunks("10/") == [chunk_name(10, 0, 0)]
+    assert store.list_chunks("3/") == []
+    for name in names:
+        assert store.read_chunk(name) == name.encode()
+
+
+def test_delete_removes_only_that_chunk_and_is_idempotent(store: LongTermStore) -> None:
+    store.write_chunk("d/0/0", [b"zero"])
+    store.write_chunk("d/0/1", [b"one"])
+    store.delete_chunk("d/0/0")
+    store.delete_chunk("d/0/0")
+    store.delete_chunk("never/written/0")
+    assert store.list_chunks() == ["d/0/1"]
+    assert store.read_chunk("d/0/1") == b"one"
+    with pytest.raises(CorruptData, match="missing"):
+        store.read_chunk("d/0/0")
+
+
+def test_read_of_a_missing_chunk_is_corrupt_data(store: LongTermStore) -> None:
+    with pytest.raises(CorruptData, match="missing") as raised:
+        store.read_chunk("1/0/00000000000000000000", 0, 10)
+    assert raised.value.details["chunk"] == "1/0/00000000000000000000"
+    with pytest.raises(CorruptData):
+        store.read_chunk("1/0/00000000000000000000")
+
+
+@pytest.mark.parametrize(("start", "length"), [(0, 11), (5, 6), (10, 1), (11, 1), (50, 3)])
+def test_short_read_is_corrupt_data(store: LongTermStore, start: int, length: int) -> None:
+    store.write_chunk("s/0/0", [b"0123456789"])
+    with pytest.raises(CorruptData, match="shorter") as raised:
+        store.read_chunk("s/0/0", start, length)
+    assert raised.value.details["chunk"] == "s/0/0"
+
+
+def test_adopt_ranges_reads_back_each_range_where_it_says(
+    store: LongTermStore, tmp_path: Path
+) -> None:
+    source = tmp_path / "sealed.journal"
+    source.write_bytes(DATA)
+    ranges = [(3, 10), (40, 1), (41, 100), (700, 68)]
+    starts = store.adopt_ranges("a/0/3", source, ranges)
+    assert len(starts) == len(ranges)
+    for (position, length), start in zip(ranges, starts, strict=True):
+        assert store.read_chunk("a/0/3", start, length) == DATA[position : position + length]
+    # the chunk stays readable when the source file goes (the journal deletes moved files)
+    source.unlink()
+    for (position, length), start in zip(ranges, starts, strict=True):
+        assert store.read_chunk("a/0/3", start, length) == DATA[position : position + length]
+    assert store.list_chunks() == ["a/0/3"]
+
+
+# --- LocalChunkStore: atomic writes leave no temporary file -------------------------------------
+
+
+def leftovers(directory: Path) -> list[Path]:
+    return [p for p in directory.rglob("*") if p.is_file() and p.suffix != ".chunk"]
+
+
+def test_local_write_leaves_no_temporary_file(tmp_path: Path) -> None:
+    store = LocalChunkStore(tmp_path / "chunks")
+    store.write_chunk("1/0/0", [b"x" * 1000])
+    store.write_chunk("1/0/0", [b"y"])
+    assert leftovers(tmp_path / "chunks") == []
+    assert [p.name for p in (tmp_path / "chunks").rglob("*.chunk")] == ["0.chunk"]
+
+
+def test_local_failed_fsync_is_storage_full_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalChunkStore(tmp_path / "chunks")
+    store.write_chunk("1/0/0", [b"old"])
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    monkeypatch.setattr(os, "fdatasync", full)
+    with pytest.raises(StorageFull, match="1/0/5"):
+        store.write_chunk("1/0/5", [b"new chunk"])
+    with pytest.raises(StorageFull):
+        store.write_chunk("1/0/0", [b"replacement"])
+    monkeypatch.undo()
+    assert leftovers(tmp_path / "chunks") == []
+    assert store.list_chunks() == ["1/0/0"]
+    assert store.read_chunk("1/0/0") == b"old", "a failed overwrite keeps the old chunk"
+    store.write_chunk("1/0/5", [b"new chunk"])
+    assert store.read_chunk("1/0/5") == b"new chunk"
+
+
+def test_local_failed_write_with_eio_is_storage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalChunkStore(tmp_path / "chunks")
+
+    def broken(fd: int, buffers: object) -> int:
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    monkeypatch.setattr(os, "writev", broken)
+    with pytest.raises(StorageError) as raised:
+        store.write_chunk("1/0/0", [b"data"])
+    assert not isinstance(raised.value, StorageFull)
+    monkeypatch.undo()
+    assert leftovers(tmp_path / "chunks") == []
+    assert store.list_chunks() == []
+
+
+def test_local_write_under_a_file_is_storage_error_and_leaves_nothing(tmp_path: Path) -> None:
+    # the parent "directory" is a file: the write and the cleanup of its .tmp both fail
+    store = LocalChunkStore(tmp_path / "chunks")
+    (tmp_path / "chunks" / "1").write_bytes(b"a file where a directory should be")
+    with pytest.raises(StorageError):
+        store.write_chunk("1/0/0", [b"data"])
+    assert store.list_chunks() == []
+    assert leftovers(tmp_path / "chunks") == [tmp_path / "chunks" / "1"]
+
+
+def test_local_chunks_survive_a_new_store_instance(tmp_path: Path) -> None:
+    LocalChunkStore(tmp_path / "chunks").write_chunk("9/1/2", [b"durable"])
+    reopened = LocalChunkStore(tmp_path / "chunks")
+    assert reopened.list_chunks() == ["9/1/2"]
+    assert reopened.read_chunk("9/1/2") == b"durable"
+
+
+def test_local_adopt_leaves_no_temporary_file(tmp_path: Path) -> None:
+    store = LocalChunkStore(tmp_path / "chunks")
+    source = tmp_path / "sealed.journal"
+    source.write_bytes(DATA)
+    assert store.adopt_ranges("1/0/0", source, [(5, 10)]) == [5]
+    assert leftovers(tmp_path / "chunks") == []
+    assert store.list_chunks() == ["1/0/0"]
+
+
+def test_local_adopt_retried_leaves_no_temporary_file(tmp_path: Path) -> None:
+    # a move retried after a failure or a restart adopts the same file under the same name: a
+    # plain link-and-rename would leave the .tmp link (rename of two links to one inode is a
+    # no-op) and pin the journal file's space for ever
+    store = LocalChunkStore(tmp_path / "chunks")
+    source = tmp_path / "sealed.journal"
+    source.write_bytes(DATA)
+    assert store.adopt_ranges("1/0/0", source, [(5, 10)]) == [5]
+    assert store.adopt_ranges("1/0/0", source, [(5, 10)]) == [5]
+    assert leftovers(tmp_path / "chunks") == []
+    assert store.read_chunk("1/0/0", 5, 10) == DATA[5:15]

@@ -1,0 +1,817 @@
+"""One suite for every Journal: FileJournal on a temporary directory and MemoryJournal.
+
+The contract under test (slipstream/storage/_journal.py): ``append`` is not durable until
+``sync``; a failed ``append`` leaves none of its entries behind; after a failed ``sync`` the
+caller discards what is unsynced before appending again; ``roll`` makes the sealed file durable;
+sealed files are listed, read back and deleted whole; ``read`` finds an entry by the address
+``append`` returned for as long as its file lives (then FileNotFoundError). Faults are injected
+through the journal's own ``fault`` hook ("fail the 3rd sync"), the FileJournal-only tests
+tear and flip bytes on disk and check what recovery cuts.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from slipstream import CorruptData, StorageError, StorageFull
+from slipstream.storage import (
+    ENTRY_OVERHEAD,
+    FileJournal,
+    Journal,
+    JournalAddress,
+    MemoryJournal,
+    _journal,
+)
+from slipstream.storage._journal import Buffer
+
+Entry = tuple[JournalAddress, bytes]
+
+class Faults:
+    """Deterministic fault injection for a journal's ``fault`` hook.
+
+    ``fail("sync", 3)`` makes the 3rd call of the hook with "sync" raise; ``fail_next`` arms
+    the next call. ``calls`` counts every call, failed or not.
+    """
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self._armed: dict[str, dict[int, int]] = {"write": {}, "sync": {}}
+
+    def fail(self, op: str, nth: int, code: int = errno.ENOSPC) -> None:
+        self._armed[op][nth] = code
+
+    def fail_next(self, op: str, code: int = errno.ENOSPC) -> None:
+        self.fail(op, self.calls[op] + 1, code)
+
+    def __call__(self, op: str) -> None:
+        self.calls[op] += 1
+        code = self._armed[op].pop(self.calls[op], None)
+        if code is not None:
+            raise OSError(code, f"injected failure of {op} #{self.calls[op]}")
+
+
+class Kit:
+    """A journal under test plus how to restart it.
+
+    ``reopen`` is a clean restart (everything appended was synced or discarded): a new
+    FileJournal on the same directory, or the same MemoryJournal recovered again (an embedded
+    broker restarting over its in-memory journal).
+    """
+
+    def __init__(
+        self,
+        request: pytest.FixtureRequest,
+        kind: str,
+        make: Callable[[], Journal],
+        faults: Faults,
+    ) -> None:
+        self.request = request
+        self.kind = kind
+        self.make = make
+        self.faults = faults
+        self.journal = make()
+        self.recovered = recover(self.journal)
+
+    def reopen(self) -> list[Entry]:
+        if self.kind == "file":
+            self.journal.close()
+            self.journal = self.make()
+        self.recovered = recover(self.journal)
+        return self.recovered
+
+
+def recover(journal: Journal) -> list[Entry]:
+    return [(address, bytes(payload)) for address, payload in journal.recover()]
+
+
+@pytest.fixture(params=["file", "memory"])
+def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
+    faults = Faults()
+    make: Callable[[], Journal]
+    if request.param == "file":
+
+        def make() -> Journal:
+            return FileJournal(tmp_path / "journal", fault=faults)
+
+    else:
+        memory = MemoryJournal(fault=faults)
+
+        def make() -> Journal:
+            return memory
+
+    kit = Kit(request, request.param, make, faults)
+    yield kit
+    kit.journal.close()
+
+
+def payloads(count: int, size: int = 13, tag: bytes = b"e") -> list[bytes]:
+    return [tag + bytes([i % 251]) * (size + i) for i in range(count)]
+
+
+def append_synced(journal: Journal, items: list[bytes]) -> list[JournalAddress]:
+    addresses = journal.append([[p] for p in items])
+    journal.sync()
+    return addresses
+
+
+# --- the contract, on every implementation ------------------------------------------------------
+
+
+def test_fresh_journal_recovers_nothing(kit: Kit) -> None:
+    assert kit.recovered == []
+    assert kit.journal.report.cut_bytes == 0
+    assert kit.journal.report.cut_reason is None
+    assert kit.journal.sealed_files() == []
+    assert kit.journal.active_bytes == 0
+    assert kit.journal.total_bytes == 0
+
+
+def test_append_sync_read_round_trip(kit: Kit) -> None:
+    journal = kit.journal
+    # an entry is given as buffers to concatenate, of any buffer type
+    entries = [
+        [b"head", bytearray(b"-body")],
+        [memoryview(b"one piece")],
+        [b"a", b"b", b"c", bytearray(b"d"), memoryview(b"e")],
+    ]
+    addresses = journal.append(entries)
+    journal.sync()
+    expected = [b"head-body", b"one piece", b"abcde"]
+    assert [a.length for a in addresses] == [len(p) for p in expected]
+    assert [journal.read(a) for a in addresses] == expected
+    # reading is repeatable and in any order
+    assert [journal.read(a) for a in reversed(addresses)] == expected[::-1]
+    assert journal.active_bytes > 0
+    assert journal.total_bytes >= journal.active_bytes
+
+
+def test_unsynced_entries_are_readable_before_sync(kit: Kit) -> None:
+    (address,) = kit.journal.append([[b"not yet durable"]])
+    assert kit.journal.read(address) == b"not yet durable"
+
+
+def test_addresses_are_stable_across_appends_rolls_and_reopen(kit: Kit) -> None:
+    journal = kit.journal
+    written: list[Entry] = []
+    for group in range(4):
+        items = payloads(3, tag=b"g%d" % group)
+        written += zip(append_synced(journal, items), items, strict=True)
+        if group % 2:
+            assert journal.roll() is not None
+    for address, payload in written:
+        assert journal.read(address) == payload
+    assert kit.reopen() == written
+    for address, payload in written:
+        assert kit.journal.read(address) == payload
+
+
+def test_recover_after_reopen_returns_exactly_the_synced_entries_in_order(kit: Kit) -> None:
+    items = payloads(20)
+    addresses: list[JournalAddress] = []
+    for start in range(0, 20, 5):
+        addresses += append_synced(kit.journal, items[start : start + 5])
+    recovered = kit.reopen()
+    assert recovered == list(zip(addresses, items, strict=True))
+    assert kit.journal.report.cut_bytes == 0
+    # the reopened journal appends after what it recovered
+    more = append_synced(kit.journal, [b"after reopen"])
+    assert kit.reopen() == [*recovered, (more[0], b"after reopen")]
+
+
+def test_roll_entries_and_delete_file(kit: Kit) -> None:
+    journal = kit.journal
+    assert journal.roll() is None, "rolling an empty active file seals nothing"
+    first = payloads(3, tag=b"first")
+    first_addresses = append_synced(journal, first)
+    sealed = journal.roll()
+    assert sealed == first_addresses[0].file_id
+    assert journal.sealed_files() == [sealed]
+    assert journal.active_bytes == 0
+    assert journal.roll() is None
+
+    second = payloads(2, tag=b"second")
+    second_addresses = append_synced(journal, second)
+    assert second_addresses[0].file_id > sealed
+    sealed_again = journal.roll()
+    assert sealed_again == second_addresses[0].file_id
+    assert journal.sealed_files() == [sealed, sealed_again]
+
+    def entries_of(file_id: int) -> list[Entry]:
+        return [(a, bytes(p)) for a, p in journal.entries(file_id)]
+
+    assert entries_of(sealed) == list(zip(first_addresses, first, strict=True))
+    assert entries_of(sealed_again) == list(zip(second_addresses, second, strict=True))
+
+    active = append_synced(journal, [b"active"])
+    total = journal.total_bytes
+    journal.delete_file(sealed)
+    assert journal.sealed_files() == [sealed_again]
+    assert journal.total_bytes < total
+    with pytest.raises(ValueError, match="active"):
+        journal.delete_file(active[0].file_id)
+
+    assert kit.reopen() == [
+        *zip(second_addresses, second, strict=True),
+        (active[0], b"active"),
+    ]
+    assert kit.journal.sealed_files() == [sealed_again]
+
+
+def test_roll_seals_entries_even_when_not_yet_synced(kit: Kit) -> None:
+    (address,) = kit.journal.append([[b"appended, then rolled"]])
+    assert kit.journal.roll() == address.file_id
+    kit.journal.discard_unsynced()  # cuts only the (empty) new active file
+    assert kit.journal.read(address) == b"appended, then rolled"
+    assert kit.reopen() == [(address, b"appended, then rolled")]
+
+
+@pytest.mark.parametrize("failing_sync", [1, 2, 3])
+def test_failed_sync_fails_the_append_and_discard_cuts_it(kit: Kit, failing_sync: int) -> None:
+    journal, faults = kit.journal, kit.faults
+    faults.fail("sync", failing_sync)
+    kept: list[Entry] = []
+    for group in range(1, 5):
+        items = payloads(2, tag=b"g%d" % group)
+        addresses = journal.append([[p] for p in items])
+        if group == failing_sync:
+            with pytest.raises(StorageFull, match="disk full"):
+                journal.sync()
+            journal.discard_unsynced()
+        else:
+            journal.sync()
+            kept += zip(addresses, items, strict=True)
+    assert faults.calls["sync"] == 4
+    for address, payload in kept:
+        assert journal.read(address) == payload
+    assert kit.reopen() == kept
+
+
+@pytest.mark.parametrize("discard", [False, True], ids=["no-discard", "discard"])
+def test_failed_append_leaves_nothing_and_appends_resume(kit: Kit, discard: bool) -> None:
+    journal, faults = kit.journal, kit.faults
+    before = append_synced(journal, [b"before"])
+    size = journal.active_bytes
+    faults.fail_next("write")
+    with pytest.raises(StorageFull):
+        journal.append([[b"lost"], [b"also lost"]])
+    assert journal.active_bytes == size
+    if discard:  # still allowed, and harmless
+        journal.discard_unsynced()
+    after = append_synced(journal, [b"after"])
+    assert after[0].file_id == before[0].file_id
+    assert journal.read(after[0]) == b"after"
+    assert kit.reopen() == [(before[0], b"before"), (after[0], b"after")]
+
+
+def test_failed_append_keeps_earlier_unsynced_entries(kit: Kit) -> None:
+    journal, faults = kit.journal, kit.faults
+    (earlier,) = journal.append([[b"earlier, unsynced"]])
+    faults.fail_next("write")
+    with pytest.raises(StorageFull):
+        journal.append([[b"lost"]])
+    assert journal.read(earlier) == b"earlier, unsynced"
+    (later,) = append_synced(journal, [b"later"])
+    assert kit.reopen() == [(earlier, b"earlier, unsynced"), (later, b"later")]
+
+
+def test_discard_after_a_failed_sync_cuts_every_entry_since_the_last_sync(kit: Kit) -> None:
+    journal, faults = kit.journal, kit.faults
+    synced = append_synced(journal, [b"synced"])
+    journal.append([[b"unsynced 1"]])
+    journal.append([[b"unsynced 2"], [b"unsynced 3"]])
+    faults.fail_next("sync")
+    with pytest.raises(StorageFull):
+        journal.sync()
+    journal.discard_unsynced()
+    bytes_after_discard = journal.active_bytes
+    assert kit.reopen() == [(synced[0], b"synced")]
+    assert kit.journal.active_bytes == bytes_after_discard
+    later = append_synced(kit.journal, [b"later"])
+    assert kit.journal.read(later[0]) == b"later"
+    assert kit.reopen() == [(synced[0], b"synced"), (later[0], b"later")]
+
+
+def test_discard_after_a_failed_append_still_cuts_earlier_unsynced_entries(kit: Kit) -> None:
+    synced = append_synced(kit.journal, [b"synced"])
+    kit.journal.append([[b"never synced"]])
+    kit.faults.fail_next("write")
+    with pytest.raises(StorageFull):
+        kit.journal.append([[b"failed write"]])
+    kit.journal.discard_unsynced()
+    assert kit.reopen() == [(synced[0], b"synced")]
+
+
+def test_discard_without_failure_cuts_unsynced_only(kit: Kit) -> None:
+    synced = append_synced(kit.journal, [b"keep"])
+    kit.journal.append([[b"drop"]])
+    kit.journal.discard_unsynced()
+    kit.journal.discard_unsynced()  # idempotent
+    assert kit.reopen() == [(synced[0], b"keep")]
+
+
+@pytest.mark.parametrize("op", ["write", "sync"])
+def test_other_io_errors_are_storage_errors(kit: Kit, op: str) -> None:
+    kit.faults.fail_next(op, errno.EIO)
+    with pytest.raises(StorageError) as raised:
+        kit.journal.append([[b"x"]])
+        kit.journal.sync()
+    assert not isinstance(raised.value, StorageFull)
+    kit.journal.discard_unsynced()
+    assert kit.reopen() == []
+
+
+def test_quota_exceeded_is_storage_full(kit: Kit) -> None:
+    kit.faults.fail_next("sync", errno.EDQUOT)
+    kit.journal.append([[b"x"]])
+    with pytest.raises(StorageFull):
+        kit.journal.sync()
+
+
+def test_roll_makes_the_sealed_file_durable_so_a_failing_sync_fails_it(kit: Kit) -> None:
+    # both implementations sync in roll, so "fail the Nth sync" hits the same operation on both
+    kit.journal.append([[b"unsynced"]])
+    kit.faults.fail_next("sync")
+    with pytest.raises(StorageFull):
+        kit.journal.roll()
+    assert kit.journal.sealed_files() == []
+    kit.journal.discard_unsynced()
+    assert kit.reopen() == []
+
+
+def test_empty_entry_is_refused_and_writes_nothing(kit: Kit) -> None:
+    # on disk a zero length marks a torn entry: recovery would cut it and every later entry
+    (first,) = append_synced(kit.journal, [b"first"])
+    for empty in ([b""], [b"", bytearray()], []):
+        with pytest.raises(ValueError, match="empty"):
+            kit.journal.append([[b"before"], empty, [b"after"]])
+    assert kit.faults.calls["write"] == 1, "refused before any write"
+    (last,) = append_synced(kit.journal, [b"last"])
+    assert kit.reopen() == [(first, b"first"), (last, b"last")]
+
+
+def test_read_in_a_deleted_file_raises_file_not_found(kit: Kit) -> None:
+    # Container.read retries a read that raced the mover on exactly this error
+    (address,) = append_synced(kit.journal, [b"moved away"])
+    kit.journal.roll()
+    kit.journal.delete_file(address.file_id)
+    with pytest.raises(FileNotFoundError):
+        kit.journal.read(address)
+
+
+# --- on-disk damage: FileJournal only -----------------------------------------------------------
+
+
+def build_journal(directory: Path, groups: list[list[bytes]]) -> list[list[Entry]]:
+    """Write one file per group (rolling between them); returns each file's entries."""
+    journal = FileJournal(directory)
+    recover(journal)
+    files = []
+    for i, group in enumerate(groups):
+        if i:
+            journal.roll()
+        files.append(list(zip(append_synced(journal, group), group, strict=True)))
+    journal.close()
+    return files
+
+
+def journal_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.journal"))
+
+
+def reopen_file_journal(directory: Path) -> tuple[FileJournal, list[Entry]]:
+    journal = FileJournal(directory)
+    return journal, recover(journal)
+
+
+def assert_clean_second_recovery(directory: Path, expected: list[Entry]) -> None:
+    journal, entries = reopen_file_journal(directory)
+    try:
+        assert entries == expected
+        assert journal.report.cut_bytes == 0
+        assert journal.report.cut_reason is None
+    finally:
+        journal.close()
+
+
+@pytest.fixture
+def one_file(tmp_path: Path) -> tuple[bytes, list[Entry]]:
+    """The bytes of a one-file journal of four entries, and its entries."""
+    (entries,) = build_journal(tmp_path / "pristine", [payloads(4, size=17)])
+    (path,) = journal_files(tmp_path / "pristine")
+    return path.read_bytes(), entries
+
+
+def write_image(directory: Path, image: bytes) -> None:
+    directory.mkdir()
+    (directory / f"{0:016d}.journal").write_bytes(image)
+
+
+def test_torn_tail_at_every_byte_of_the_last_entry_is_cut(
+    tmp_path: Path, one_file: tuple[bytes, list[Entry]]
+) -> None:
+    image, entries = one_file
+    last = entries[-1][0]
+    start = last.position - ENTRY_OVERHEAD
+    assert start + ENTRY_OVERHEAD + last.length == len(image)
+    for cut_at in range(start + 1, len(image)):
+        directory = tmp_path / f"torn{cut_at}"
+        write_image(directory, image[:cut_at])
+        journal, recovered = reopen_file_journal(directory)
+        try:
+            assert recovered == entries[:-1], cut_at
+            assert journal.report.cut_bytes == cut_at - start
+            assert journal.report.cut_reason is not None
+            assert "torn" in journal.report.cut_reason
+            assert (directory / f"{0:016d}.journal").stat().st_size == start
+            # the journal appends right after the cut, at the torn entry's address
+            assert append_synced(journal, [entries[-1][1]]) == [last]
+        finally:
+            journal.close()
+        assert_clean_second_recovery(directory, entries)
+
+
+def test_torn_tail_exactly_between_entries_cuts_nothing(
+    tmp_path: Path, one_file: tuple[bytes, list[Entry]]
+) -> None:
+    image, entries = one_file
+    for kept in range(len(entries) + 1):
+        end = entries[kept - 1][0].position + entries[kept - 1][0].length if kept else 0
+        directory = tmp_path / f"whole{kept}"
+        write_image(directory, image[:end])
+        assert_clean_second_recovery(directory, entries[:kept])
+
+
+def test_bit_flip_anywhere_in_the_last_entry_cuts_exactly_that_entry(
+    tmp_path: Path, one_file: tuple[bytes, list[Entry]]
+) -> None:
+    image, entries = one_file
+    last = entries[-1][0]
+    start = last.position - ENTRY_OVERHEAD
+    for at in range(start, len(image)):
+        for bit in (0, 3, 7):
+            damaged = bytearray(image)
+            damaged[at] ^= 1 << bit
+            directory = tmp_path / f"flip{at}-{bit}"
+            write_image(directory, bytes(damaged))
+            journal, recovered = reopen_file_journal(directory)
+            journal.close()
+            assert recovered == entries[:-1], (at, bit)
+            assert journal.report.cut_bytes == len(image) - start
+            assert journal.report.cut_reason is not None
+            assert_clean_second_recovery(directory, entries[:-1])
+
+
+def test_bit_flip_in_a_middle_entry_cuts_it_and_everything_after(
+    tmp_path: Path, one_file: tuple[bytes, list[Entry]]
+) -> None:
+    image, entries = one_file
+    second = entries[1][0]
+    damaged = bytearray(image)
+    damaged[second.position + 3] ^= 0x40
+    directory = tmp_path / "flipped"
+    write_image(directory, bytes(damaged))
+    journal, recovered = reopen_file_journal(directory)
+    journal.close()
+    assert recovered == entries[:1]
+    assert journal.report.cut_bytes == len(image) - (second.position - ENTRY_OVERHEAD)
+    assert journal.report.cut_reason is not None
+    assert "CRC32C" in journal.report.cut_reason
+    assert_clean_second_recovery(directory, entries[:1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    items=st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=8),
+    cut=st.floats(min_value=0.0, max_value=1.0),
+)
+def test_torn_tail_anywhere_keeps_the_longest_whole_prefix(items: list[bytes], cut: float) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp) / "journal"
+        (entries,) = build_journal(directory, [items])
+        (path,) = journal_files(directory)
+        size = path.stat().st_size
+        cut_at = round(size * cut)
+        with open(path, "r+b") as f:
+            f.truncate(cut_at)
+        expected = [(a, p) for a, p in entries if a.position + a.length <= cut_at]
+        end_of_kept = expected[-1][0].position + expected[-1][0].length if expected else 0
+        journal, recovered = reopen_file_journal(directory)
+        journal.close()
+        assert recovered == expected
+        assert journal.report.cut_bytes == cut_at - end_of_kept
+        assert (journal.report.cut_reason is None) == (cut_at == end_of_kept)
+        assert_clean_second_recovery(directory, expected)
+
+
+def test_corrupt_entry_in_a_sealed_file_cuts_the_rest_of_the_journal(tmp_path: Path) -> None:
+    directory = tmp_path / "journal"
+    files = build_journal(directory, [payloads(3, tag=b"f0"), payloads(3, tag=b"f1"), [b"f2"]])
+    paths = journal_files(directory)
+    assert len(paths) == 3
+    sizes = [p.stat().st_size for p in paths]
+    bad = files[0][1][0]  # the second entry of the first (sealed) file
+    with open(paths[0], "r+b") as f:
+        f.seek(bad.position)
+        byte = f.read(1)
+        f.seek(bad.position)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+    journal, recovered = reopen_file_journal(directory)
+    try:
+        assert recovered == files[0][:1]
+        cut_in_first = sizes[0] - (bad.position - ENTRY_OVERHEAD)
+        assert journal.report.cut_bytes == cut_in_first + sizes[1] + sizes[2]
+        assert journal.report.cut_reason is not None
+        assert paths[0].name in journal.report.cut_reason
+        assert journal_files(directory) == paths[:1], "later files are removed"
+        assert journal.sealed_files() == []
+        # the cut file is the active one again: appends continue right after the cut
+        (address,) = append_synced(journal, [b"new"])
+        assert address == JournalAddress(0, bad.position, 3)
+    finally:
+        journal.close()
+    assert_clean_second_recovery(directory, [*files[0][:1], (address, b"new")])
+
+
+def test_read_of_flipped_bytes_raises_corrupt_data(tmp_path: Path) -> None:
+    directory = tmp_path / "journal"
+    (entries,) = build_journal(directory, [payloads(3)])
+    (path,) = journal_files(directory)
+    journal, _ = reopen_file_journal(directory)
+    try:
+        pristine = path.read_bytes()
+        target = entries[1][0]
+        for at in (target.position - ENTRY_OVERHEAD, target.position - 1, target.position + 5):
+            damaged = bytearray(pristine)
+            damaged[at] ^= 0x10
+            path.write_bytes(bytes(damaged))
+            with pytest.raises(CorruptData) as raised:
+                journal.read(target)
+            assert raised.value.details["position"] == target.position
+            assert journal.read(entries[0][0]) == entries[0][1]
+            assert journal.read(entries[2][0]) == entries[2][1]
+    finally:
+        journal.close()
+
+
+def test_read_of_a_truncated_entry_raises_corrupt_data(tmp_path: Path) -> None:
+    directory = tmp_path / "journal"
+    (entries,) = build_journal(directory, [payloads(2)])
+    (path,) = journal_files(directory)
+    journal, _ = reopen_file_journal(directory)
+    try:
+        last = entries[-1][0]
+        for size in (last.position - ENTRY_OVERHEAD + 3, last.position + 1):
+            with open(path, "r+b") as f:
+                f.truncate(size)
+            with pytest.raises(CorruptData):
+                journal.read(last)
+    finally:
+        journal.close()
+
+
+def test_entries_of_a_corrupt_sealed_file_raise_corrupt_data(tmp_path: Path) -> None:
+    journal = FileJournal(tmp_path / "journal")
+    recover(journal)
+    try:
+        (address,) = append_synced(journal, [b"sealed entry"])
+        sealed = journal.roll()
+        assert sealed is not None
+        path = journal.file_path(sealed)
+        assert path is not None
+        damaged = bytearray(path.read_bytes())
+        damaged[address.position] ^= 1
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(CorruptData):
+            list(journal.entries(sealed))
+    finally:
+        journal.close()
+
+
+def test_write_torn_at_byte_17_is_cut_before_append_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal = FileJournal(tmp_path / "journal")
+    recover(journal)
+    try:
+        (first,) = append_synced(journal, [b"first"])
+        size = journal.active_bytes
+        real_writev = os.writev
+
+        def torn_writev(fd: int, buffers: Sequence[Buffer]) -> int:
+            # the disk fills 17 bytes into the write
+            os.write(fd, b"".join(bytes(b) for b in buffers)[:17])
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+        monkeypatch.setattr(os, "writev", torn_writev)
+        with pytest.raises(StorageFull):
+            journal.append([[b"x" * 40], [b"y" * 40]])
+        monkeypatch.setattr(os, "writev", real_writev)
+        path = journal.file_path(first.file_id)
+        assert path is not None
+        assert path.stat().st_size == size == journal.active_bytes, "the torn bytes are gone"
+        (second,) = append_synced(journal, [b"second"])
+        assert second.position == size + ENTRY_OVERHEAD
+    finally:
+        journal.close()
+    assert_clean_second_recovery(tmp_path / "journal", [(first, b"first"), (second, b"second")])
+
+
+def test_a_new_journal_file_is_durable_in_its_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # fdatasync of a new file does not make its directory entry durable: a power cut could
+    # lose the whole file, and every acknowledged entry in it, unless the directory is synced
+    directory = tmp_path / "journal"
+    synced_dirs: list[Path] = []
+    real_fsync_dir = _journal._fsync_dir
+
+    def recording_fsync_dir(path: Path) -> None:
+        synced_dirs.append(path)
+        real_fsync_dir(path)
+
+    monkeypatch.setattr(_journal, "_fsync_dir", recording_fsync_dir)
+    journal = FileJournal(directory)
+    recover(journal)
+    try:
+        assert synced_dirs == [directory], "the first file"
+        append_synced(journal, [b"in file 0"])
+        synced_dirs.clear()
+        journal.roll()
+        (address,) = append_synced(journal, [b"in file 1"])
+        assert address.file_id == 1
+        assert synced_dirs == [directory], "the rolled-to file"
+    finally:
+        journal.close()
+
+
+def test_file_journal_without_fsync_still_round_trips(tmp_path: Path) -> None:
+    journal = FileJournal(tmp_path / "journal", fsync=False)
+    recover(journal)
+    addresses = append_synced(journal, [b"a", b"b"])
+    journal.close()
+    journal, recovered = reopen_file_journal(tmp_path / "journal")
+    journal.close()
+    assert recovered == list(zip(addresses, [b"a", b"b"], strict=True))
+
+
+# --- a model-based run over both implementations --------------------------------------------
+
+
+class JournalMachine(RuleBasedStateMachine):
+    """Random append / sync / fail / discard / roll / delete / reopen against a model.
+
+    The model: sealed files (id -> entries) and the active file's entries, of which the last
+    ``unsynced`` are not yet synced. After a failed sync only ``discard`` is allowed until it
+    runs; a failed append changes nothing.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.faults = Faults()
+        self.journal = self.open()
+        recover(self.journal)
+        self.sealed: dict[int, list[Entry]] = {}
+        self.active: list[Entry] = []
+        self.active_id = 0
+        self.unsynced = 0
+        self.failed = False
+
+    def open(self) -> Journal:
+        raise NotImplementedError
+
+    def restart(self) -> Journal:
+        raise NotImplementedError
+
+    def model(self) -> list[Entry]:
+        return [e for file_id in sorted(self.sealed) for e in self.sealed[file_id]] + self.active
+
+    @rule(items=st.lists(st.binary(min_size=1, max_size=24), min_size=1, max_size=4))
+    @precondition(lambda self: not self.failed)
+    def append(self, items: list[bytes]) -> None:
+        # each entry split in two buffers, to cover concatenation
+        addresses = self.journal.append([[p[:1], p[1:]] for p in items])
+        assert all(a.file_id == self.active_id for a in addresses)
+        self.active += zip(addresses, items, strict=True)
+        self.unsynced += len(items)
+
+    @rule()
+    @precondition(lambda self: not self.failed)
+    def sync(self) -> None:
+        self.journal.sync()
+        self.unsynced = 0
+
+    @rule(items=st.lists(st.binary(min_size=1, max_size=24), min_size=1, max_size=3))
+    @precondition(
+        lambda self: not self.failed
+    )
+    def failed_append(self, items: list[bytes]) -> None:
+        # a failed append leaves nothing behind and needs no discard: the model is unchanged
+        self.faults.fail_next("write")
+        try:
+            self.journal.append([[p] for p in items])
+        except StorageFull:
+            pass
+        else:
+            raise AssertionError("the injected write failure did not surface")
+
+    @rule()
+    @precondition(lambda self: not self.failed)
+    def failed_sync(self) -> None:
+        self.faults.fail_next("sync")
+        try:
+            self.journal.sync()
+        except StorageFull:
+            self.failed = True
+        else:
+            raise AssertionError("the injected sync failure did not surface")
+
+    @rule()
+    def discard(self) -> None:
+        self.journal.discard_unsynced()
+        if self.unsynced:
+            del self.active[-self.unsynced :]
+        self.unsynced = 0
+        self.failed = False
+
+    @rule()
+    @precondition(lambda self: not self.failed)
+    def roll(self) -> None:
+        sealed = self.journal.roll()
+        if not self.active:
+            assert sealed is None
+            return
+        assert sealed == self.active_id
+        self.sealed[sealed] = self.active
+        self.active, self.unsynced = [], 0
+        self.active_id += 1
+
+    @rule()
+    @precondition(lambda self: bool(self.sealed))
+    def delete_oldest_sealed(self) -> None:
+        oldest = min(self.sealed)
+        self.journal.delete_file(oldest)
+        del self.sealed[oldest]
+
+    @rule()
+    @precondition(lambda self: not self.failed and self.unsynced == 0)
+    def reopen(self) -> None:
+        self.journal = self.restart()
+        assert recover(self.journal) == self.model()
+        assert self.journal.report.cut_bytes == 0
+
+    @invariant()
+    def reads_match_the_model(self) -> None:
+        for address, payload in self.model():
+            assert self.journal.read(address) == payload
+        assert self.journal.sealed_files() == sorted(self.sealed)
+        for file_id, entries in self.sealed.items():
+            assert [(a, bytes(p)) for a, p in self.journal.entries(file_id)] == entries
+        assert (self.journal.active_bytes == 0) == (not self.active)
+
+    def teardown(self) -> None:
+        self.journal.close()
+
+
+class FileJournalMachine(JournalMachine):
+    def __init__(self) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="journal-machine-"))
+        super().__init__()
+
+    def open(self) -> Journal:
+        # no fdatasync: the fault hook still runs on every sync, and the machine stays fast
+        return FileJournal(self.tmp / "journal", fsync=False, fault=self.faults)
+
+    def restart(self) -> Journal:
+        self.journal.close()
+        return self.open()
+
+    def teardown(self) -> None:
+        super().teardown()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class MemoryJournalMachine(JournalMachine):
+    def open(self) -> Journal:
+        return MemoryJournal(fault=self.faults)
+
+    def restart(self) -> Journal:
+        return self.journal
+
+
+_machine_settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestFileJournalMachine = FileJournalMachine.TestCase
+TestFileJournalMachine.settings = _machine_settings
+TestMemoryJournalMachine = MemoryJournalMachine.TestCase
+TestMemoryJournalMachine.settings = _machine_settings

@@ -1,0 +1,289 @@
+"""One suite for every MetaStore: SqliteMetaStore on a file and in memory (``":memory:"``).
+
+The contract (slipstream/storage/_meta.py): streams with their segments are created and deleted
+in one transaction; stream ids are never reused; a journal file's chunks and the mark that the
+file has moved change together; retention removes chunks and moves start offsets forward only.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from slipstream import StreamExists, StreamNotFound
+from slipstream.storage import ChunkRecord, MetaStore, SegmentRecord, SqliteMetaStore
+
+MAX_KEY = 2**64 - 1
+
+
+class Kit:
+    def __init__(self, kind: str, path: Path) -> None:
+        self.kind = kind
+        self.path = path
+        self.meta: MetaStore = SqliteMetaStore(path if kind == "file" else ":memory:")
+
+    def reopen(self) -> MetaStore:
+        assert self.kind == "file", "only a file keeps the catalog across a reopen"
+        self.meta.close()
+        self.meta = SqliteMetaStore(self.path)
+        return self.meta
+
+
+@pytest.fixture(params=["file", "memory"])
+def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
+    kit = Kit(request.param, tmp_path / "meta.db")
+    yield kit
+    kit.meta.close()
+
+
+@pytest.fixture
+def meta(kit: Kit) -> MetaStore:
+    return kit.meta
+
+
+@pytest.fixture
+def file_kit(tmp_path: Path) -> Iterator[Kit]:
+    kit = Kit("file", tmp_path / "meta.db")
+    yield kit
+    kit.meta.close()
+
+
+def segments(count: int = 2, container: int = 0) -> list[SegmentRecord]:
+    bounds = [2**64 * i // count for i in range(count + 1)]
+    return [SegmentRecord(n, 0, bounds[n], bounds[n + 1] - 1, container + n) for n in range(count)]
+
+
+def create(meta: MetaStore, name: str, count: int = 2, **kwargs: int | None) -> int:
+    record = meta.create_stream(
+        name,
+        segments(count),
+        kwargs.get("retention_ms"),
+        kwargs.get("retention_bytes"),
+        kwargs.get("created_ms") or 1_700_000_000_000,
+    )
+    return record.id
+
+
+def chunk(
+    stream_id: int, segment: int, base: int, count: int = 10, name: str | None = None
+) -> ChunkRecord:
+    index = np.array([(base, 0, 100), (base + count // 2, 100, 50)], dtype="<i8")
+    return ChunkRecord(
+        stream_id,
+        segment,
+        base,
+        base + count,
+        150,
+        1000 + base,
+        2000 + base,
+        name if name is not None else f"{stream_id}/{segment}/{base:020d}",
+        index.tobytes(),
+    )
+
+
+def start_offsets(meta: MetaStore, name: str) -> list[int]:
+    (record,) = [s for s in meta.streams() if s.name == name]
+    return [s.start_offset for s in record.segments]
+
+
+def test_empty_catalog(meta: MetaStore) -> None:
+    assert meta.streams() == []
+    assert meta.chunks() == []
+    assert meta.moved_file(0) == -1
+
+
+def test_create_stream_round_trips_every_field(meta: MetaStore) -> None:
+    records = [
+        SegmentRecord(0, 0, 0, 2**63 - 1, 3),
+        SegmentRecord(1, 2, 2**63, MAX_KEY, 1, sealed=True, start_offset=42),
+    ]
+    created = meta.create_stream("scope/orders", records, 60_000, 10**9, 1_700_000_000_123)
+    (stored,) = meta.streams()
+    assert stored == created
+    assert stored.name == "scope/orders"
+    assert (stored.retention_ms, stored.retention_bytes) == (60_000, 10**9)
+    assert stored.created_ms == 1_700_000_000_123
+    assert stored.segments == records
+    # the unsigned 64-bit key range ends survive SQLite's signed integers exactly
+    assert stored.segments[0].key_lo == 0
+    assert stored.segments[1].key_hi == MAX_KEY
+    assert stored.segments[0].key_hi + 1 == stored.segments[1].key_lo == 2**63
+
+
+def test_single_segment_covers_the_whole_key_space(meta: MetaStore) -> None:
+    meta.create_stream("s/one", [SegmentRecord(0, 0, 0, MAX_KEY, 0)], None, None, 1)
+    (stored,) = meta.streams()
+    assert (stored.segments[0].key_lo, stored.segments[0].key_hi) == (0, MAX_KEY)
+    assert stored.retention_ms is None and stored.retention_bytes is None
+
+
+def test_duplicate_name_is_stream_exists_and_changes_nothing(meta: MetaStore) -> None:
+    first = create(meta, "s/dup", 2)
+    with pytest.raises(StreamExists) as raised:
+        meta.create_stream("s/dup", segments(5), 1, 1, 1)
+    assert raised.value.details["stream"] == "s/dup"
+    (stored,) = meta.streams()
+    assert stored.id == first
+    assert len(stored.segments) == 2
+    # the store is still usable after the refused transaction
+    assert create(meta, "s/other") > first
+
+
+def test_streams_lists_every_live_stream_by_name(meta: MetaStore) -> None:
+    for name in ("b/two", "a/one", "c/three"):
+        create(meta, name, 3)
+    listed = meta.streams()
+    assert [s.name for s in listed] == ["a/one", "b/two", "c/three"]
+    assert all([seg.number for seg in s.segments] == [0, 1, 2] for s in listed)
+
+
+def test_delete_stream_returns_its_chunks_and_removes_it(meta: MetaStore) -> None:
+    doomed = create(meta, "s/doomed")
+    kept = create(meta, "s/kept")
+    doomed_chunks = [chunk(doomed, 0, 0), chunk(doomed, 0, 10), chunk(doomed, 1, 0)]
+    kept_chunks = [chunk(kept, 0, 0)]
+    meta.add_chunks(0, 0, doomed_chunks + kept_chunks)
+
+    record, chunks = meta.delete_stream("s/doomed")
+    assert record.id == doomed and record.name == "s/doomed"
+    assert len(record.segments) == 2
+    assert chunks == doomed_chunks
+    assert [s.name for s in meta.streams()] == ["s/kept"]
+    assert meta.chunks() == kept_chunks
+    with pytest.raises(StreamNotFound):
+        meta.delete_stream("s/doomed")
+
+
+def test_delete_of_a_missing_stream_is_stream_not_found(meta: MetaStore) -> None:
+    with pytest.raises(StreamNotFound) as raised:
+        meta.delete_stream("s/never")
+    assert raised.value.details["stream"] == "s/never"
+
+
+def test_stream_ids_are_never_reused(meta: MetaStore) -> None:
+    seen = {create(meta, "s/a"), create(meta, "s/b")}
+    for round_ in range(3):
+        meta.delete_stream("s/b")  # the newest: a plain rowid would hand its id out again
+        new = create(meta, "s/b")
+        assert new not in seen, round_
+        assert new > max(seen)
+        seen.add(new)
+
+
+def test_segments_of_a_recreated_stream_are_its_own(meta: MetaStore) -> None:
+    old = create(meta, "s/re", 4)
+    meta.add_chunks(0, 0, [chunk(old, 0, 0)])
+    meta.delete_stream("s/re")
+    new = create(meta, "s/re", 1)
+    (stored,) = meta.streams()
+    assert stored.id == new and len(stored.segments) == 1
+    assert meta.chunks() == []
+
+
+def test_moved_file_is_per_container_and_set_with_the_chunks(meta: MetaStore) -> None:
+    stream = create(meta, "s/move")
+    assert meta.moved_file(0) == -1
+    assert meta.moved_file(1) == -1
+    meta.add_chunks(0, 4, [chunk(stream, 0, 0)])
+    assert meta.moved_file(0) == 4
+    assert meta.moved_file(1) == -1
+    meta.add_chunks(1, 0, [])  # a file with no live batches still counts as moved
+    assert meta.moved_file(1) == 0
+    meta.add_chunks(0, 5, [chunk(stream, 0, 10), chunk(stream, 1, 0)])
+    assert meta.moved_file(0) == 5
+    assert meta.chunks() == [chunk(stream, 0, 0), chunk(stream, 0, 10), chunk(stream, 1, 0)]
+
+
+def test_add_chunks_is_atomic(meta: MetaStore) -> None:
+    stream = create(meta, "s/atomic")
+    meta.add_chunks(0, 1, [chunk(stream, 0, 0)])
+    bad = chunk(stream, 0, 20)
+    bad = ChunkRecord(*[None if f == "name" else getattr(bad, f) for f in bad.__struct_fields__])
+    with pytest.raises(sqlite3.IntegrityError):
+        meta.add_chunks(0, 2, [chunk(stream, 0, 10), bad])
+    assert meta.chunks() == [chunk(stream, 0, 0)]
+    assert meta.moved_file(0) == 1, "the file is not marked moved when its chunks are not"
+
+
+def test_add_chunks_again_replaces_rather_than_duplicates(meta: MetaStore) -> None:
+    # a move retried after a crash records the same chunks again
+    stream = create(meta, "s/retry")
+    meta.add_chunks(0, 0, [chunk(stream, 0, 0)])
+    meta.add_chunks(0, 0, [chunk(stream, 0, 0)])
+    assert meta.chunks() == [chunk(stream, 0, 0)]
+
+
+def test_add_chunks_for_a_deleted_stream_stores_nothing(meta: MetaStore) -> None:
+    gone = create(meta, "s/gone")
+    live = create(meta, "s/live")
+    meta.delete_stream("s/gone")
+    meta.add_chunks(0, 3, [chunk(gone, 0, 0), chunk(live, 1, 0), chunk(9999, 0, 0)])
+    assert meta.chunks() == [chunk(live, 1, 0)]
+    assert meta.moved_file(0) == 3
+
+
+def test_chunks_are_ordered_by_stream_segment_and_offset(meta: MetaStore) -> None:
+    a = create(meta, "s/a")
+    b = create(meta, "s/b")
+    shuffled = [chunk(b, 0, 0), chunk(a, 1, 0), chunk(a, 0, 100), chunk(a, 0, 5), chunk(b, 1, 7)]
+    meta.add_chunks(0, 0, shuffled)
+    assert meta.chunks() == sorted(shuffled, key=lambda c: (c.stream_id, c.segment, c.base_offset))
+
+
+def test_remove_chunks_moves_start_offsets_forward_only(meta: MetaStore) -> None:
+    stream = create(meta, "s/ret")
+    first, second, third = chunk(stream, 0, 0), chunk(stream, 0, 10), chunk(stream, 0, 20)
+    other = chunk(stream, 1, 0)
+    meta.add_chunks(0, 0, [first, second, third, other])
+
+    meta.remove_chunks([second])
+    assert start_offsets(meta, "s/ret") == [20, 0]
+    meta.remove_chunks([first])  # an older chunk after a newer one: never backward
+    assert start_offsets(meta, "s/ret") == [20, 0]
+    assert meta.chunks() == [third, other]
+    meta.remove_chunks([third, other])
+    assert start_offsets(meta, "s/ret") == [30, 10]
+    assert meta.chunks() == []
+    meta.remove_chunks([third])  # already gone: harmless
+    assert start_offsets(meta, "s/ret") == [30, 10]
+
+
+def test_remove_chunks_keeps_a_higher_start_offset(meta: MetaStore) -> None:
+    meta.create_stream("s/high", [SegmentRecord(0, 0, 0, MAX_KEY, 0, start_offset=500)], 1, 1, 1)
+    (stream,) = meta.streams()
+    meta.add_chunks(0, 0, [chunk(stream.id, 0, 0)])
+    meta.remove_chunks([chunk(stream.id, 0, 0)])
+    assert start_offsets(meta, "s/high") == [500]
+
+
+def test_remove_chunks_of_a_deleted_stream_is_harmless(meta: MetaStore) -> None:
+    stream = create(meta, "s/del")
+    meta.add_chunks(0, 0, [chunk(stream, 0, 0)])
+    meta.delete_stream("s/del")
+    meta.remove_chunks([chunk(stream, 0, 0)])
+    assert meta.streams() == []
+    assert meta.chunks() == []
+
+
+def test_reopen_from_a_file_keeps_everything(file_kit: Kit) -> None:
+    meta = file_kit.meta
+    a = create(meta, "s/a", 3, retention_ms=1000)
+    b = create(meta, "s/b", 1)
+    create(meta, "s/deleted")
+    meta.delete_stream("s/deleted")
+    meta.add_chunks(0, 7, [chunk(a, 0, 0), chunk(a, 0, 10), chunk(b, 0, 0)])
+    meta.add_chunks(2, 1, [chunk(a, 2, 0)])
+    meta.remove_chunks([chunk(a, 0, 0)])
+    streams, chunks = meta.streams(), meta.chunks()
+
+    reopened = file_kit.reopen()
+    assert reopened.streams() == streams
+    assert reopened.chunks() == chunks
+    assert (reopened.moved_file(0), reopened.moved_file(1), reopened.moved_file(2)) == (7, -1, 1)
+    assert start_offsets(reopened, "s/a") == [10, 0, 0]
+    # ids keep growing past every id ever handed out, deleted ones included
+    assert create(reopened, "s/c") > max(s.id for s in streams) + 1
