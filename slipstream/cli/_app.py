@@ -3,22 +3,36 @@
 from __future__ import annotations
 
 import sys
+import time
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
+import msgspec
 import typer
-from rich.console import Console
+from rich.markup import escape
 
-from .._errors import SlipstreamError
+from .._errors import BrokerUnavailable, SlipstreamError
 from ..broker import FSYNC_MODES
 from ..streams import parse_size_bytes
+from ._common import BrokerOption, connect, err, out
 
 app = typer.Typer(
     help="slipstream: durable streams on your laptop. Start with 'slipstream up'.",
     no_args_is_help=True,
     rich_markup_mode="rich",
 )
-err = Console(stderr=True)
+stream_app = typer.Typer(
+    help="Create, list, describe and delete streams.",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+)
+app.add_typer(stream_app, name="stream")
+
+
+def examples(*lines: str) -> str:
+    """An epilog for --help: the example command lines, one per line."""
+    return "[bold]Examples[/]\n\n" + "\n".join(f"  {escape(line)}" for line in lines)
 
 
 @app.callback()
@@ -72,10 +86,349 @@ def up(
     )
 
 
+# --- streams -----------------------------------------------------------------------------------
+
+StreamName = Annotated[str, typer.Argument(help="Stream name: scope/name, e.g. demo/orders.")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")]
+
+
+def _print_json(document: object) -> None:
+    sys.stdout.write(msgspec.json.format(msgspec.json.encode(document)).decode() + "\n")
+
+
+@stream_app.command(
+    "create",
+    epilog=examples(
+        "slipstream stream create demo/orders --segments 4",
+        "slipstream stream create demo/clicks --retention-time 7d --retention-bytes 10GiB",
+    ),
+)
+def stream_create(
+    name: StreamName,
+    segments: Annotated[
+        int, typer.Option("--segments", "-s", help="Segments (parallelism; keys are spread).")
+    ] = 1,
+    retention_time: Annotated[
+        str | None, typer.Option(help="Keep events this long: 90s, 15m, 12h, 7d, 1h30m.")
+    ] = None,
+    retention_bytes: Annotated[
+        str | None, typer.Option(help="Keep at most this much data: 512MiB, 10GiB, 1TB.")
+    ] = None,
+    as_json: JsonFlag = False,
+    broker: BrokerOption = "",
+) -> None:
+    """Create a stream. Without retention options it keeps everything."""
+    from ._streams import retention_text, stream_dict
+
+    with connect(broker) as client:
+        info = client.create_stream(
+            name, segments, retention_time=retention_time, retention_bytes=retention_bytes
+        )
+    if as_json:
+        _print_json(stream_dict(info))
+    else:
+        err.print(
+            f"created [bold cyan]{escape(info.name)}[/]: {len(info.segments)} segment"
+            f"{'s' if len(info.segments) != 1 else ''}, retention {retention_text(info)}",
+            highlight=False,
+        )
+
+
+@stream_app.command(
+    "list",
+    epilog=examples("slipstream stream list", "slipstream stream list --scope demo --json"),
+)
+def stream_list(
+    scope: Annotated[str | None, typer.Option(help="Only streams of this scope.")] = None,
+    as_json: JsonFlag = False,
+    broker: BrokerOption = "",
+) -> None:
+    """List streams with their segment, event and byte counts."""
+    from ._streams import stream_dict, streams_table
+
+    with connect(broker) as client:
+        infos = sorted(client.list_streams(scope), key=lambda info: info.name)
+    if as_json:
+        _print_json([stream_dict(info) for info in infos])
+    else:
+        out.print(streams_table(infos))
+
+
+@stream_app.command(
+    "describe",
+    epilog=examples(
+        "slipstream stream describe demo/orders", "slipstream stream describe demo/orders --json"
+    ),
+)
+def stream_describe(name: StreamName, as_json: JsonFlag = False, broker: BrokerOption = "") -> None:
+    """Show a stream's segments: key-hash ranges (hex), events, offsets, bytes, first and
+    last event times. Events counts what is retained: end offset minus start offset."""
+    from ._streams import describe_table, stream_dict
+
+    with connect(broker) as client:
+        info = client.describe_stream(name)
+    if as_json:
+        _print_json(stream_dict(info))
+    else:
+        out.print(describe_table(info))
+
+
+@stream_app.command(
+    "delete",
+    epilog=examples(
+        "slipstream stream delete demo/orders", "slipstream stream delete demo/orders --yes"
+    ),
+)
+def stream_delete(
+    name: StreamName,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    broker: BrokerOption = "",
+) -> None:
+    """Delete a stream and all its events. Asks first unless --yes; without a terminal to
+    ask on, --yes is required."""
+    from ._common import human_bytes
+
+    with connect(broker) as client:
+        if not yes:
+            info = client.describe_stream(name)
+            events = sum(s.end_offset - s.start_offset for s in info.segments)
+            size = human_bytes(sum(s.bytes for s in info.segments))
+            if not sys.stdin.isatty():
+                raise typer.BadParameter(
+                    f"{name} holds {events:,} events ({size}); pass --yes to delete it",
+                    param_hint="--yes",
+                )
+            typer.confirm(f"Delete {name} and its {events:,} events ({size})?", abort=True)
+        client.delete_stream(name)
+    err.print(f"deleted [bold cyan]{escape(name)}[/]", highlight=False)
+
+
+# --- produce and consume -----------------------------------------------------------------------
+
+
+@app.command(
+    epilog=examples(
+        """echo '{"key": "user-42", "value": {"item": "book", "price": 12.5}}' """
+        "| slipstream produce demo/orders",
+        "cat orders.jsonl | slipstream produce demo/orders --key-field user",
+        "tail -f app.log | slipstream produce demo/logs --raw",
+    )
+    + '\n\nA JSON object with a "value" field is an envelope: key, value (any JSON; a string is '
+    "sent as its text, anything else as its JSON), headers (strings), timestamp (ms or "
+    "ISO-8601). Any other line is the value itself.",
+)
+def produce(
+    name: StreamName,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="Send each line's bytes as the value, no JSON.")
+    ] = False,
+    key_field: Annotated[
+        str | None,
+        typer.Option(help="Key each event by this top-level field of the value object."),
+    ] = None,
+    skip_bad: Annotated[
+        bool,
+        typer.Option("--skip-bad", help="Skip bad lines (and count them) instead of stopping."),
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the summary as JSON on stdout.")
+    ] = False,
+    linger_ms: Annotated[
+        float, typer.Option(help="How long a batch may wait for more events.")
+    ] = 5.0,
+    broker: BrokerOption = "",
+) -> None:
+    """Send JSON lines (or raw lines) from stdin as events; every event is acknowledged
+    (durable) before the command exits 0. A bad line stops it with exit code 1, naming the
+    line; the events before it are sent. Ctrl-C stops it with exit code 130 after the events
+    read so far are acknowledged. A summary goes to stderr."""
+    from ._produce import (
+        LineParser,
+        ProduceStats,
+        ProgressReport,
+        StoppedAtBadLine,
+        produce_lines,
+        stdin_lines,
+    )
+
+    lines = stdin_lines()
+    parser = LineParser(raw=raw, key_field=key_field)
+    stopped: StoppedAtBadLine | None = None
+    interrupted = False
+    with connect(broker) as client:
+        report: ProgressReport | None = None
+        stats = ProduceStats(name)
+        try:
+            with client.producer(name, linger_ms=linger_ms) as producer:
+                report = ProgressReport(err, lines)
+                stats.started = time.monotonic()
+                try:
+                    produce_lines(
+                        producer, lines, parser, stats, skip_bad=skip_bad, report=report, warn=err
+                    )
+                except StoppedAtBadLine as exc:
+                    stopped = exc
+                except KeyboardInterrupt:
+                    interrupted = True
+        finally:
+            if report is not None:
+                report.close()
+        stats.elapsed = time.monotonic() - stats.started
+    if stopped is not None:
+        err.print(f"[bold red]error[/]: {escape(str(stopped))}", highlight=False, soft_wrap=True)
+        err.print(
+            f"stopped at line {stopped.line_number}: the {stats.events:,} events before it are "
+            "acknowledged; fix the line, or pass --skip-bad to skip bad lines",
+            highlight=False,
+            soft_wrap=True,
+        )
+    err.print(stats.summary(), highlight=False, soft_wrap=True)
+    if as_json:
+        _print_json(stats.as_dict())
+    if stopped is not None:
+        raise typer.Exit(1)
+    if interrupted:
+        raise typer.Exit(130)
+
+
+class OutputFormat(StrEnum):
+    json = "json"
+    raw = "raw"
+    table = "table"
+
+
+@app.command(
+    epilog=examples(
+        "slipstream consume demo/orders --from earliest",
+        "slipstream consume demo/orders --from latest --follow --format table",
+        "slipstream consume demo/orders --from 2026-11-21T08:00:00Z --limit 100",
+        "slipstream consume demo/orders --limit 1000 --end-cut 2> cut.json",
+        """slipstream consume demo/orders --from "$(cat cut.json)" """,
+    ),
+)
+def consume(
+    name: StreamName,
+    start: Annotated[
+        str,
+        typer.Option(
+            "--from",
+            help="earliest, latest, an ISO-8601 time with a timezone, or a StreamCut "
+            "(JSON, as printed by --end-cut).",
+        ),
+    ] = "earliest",
+    follow: Annotated[
+        bool,
+        typer.Option(
+            "--follow", "-f", help="Keep following new events until Ctrl-C (which exits 0)."
+        ),
+    ] = False,
+    limit: Annotated[
+        int | None, typer.Option("--limit", "-n", min=0, help="Stop after this many events.")
+    ] = None,
+    fmt: Annotated[
+        OutputFormat,
+        typer.Option(
+            "--format",
+            help="json: one object per line (key, value, headers, timestamp, time, segment, "
+            "offset); raw: each value's bytes and a newline; table: columns for people.",
+        ),
+    ] = OutputFormat.json,
+    end_cut: Annotated[
+        bool,
+        typer.Option(
+            "--end-cut",
+            help="At exit, print to stderr the StreamCut to resume from with --from.",
+        ),
+    ] = False,
+    broker: BrokerOption = "",
+) -> None:
+    """Print a stream's events on stdout. Without --follow it reads up to the stream's end as
+    of now and exits; with --follow it prints new events as soon as they are durable."""
+    from ._consume import run_consume
+
+    with connect(broker) as client:
+        code = run_consume(
+            client,
+            name,
+            start,
+            follow=follow,
+            limit=limit,
+            fmt=fmt.value,
+            end_cut=end_cut,
+            console=out,
+        )
+    if code:
+        raise typer.Exit(code)
+
+
+# --- demo --------------------------------------------------------------------------------------
+
+
+@app.command(
+    epilog=examples(
+        "slipstream demo",
+        "slipstream demo --rate 5000 --duration 60",
+        "slipstream demo --broker 127.0.0.1:7070",
+    ),
+)
+def demo(
+    rate: Annotated[float, typer.Option(min=1, help="Orders produced per second.")] = 1000.0,
+    duration: Annotated[
+        float | None, typer.Option(min=0, help="Stop after this many seconds (default: Ctrl-C).")
+    ] = None,
+    broker: Annotated[
+        str | None,
+        typer.Option(
+            help="Use this running broker (host:port) instead of starting one. "
+            "$SLIPSTREAM_BROKER is not consulted: the demo brings its own broker."
+        ),
+    ] = None,
+    port: Annotated[
+        int | None,
+        typer.Option(help="Port for the demo's broker (default: 7070 if free, else any free)."),
+    ] = None,
+    data_dir: Annotated[Path, typer.Option(help="Data directory of the demo's broker.")] = Path(
+        ".slipstream/demo-data"
+    ),
+    segments: Annotated[
+        int, typer.Option(min=1, help="Segments of demo/orders when it is created.")
+    ] = 4,
+    fsync: Annotated[
+        str, typer.Option(help="The demo broker's --fsync: always, interval or never.")
+    ] = "always",
+    as_json: Annotated[
+        bool, typer.Option("--json", help="No live view; print the summary as JSON on stdout.")
+    ] = False,
+) -> None:
+    """Live demo: start a broker, produce realistic order events to demo/orders (keyed by
+    user) and follow them, showing rates and end-to-end latency until Ctrl-C or --duration.
+    Then everything stops cleanly, broker included."""
+    from ._demo import run_demo
+
+    if fsync not in FSYNC_MODES:
+        raise typer.BadParameter(f"use one of {', '.join(FSYNC_MODES)}", param_hint="--fsync")
+    summary = run_demo(
+        broker=broker,
+        port=port,
+        data_dir=data_dir,
+        fsync=fsync,
+        rate=rate,
+        segments=segments,
+        duration=duration,
+        as_json=as_json,
+        console=out,
+    )
+    if as_json:
+        _print_json(summary)
+
+
 def main() -> None:
-    """Entry point: typed slipstream errors become one readable line and exit code 1."""
+    """Entry point: typed slipstream errors become one readable red line and exit code 1."""
     try:
         app()
     except SlipstreamError as exc:
-        err.print(f"[bold red]error[/]: {exc.message}", highlight=False)
+        message = exc.message
+        if isinstance(exc, BrokerUnavailable) and "slipstream up" not in message:
+            message += "; is the broker running? Start one with 'slipstream up' or pass --broker"
+        err.print(f"[bold red]error[/]: {escape(message)}", highlight=False, soft_wrap=True)
         sys.exit(1)

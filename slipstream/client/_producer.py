@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from .._errors import BatchTooLarge, InvalidArgument, SlipstreamError
 from ..format import (
@@ -27,6 +26,7 @@ from ..format import (
     EVENT_SCHEMA,
     binary_array,
     encode_body,
+    encode_body_parts,
     encode_header,
     headers_array,
     make_record_batch,
@@ -86,6 +86,12 @@ class _Batch:
             self.timestamps.append(None)
         if self.headers is not None:
             self.headers.append(None)
+
+    def time_range(self) -> tuple[int, int]:
+        if self.timestamps is None:
+            return self.created_ms, self.created_ms
+        present = [self.created_ms if t is None else t for t in self.timestamps]
+        return min(present), max(present)
 
     def record_batch(self) -> pa.RecordBatch:
         count = len(self.values)
@@ -404,21 +410,19 @@ class ProducerCore:
                 item.future,
                 item.bytes,
             )
+            min_ts, max_ts = item.time_range()
         else:
             record, segment, future = item
             size = record.nbytes
-        body = encode_body(record, self.compression)
-        timestamps = record.column(2).view(pa.int64())
-        min_max = pc.min_max(timestamps).as_py()
+            timestamps = record.column(2).view(pa.int64()).to_numpy()
+            min_ts, max_ts = int(timestamps.min()), int(timestamps.max())
+        body = encode_body_parts(record, self.compression)
         head = encode_header(
-            body,
-            event_count=record.num_rows,
-            min_timestamp=min_max["min"],
-            max_timestamp=min_max["max"],
+            body, event_count=record.num_rows, min_timestamp=min_ts, max_timestamp=max_ts
         )
         self._in_flight += 1
         self._unacked.add(future)
-        reply = self.connection.send_request(Append(self.stream, segment), [head, body])
+        reply = self.connection.send_request(Append(self.stream, segment), [head, *body])
         reply.add_done_callback(lambda done: self._acked(done, future, size))
 
     def _acked(

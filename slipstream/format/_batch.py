@@ -29,7 +29,7 @@ on decode, and the journal and the chunk index guard them on disk.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import crc32c
 import msgspec
@@ -72,7 +72,7 @@ class BatchHeader(msgspec.Struct, frozen=True):
 
 
 def encode_header(
-    body: pa.Buffer | bytes | memoryview,
+    body: pa.Buffer | bytes | memoryview | Sequence[pa.Buffer | bytes | memoryview],
     *,
     event_count: int,
     min_timestamp: int,
@@ -83,8 +83,11 @@ def encode_header(
     producer_epoch: int = -1,
     sequence: int = -1,
 ) -> bytes:
-    """Build the 64-byte header for ``body``; header + body is the batch, sent without copying."""
-    batch_length = HEADER_LENGTH + len(memoryview(body))
+    """Build the 64-byte header for ``body`` (one buffer, or a list of buffers that follow each
+    other); header + body is the batch, sent without copying."""
+    parts = list(body) if isinstance(body, list | tuple) else [body]
+    views = [memoryview(p) for p in parts]  # type: ignore[arg-type]
+    batch_length = HEADER_LENGTH + sum(v.nbytes for v in views)
     if batch_length > 0xFFFFFFFF:
         raise CorruptBatch(f"batch of {batch_length} bytes exceeds the 4 GiB format limit")
     head = bytearray(
@@ -106,7 +109,9 @@ def encode_header(
             0,
         )
     )
-    crc = crc32c.crc32c(memoryview(body), crc32c.crc32c(head[CRC_START:]))
+    crc = crc32c.crc32c(head[CRC_START:])
+    for view in views:
+        crc = crc32c.crc32c(view, crc)
     struct.pack_into("<I", head, 20, crc)
     return bytes(head)
 
