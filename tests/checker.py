@@ -52,7 +52,9 @@ def check_history(
             problems.append(f"{event.value!r} read with key {event.key!r}")
         previous = last_seq.get((sent.producer, sent.key))
         if previous is not None and sent.seq <= previous:
-            problems.append(f"key {sent.key} of producer {sent.producer}: seq {sent.seq} after {previous}")
+            problems.append(
+                f"key {sent.key} of producer {sent.producer}: seq {sent.seq} after {previous}"
+            )
         last_seq[(sent.producer, sent.key)] = sent.seq
     for value, position in acknowledged.items():
         if value not in seen:

@@ -36,9 +36,21 @@ class BrokerProcess:
     def start(self, timeout: float = 20.0) -> BrokerProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "slipstream", "up", "--data-dir", str(self.data_dir),
-                 "--port", str(self.port), "--log-level", "debug", *self.extra],
-                stdout=log, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "slipstream",
+                    "up",
+                    "--data-dir",
+                    str(self.data_dir),
+                    "--port",
+                    str(self.port),
+                    "--log-level",
+                    "debug",
+                    *self.extra,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

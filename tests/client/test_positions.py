@@ -25,7 +25,7 @@ def test_parse_address(text: str, expected: tuple[str, int]) -> None:
 
 @pytest.mark.parametrize("text", ["7070", "host:", ":7070", "host:port", "host:0", "host:70000"])
 def test_bad_addresses_say_what_they_should_look_like(text: str) -> None:
-    with pytest.raises(slipstream.InvalidArgument, match="127.0.0.1:7070"):
+    with pytest.raises(slipstream.InvalidArgument, match=r"127\.0\.0\.1:7070"):
         parse_address(text)
 
 

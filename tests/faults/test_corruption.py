@@ -7,16 +7,18 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import BrokerProcess
 
 import slipstream
-from conftest import BrokerProcess
 
 
 def _journal_files(data_dir: Path) -> list[Path]:
     return sorted(p for p in (data_dir / "journal").rglob("*.journal") if p.stat().st_size)
 
 
-def _fill(client: slipstream.Client, count: int, stream: str = "faults/torn") -> list[slipstream.Position]:
+def _fill(
+    client: slipstream.Client, count: int, stream: str = "faults/torn"
+) -> list[slipstream.Position]:
     """One batch (one journal entry) per event: wait for each acknowledgement."""
     with client.producer(stream, linger_ms=0) as producer:
         return [producer.send(f"event-{i}".encode(), key="k").result() for i in range(count)]
@@ -103,7 +105,9 @@ def test_journal_bytes_corrupted_while_running_are_reported_not_served(
         f.seek(at)
         f.write(bytes([data[at] ^ 0x01]))
     with broker.client() as client:
-        reader = iter(client.reader("faults/torn", start="earliest", end=client.tail("faults/torn")))
+        reader = iter(
+            client.reader("faults/torn", start="earliest", end=client.tail("faults/torn"))
+        )
         assert [next(reader).value for _ in range(5)] == [f"event-{i}".encode() for i in range(5)]
         with pytest.raises(slipstream.CorruptData) as raised:
             next(reader)

@@ -7,17 +7,22 @@ import threading
 import time
 
 import pytest
-
-import slipstream
 from checker import Sent, check_history, encode
 from conftest import BrokerProcess
+
+import slipstream
 
 PRODUCERS = 4
 KEYS = 6
 
 
-def _produce(address: str, producer_id: int, acknowledged: dict[bytes, slipstream.Position],
-             lock: threading.Lock, stop: threading.Event) -> None:
+def _produce(
+    address: str,
+    producer_id: int,
+    acknowledged: dict[bytes, slipstream.Position],
+    lock: threading.Lock,
+    stop: threading.Event,
+) -> None:
     try:
         client = slipstream.connect(address)
     except slipstream.BrokerUnavailable:
@@ -61,7 +66,9 @@ def test_kill_9_during_writes_loses_nothing_acknowledged(
     for life in range(2):  # kill, restart, produce more, kill again
         stop = threading.Event()
         threads = [
-            threading.Thread(target=_produce, args=(broker.address, life * 100 + p, acknowledged, lock, stop))
+            threading.Thread(
+                target=_produce, args=(broker.address, life * 100 + p, acknowledged, lock, stop)
+            )
             for p in range(PRODUCERS)
         ]
         for thread in threads:
@@ -74,7 +81,9 @@ def test_kill_9_during_writes_loses_nothing_acknowledged(
         broker.start()
     assert len(acknowledged) > 1000, "the load was too light to mean anything"
     with broker.client() as client:
-        events = list(client.reader("faults/kill", start="earliest", end=client.tail("faults/kill")))
+        events = list(
+            client.reader("faults/kill", start="earliest", end=client.tail("faults/kill"))
+        )
     problems = check_history(acknowledged, events)
     assert not problems, "\n".join(problems[:20])
     assert "recovered 1 streams" in broker.log()

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 import struct
+from collections.abc import Iterator
 
 import msgspec
 import pytest
+from conftest import BrokerProcess
 
 import slipstream
-from conftest import BrokerProcess
 from slipstream.format import (
     binary_array,
     encode_body,
@@ -40,7 +40,9 @@ class RawConnection:
         self.send_frame(Hello(version, "raw-test"), 1)
 
     def send_frame(self, message: object, cid: int, payload: bytes = b"") -> None:
-        self.sock.sendall(b"".join(bytes(b) for b in frame_bytes(message, cid, [payload] if payload else [])))  # type: ignore[arg-type]
+        self.sock.sendall(
+            b"".join(bytes(b) for b in frame_bytes(message, cid, [payload] if payload else []))
+        )  # type: ignore[arg-type]
 
     def receive(self) -> Frame:
         while True:
@@ -62,7 +64,9 @@ def _batch(count: int = 3, value: bytes = b"v") -> bytes:
         binary_array([None] * count), binary_array([value] * count), timestamp_array([1] * count)
     )
     body = encode_body(record)
-    return encode_header(body, event_count=count, min_timestamp=1, max_timestamp=1) + body.to_pybytes()
+    return (
+        encode_header(body, event_count=count, min_timestamp=1, max_timestamp=1) + body.to_pybytes()
+    )
 
 
 def _error(frame: Frame) -> Error:
@@ -79,7 +83,9 @@ def raw(broker: BrokerProcess, client: slipstream.Client) -> Iterator[RawConnect
     connection.close()
 
 
-def test_unknown_protocol_version_gets_a_typed_error(broker: BrokerProcess, client: slipstream.Client) -> None:
+def test_unknown_protocol_version_gets_a_typed_error(
+    broker: BrokerProcess, client: slipstream.Client
+) -> None:
     connection = RawConnection(broker.address, version=99)
     error = _error(connection.receive())
     connection.close()
@@ -88,7 +94,9 @@ def test_unknown_protocol_version_gets_a_typed_error(broker: BrokerProcess, clie
     assert client.list_streams() == []  # everyone else is still served
 
 
-def test_malformed_frames_get_errors_and_the_connection_survives(raw: RawConnection, client: slipstream.Client) -> None:
+def test_malformed_frames_get_errors_and_the_connection_survives(
+    raw: RawConnection, client: slipstream.Client
+) -> None:
     # unknown message kind
     raw.sock.sendall(struct.pack("<IHHII", 12, 999, 0, 5, 0))
     assert _error(raw.receive()).code == "protocol"
@@ -109,7 +117,9 @@ def test_malformed_frames_get_errors_and_the_connection_survives(raw: RawConnect
     assert client.describe_stream("bad/input").segments[0].end_offset == 3
 
 
-def test_frame_length_below_minimum_closes_only_that_connection(raw: RawConnection, client: slipstream.Client) -> None:
+def test_frame_length_below_minimum_closes_only_that_connection(
+    raw: RawConnection, client: slipstream.Client
+) -> None:
     raw.sock.sendall(struct.pack("<I", 3) + b"abc")
     assert _error(raw.receive()).code == "protocol"
     with pytest.raises(ConnectionError):
@@ -117,7 +127,9 @@ def test_frame_length_below_minimum_closes_only_that_connection(raw: RawConnecti
     assert [s.name for s in client.list_streams()] == ["bad/input"]
 
 
-def test_oversized_batch_is_refused_and_nothing_is_stored(raw: RawConnection, client: slipstream.Client) -> None:
+def test_oversized_batch_is_refused_and_nothing_is_stored(
+    raw: RawConnection, client: slipstream.Client
+) -> None:
     big = _batch(count=2, value=b"x" * (5 * 1024 * 1024))
     raw.send_frame(Append("bad/input", 0), 9, big)
     error = _error(raw.receive())

@@ -8,9 +8,9 @@ import threading
 import time
 
 import pytest
+from conftest import BrokerProcess
 
 import slipstream
-from conftest import BrokerProcess
 
 
 def test_second_broker_on_the_same_data_dir_is_refused(
@@ -91,7 +91,9 @@ def test_batches_carry_segment_and_offset_columns(client: slipstream.Client) -> 
     with client.producer("life/batches") as producer:
         producer.send_many([b"x"] * 1000)
     start = slipstream.StreamCut("life/batches", {0: 10})
-    batches = list(client.reader("life/batches", start=start, end=client.tail("life/batches")).batches())
+    batches = list(
+        client.reader("life/batches", start=start, end=client.tail("life/batches")).batches()
+    )
     offsets = [o for b in batches for o in b.column("offset").to_pylist()]
     assert offsets == list(range(10, 1000))
     assert batches[0].schema.names == ["key", "value", "timestamp", "headers", "segment", "offset"]
@@ -110,14 +112,16 @@ def test_headers_round_trip(client: slipstream.Client) -> None:
 def test_retention_removes_old_chunks_and_names_the_oldest_position(
     broker_factory: type[BrokerProcess],
 ) -> None:
-    broker = broker_factory("--roll", "8KiB", "--roll-seconds", "0.2", "--retention-check-seconds", "0.2").start()
+    broker = broker_factory(
+        "--roll", "8KiB", "--roll-seconds", "0.2", "--retention-check-seconds", "0.2"
+    ).start()
     with broker.client() as client:
         client.create_stream("life/retained", segments=1, retention_bytes="32KiB")
         client.create_stream("life/aged", segments=1, retention_time="1s")
         old = int(time.time() * 1000) - 60_000
         for stream in ("life/retained", "life/aged"):
             with client.producer(stream, batch_bytes=4096) as producer:
-                for i in range(300):
+                for _ in range(300):
                     producer.send(b"v" * 400, timestamp=old if stream == "life/aged" else None)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -130,8 +134,13 @@ def test_retention_removes_old_chunks_and_names_the_oldest_position(
         assert aged.start_offset > 0, "time retention never removed a chunk"
         assert retained.bytes <= 32 * 1024 + 16 * 1024  # at most one chunk over the limit
         with pytest.raises(slipstream.OffsetOutOfRange) as raised:
-            list(client.reader("life/retained", start=slipstream.StreamCut("life/retained", {0: 0}),
-                               end=client.tail("life/retained")))
+            list(
+                client.reader(
+                    "life/retained",
+                    start=slipstream.StreamCut("life/retained", {0: 0}),
+                    end=client.tail("life/retained"),
+                )
+            )
         assert raised.value.details["oldest"] == retained.start_offset
         assert f"oldest retained offset is {retained.start_offset}" in raised.value.message
         events = list(client.reader("life/retained", end=client.tail("life/retained")))
