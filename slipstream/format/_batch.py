@@ -127,7 +127,7 @@ def decode_header(buf: bytes | bytearray | memoryview, at: int = 0) -> BatchHead
     (
         magic,
         version,
-        _,
+        reserved,
         header_length,
         base_offset,
         batch_length,
@@ -139,7 +139,7 @@ def decode_header(buf: bytes | bytearray | memoryview, at: int = 0) -> BatchHead
         max_ts,
         producer_id,
         sequence,
-        _,
+        reserved_tail,
     ) = _HEADER.unpack_from(buf, at)
     if magic != MAGIC:
         raise CorruptBatch(f"bad batch magic {bytes(magic)!r}, expected {MAGIC!r}")
@@ -147,6 +147,8 @@ def decode_header(buf: bytes | bytearray | memoryview, at: int = 0) -> BatchHead
         raise CorruptBatch(f"unknown batch format version {version}, this build reads {VERSION}")
     if header_length != HEADER_LENGTH or batch_length < HEADER_LENGTH:
         raise CorruptBatch(f"bad batch lengths: header {header_length}, batch {batch_length}")
+    if reserved or reserved_tail:
+        raise CorruptBatch("reserved batch header bytes must be zero")
     if flags & ~_KNOWN_FLAGS:
         raise CorruptBatch(f"unknown batch flags {flags:#x}")
     if count == 0:
@@ -203,10 +205,17 @@ def iter_batches(
 
 
 def read_body(batch: bytes | bytearray | memoryview) -> pa.RecordBatch:
-    """Decode the Arrow body of one whole batch (header included) without copying its buffers."""
+    """Decode the Arrow body of one whole batch (header included) without copying its buffers.
+
+    The body is fully validated (offsets in bounds, UTF-8 where declared): a CRC only proves
+    the bytes are what the producer sent, and a buggy or hostile producer must not be able to
+    crash readers. Costs about 10 ns an event.
+    """
     view = memoryview(batch)
     try:
         reader = pa.ipc.open_stream(pa.py_buffer(view[HEADER_LENGTH:]))
-        return reader.read_next_batch()
-    except (pa.ArrowInvalid, pa.ArrowTypeError, StopIteration, OSError) as exc:
+        record = reader.read_next_batch()
+        record.validate(full=True)
+    except (pa.ArrowException, StopIteration, MemoryError, OSError) as exc:
         raise CorruptBatch(f"batch body is not a valid Arrow IPC stream: {exc}") from exc
+    return record

@@ -147,6 +147,6 @@ class FrameDecoder:
             )
         try:
             message = decoder.decode(frame[PREFIX_LENGTH:meta_end])
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             return Malformed(correlation_id, f"bad {KINDS[kind].__name__} fields: {exc}")
         return Frame(correlation_id, message, bytearray(frame[meta_end:]))

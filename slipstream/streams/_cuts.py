@@ -38,12 +38,16 @@ class StreamCut(msgspec.Struct, frozen=True):
         try:
             raw: Any = msgspec.json.decode(text)
             stream = raw["stream"]
-            positions = {int(k): int(v) for k, v in raw["positions"].items()}
+            positions = {int(k): v for k, v in raw["positions"].items()}
         except (msgspec.DecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise InvalidArgument(
                 'a StreamCut is JSON like {"stream": "demo/orders", "positions": {"0": 12}}',
                 error=str(exc),
             ) from exc
-        if not isinstance(stream, str) or any(o < 0 for o in positions.values()):
-            raise InvalidArgument("a StreamCut needs a stream name and non-negative offsets")
+        if not isinstance(stream, str) or not all(
+            type(o) is int and 0 <= o < 2**63 for o in positions.values()
+        ):
+            raise InvalidArgument(
+                "a StreamCut needs a stream name and non-negative integer offsets"
+            )
         return cls(stream, positions)

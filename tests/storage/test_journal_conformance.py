@@ -37,6 +37,7 @@ from slipstream.storage._journal import Buffer
 
 Entry = tuple[JournalAddress, bytes]
 
+
 class Faults:
     """Deterministic fault injection for a journal's ``fault`` hook.
 
@@ -713,9 +714,7 @@ class JournalMachine(RuleBasedStateMachine):
         self.unsynced = 0
 
     @rule(items=st.lists(st.binary(min_size=1, max_size=24), min_size=1, max_size=3))
-    @precondition(
-        lambda self: not self.failed
-    )
+    @precondition(lambda self: not self.failed)
     def failed_append(self, items: list[bytes]) -> None:
         # a failed append leaves nothing behind and needs no discard: the model is unchanged
         self.faults.fail_next("write")

@@ -1,0 +1,249 @@
+"""Events as Arrow columns and back (slipstream/format/_events.py), through a whole batch.
+
+The contract under test: whatever keys (bytes or None), values, headers and timestamps a
+producer puts in, a reader gets the same events back, with the segment and consecutive offsets
+from the batch's base offset, for every compression; the column builders agree with Arrow's own
+converters; ``encode_body_parts`` gives the same bytes as ``encode_body``; a body with another
+schema is refused with :class:`CorruptBatch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slipstream import CorruptBatch
+from slipstream.format import (
+    COMPRESSIONS,
+    EVENT_SCHEMA,
+    HEADER_TYPE,
+    TIMESTAMP_TYPE,
+    Event,
+    binary_array,
+    check_event_schema,
+    encode_body,
+    encode_body_parts,
+    encode_header,
+    events_of,
+    headers_array,
+    make_record_batch,
+    read_body,
+    set_base_offset,
+    timestamp_array,
+    to_json_value,
+    verify,
+)
+
+I64 = st.integers(-(2**63), 2**63 - 1)
+
+keys = st.none() | st.binary(max_size=24)
+values = st.binary(max_size=64)
+headers = st.dictionaries(st.text(max_size=8), st.binary(max_size=8), max_size=3)
+
+
+class Sent(msgspec.Struct, frozen=True):
+    """One event as a producer hands it over."""
+
+    key: bytes | None
+    value: bytes
+    headers: Mapping[str, bytes]
+    timestamp: int
+
+
+sent_events = st.builds(Sent, key=keys, value=values, headers=headers, timestamp=I64)
+
+
+def record_batch_of(events: list[Sent]) -> pa.RecordBatch:
+    return make_record_batch(
+        binary_array([e.key for e in events]),
+        binary_array([e.value for e in events]),
+        timestamp_array([e.timestamp for e in events]),
+        headers_array([e.headers for e in events]),
+    )
+
+
+def encode_batch(events: list[Sent], compression: str | None, in_parts: bool = False) -> bytearray:
+    """A whole batch; ``in_parts`` builds the body as buffers sent back to back, as the
+    producer does."""
+    record = record_batch_of(events)
+    parts = (
+        encode_body_parts(record, compression) if in_parts else [encode_body(record, compression)]
+    )
+    timestamps = [e.timestamp for e in events]
+    head = encode_header(
+        parts, event_count=len(events), min_timestamp=min(timestamps), max_timestamp=max(timestamps)
+    )
+    return bytearray(head + b"".join(memoryview(part) for part in parts))
+
+
+@settings(max_examples=75, deadline=None)
+@given(
+    events=st.lists(sent_events, min_size=1, max_size=20),
+    compression=st.sampled_from([None, *COMPRESSIONS]),
+    in_parts=st.booleans(),
+    segment=st.integers(0, 2**31),
+    base_offset=st.integers(0, 2**62),
+)
+def test_events_round_trip_through_a_whole_batch(
+    events: list[Sent], compression: str | None, in_parts: bool, segment: int, base_offset: int
+) -> None:
+    batch = encode_batch(events, compression, in_parts)
+    set_base_offset(batch, base_offset)
+
+    header = verify(batch)
+    record = read_body(batch)
+    check_event_schema(record)
+    received = list(events_of(record, segment, header.base_offset))
+
+    assert header.event_count == len(events)
+    assert header.min_timestamp == min(e.timestamp for e in events)
+    assert header.max_timestamp == max(e.timestamp for e in events)
+    assert received == [
+        Event(e.key, e.value, e.headers, e.timestamp, segment, base_offset + i)
+        for i, e in enumerate(events)
+    ]
+    assert all(isinstance(event.value, bytes) for event in received)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    events=st.lists(sent_events, max_size=10),
+    compression=st.sampled_from([None, *COMPRESSIONS]),
+)
+def test_encode_body_parts_are_the_same_bytes_as_encode_body(
+    events: list[Sent], compression: str | None
+) -> None:
+    record = record_batch_of(events)
+    parts = encode_body_parts(record, compression)
+    joined = b"".join(memoryview(part) for part in parts)
+    assert joined == encode_body(record, compression).to_pybytes()
+
+
+def test_encode_body_parts_of_another_schema_is_one_whole_body() -> None:
+    other = pa.RecordBatch.from_pydict({"value": pa.array([b"v"], pa.binary())})
+    [part] = encode_body_parts(other)
+    assert bytes(memoryview(part)) == encode_body(other).to_pybytes()
+
+
+def test_events_without_headers_read_back_as_empty_mappings() -> None:
+    record = read_body(encode_batch([Sent(b"k", b"v", {}, 7)], None))
+    assert record.column(3).null_count == 1  # no headers cost one null, not an empty list
+    [event] = events_of(record, 3, 10)
+    assert event == Event(b"k", b"v", {}, 7, 3, 10)
+    assert dict(event.headers) == {}
+
+
+def test_make_record_batch_without_headers_has_a_null_headers_column() -> None:
+    record = make_record_batch(binary_array([b"k"]), binary_array([b"v"]), timestamp_array([7]))
+    assert record.column(3).type == HEADER_TYPE
+    assert record.column(3).null_count == 1
+
+
+def test_events_of_an_empty_record_batch_is_empty() -> None:
+    empty = make_record_batch(binary_array([]), binary_array([]), timestamp_array([]))
+    assert list(events_of(empty, 0, 0)) == []
+
+
+@settings(max_examples=100)
+@given(items=st.lists(st.none() | st.binary(max_size=16), max_size=20))
+def test_binary_array_matches_arrows_own_converter(items: list[bytes | None]) -> None:
+    built = binary_array(items)
+    built.validate(full=True)
+    assert built.type == pa.binary()
+    assert built.equals(pa.array(items, pa.binary()))
+
+
+@settings(max_examples=100)
+@given(rows=st.lists(st.none() | headers, max_size=10))
+def test_headers_array_keeps_every_header(rows: list[dict[str, bytes] | None]) -> None:
+    built = headers_array(rows)
+    built.validate(full=True)
+    assert built.type == HEADER_TYPE
+    assert [
+        {item["key"]: item["value"] for item in row} if row else {} for row in built.to_pylist()
+    ] == [row or {} for row in rows]
+
+
+def test_headers_array_of_only_empty_headers_is_all_null() -> None:
+    built = headers_array([{}, None, {}])
+    assert built.type == HEADER_TYPE
+    assert built.null_count == 3
+
+
+@settings(max_examples=50)
+@given(timestamps=st.lists(I64, max_size=10))
+def test_timestamp_array_holds_milliseconds_since_the_epoch(timestamps: list[int]) -> None:
+    built = timestamp_array(timestamps)
+    assert built.type == TIMESTAMP_TYPE
+    assert built.view(pa.int64()).to_pylist() == timestamps
+
+
+@pytest.mark.parametrize(
+    "timestamps",
+    [
+        np.arange(10, dtype=np.int64)[::2],  # not contiguous
+        np.arange(5, dtype=np.int32),  # not int64
+        np.array([], dtype=np.int64),
+        [2**63 - 1, -(2**63)],
+    ],
+    ids=["strided", "int32", "empty", "int64-bounds"],
+)
+def test_timestamp_array_from_numpy_and_lists(timestamps: np.ndarray | list[int]) -> None:
+    built = timestamp_array(timestamps)
+    built.validate(full=True)
+    assert built.view(pa.int64()).to_pylist() == [int(t) for t in timestamps]
+
+
+def test_make_record_batch_has_the_event_schema() -> None:
+    record = make_record_batch(binary_array([None]), binary_array([b"v"]), timestamp_array([1]))
+    assert record.schema.equals(EVENT_SCHEMA)
+    check_event_schema(record)
+
+
+def test_check_event_schema_refuses_another_schema() -> None:
+    other = pa.RecordBatch.from_pydict({"value": pa.array([b"v"], pa.binary())})
+    with pytest.raises(CorruptBatch, match="schema"):
+        check_event_schema(other)
+
+
+def test_encode_body_refuses_an_unknown_compression() -> None:
+    record = make_record_batch(binary_array([b"k"]), binary_array([b"v"]), timestamp_array([1]))
+    with pytest.raises(ValueError, match="compression must be one of"):
+        encode_body(record, "gzip")
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_compression_shrinks_a_repetitive_body(compression: str) -> None:
+    record = make_record_batch(
+        binary_array([None] * 100), binary_array([b"x" * 1000] * 100), timestamp_array([1] * 100)
+    )
+    assert COMPRESSIONS == ("lz4", "zstd")
+    assert len(encode_body(record, compression)) < len(encode_body(record)) // 10
+
+
+def test_event_is_a_frozen_value() -> None:
+    event = Event(b"k", b"v", {}, 1, 0, 0)
+    with pytest.raises(AttributeError):
+        event.offset = 1  # type: ignore[misc]
+    assert event == Event(b"k", b"v", {}, 1, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (b'{"a": [1, 2]}', {"a": [1, 2]}),
+        (b"42", 42),
+        (b"plain text", "plain text"),
+        ("caf\u00e9".encode(), "caf\u00e9"),
+        (b"\xff\xfe", None),
+        (b"", ""),
+    ],
+)
+def test_to_json_value_prefers_json_then_text(value: bytes, expected: object) -> None:
+    assert to_json_value(value) == expected
