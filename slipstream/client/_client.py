@@ -133,7 +133,6 @@ class AsyncProducer:
 
     def __init__(self, core: ProducerCore) -> None:
         self.core = core
-        self._space = asyncio.Event()
 
     async def send(
         self,
@@ -142,8 +141,7 @@ class AsyncProducer:
         headers: Mapping[str, bytes] | None = None,
         timestamp: int | None = None,
     ) -> Receipt:
-        while self.core._buffered > self.core.buffer_bytes:
-            await asyncio.sleep(0.001)
+        await self.core.space_available()
         return self.core.send(value, key, headers, timestamp)
 
     async def send_many(
@@ -152,8 +150,7 @@ class AsyncProducer:
         keys: Sequence[str | bytes | None] | None = None,
         timestamps: Sequence[int] | np.ndarray | None = None,
     ) -> BulkReceipt:
-        while self.core._buffered > self.core.buffer_bytes:
-            await asyncio.sleep(0.001)
+        await self.core.space_available()
         return self.core.send_many(values, keys, timestamps)
 
     async def flush(self) -> None:

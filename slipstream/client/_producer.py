@@ -198,6 +198,7 @@ class ProducerCore:
         self._in_flight = 0
         self._unacked: set[concurrent.futures.Future[int]] = set()
         self._timer: asyncio.TimerHandle | None = None
+        self._space_waiters: list[asyncio.Future[None]] = []
         self._wakeup_pending = False
         self._sticky = 0
         self.closed = False
@@ -255,6 +256,14 @@ class ProducerCore:
             # let the network thread send this batch and take acknowledgements now.
             time.sleep(0)
         return Receipt(batch.future, batch.segment, index)
+
+    async def space_available(self) -> None:
+        """Wait (on the loop) until the buffer is below ``buffer_bytes``: the asyncio
+        producer's backpressure, woken by acknowledgements rather than by polling."""
+        while self._buffered > self.buffer_bytes:
+            waiter = self.loop.create_future()
+            self._space_waiters.append(waiter)
+            await waiter
 
     def _wait_for_space(self) -> None:
         while self._buffered > self.buffer_bytes and not _on_loop(self.loop):
@@ -445,6 +454,10 @@ class ProducerCore:
         with self._lock:
             self._buffered -= size
             self._space.notify_all()
+        waiters, self._space_waiters = self._space_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
         self._dispatch()
 
 

@@ -161,3 +161,20 @@ def test_asyncio_api(broker: BrokerProcess) -> None:
             return [e.value async for e in client.reader("life/async", end=end)]
 
     assert sorted(asyncio.run(main())) == [b"one", b"three", b"two"]
+
+
+def test_asyncio_producer_waits_for_buffer_space(broker: BrokerProcess) -> None:
+    async def main() -> int:
+        async with await slipstream.connect_async(broker.address) as client:
+            await client.create_stream("life/backpressure")
+            producer = await client.producer(
+                "life/backpressure", batch_bytes=16 * 1024, buffer_bytes=64 * 1024
+            )
+            for i in range(3000):  # about 3 MB through a 64 KiB buffer
+                await producer.send(i.to_bytes(4, "little") * 250)
+                assert producer.core._buffered <= 64 * 1024 + 16 * 1024
+            await producer.close()
+            tail = await client.tail("life/backpressure")
+            return tail.positions[0]
+
+    assert asyncio.run(main()) == 3000
