@@ -141,7 +141,8 @@ class Broker:
                 )
         log.info(
             "recovered %(streams)d streams, %(batches)d journal batches in %(ms)d ms "
-            "(%(cut_bytes)d torn bytes cut, %(skipped)d entries of deleted streams skipped)",
+            "(%(cut_bytes)d torn bytes cut; %(skipped)d entries skipped: deleted streams, or gaps "
+            "logged above)",
             totals,
         )
         return totals

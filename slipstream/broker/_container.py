@@ -29,6 +29,7 @@ from .._errors import (
     CorruptData,
     OffsetOutOfRange,
     SlipstreamError,
+    StorageError,
     StreamNotFound,
 )
 from ..format import BatchHeader, decode_header, set_base_offset, verify
@@ -189,7 +190,10 @@ class Container:
             entries = [(_SEGMENT_ID.pack(i.segment.global_id), i.batch) for i in live]
             try:
                 addresses = await loop.run_in_executor(self._io, self._write_group, entries, sync)
-            except SlipstreamError as exc:
+            except Exception as exc:  # the loop must outlive any failure, typed or not
+                if not isinstance(exc, SlipstreamError):
+                    log.exception("container %d: unexpected journal failure", self.id)
+                    exc = StorageError(f"journal write failed: {exc}")
                 log.error(
                     "container %d: %d appends failed, none acknowledged: %s",
                     self.id,
