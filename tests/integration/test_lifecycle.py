@@ -38,11 +38,10 @@ def test_sigterm_shuts_down_cleanly_and_restart_recovers(broker: BrokerProcess) 
 def test_same_key_same_segment_and_order_from_tail_and_history(client: slipstream.Client) -> None:
     client.create_stream("life/order", segments=4)
     received: list[slipstream.Event] = []
-    follower_ready = threading.Event()
+    start = client.tail("life/order")  # the follower starts here however late its thread runs
 
     def follow() -> None:
-        reader = client.reader("life/order", start="latest")
-        follower_ready.set()
+        reader = client.reader("life/order", start=start)
         for event in reader:
             received.append(event)
             if len(received) == 400:
@@ -51,8 +50,6 @@ def test_same_key_same_segment_and_order_from_tail_and_history(client: slipstrea
 
     thread = threading.Thread(target=follow)
     thread.start()
-    follower_ready.wait(5)
-    time.sleep(0.3)  # the follower has opened its follows at the tail
     with client.producer("life/order", linger_ms=1) as producer:
         for i in range(400):
             producer.send(str(i).encode(), key=f"key-{i % 5}")
