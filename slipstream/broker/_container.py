@@ -325,34 +325,46 @@ class Container:
     async def _read_journal(
         self, segment: Segment, offset: int, max_bytes: int
     ) -> list[bytes | bytearray | memoryview]:
-        out: list[bytes | bytearray | memoryview] = []
-        total = 0
+        journal, planned, total = segment.journal, [], 0
         index = segment.journal_index(offset)
-        batches = segment.journal[index:]
-        for batch in batches:
-            if total >= max_bytes:
-                break
-            data: bytes | bytearray | memoryview
+        while index < len(journal) and total < max_bytes:
+            planned.append(journal[index])
+            total += journal[index].address.length - _SEGMENT_ID.size
+            index += 1
+        missing = [batch.address for batch in planned if batch.data is None]
+        loaded: list[bytes | CorruptData] = []
+        if missing:  # one trip to a reader thread for all uncached batches of this read
+            loaded = await asyncio.get_running_loop().run_in_executor(
+                self._read_pool, self._load_journal, missing
+            )
+        out: list[bytes | bytearray | memoryview] = []
+        results = iter(loaded)
+        for batch in planned:
             if batch.data is not None:
-                data = batch.data
-            else:
-                try:
-                    payload = await asyncio.get_running_loop().run_in_executor(
-                        self._read_pool, self.journal.read, batch.address
-                    )
-                except CorruptData as exc:
-                    if out:
-                        break  # serve the good batches first; the next read reports this one
-                    raise CorruptData(
-                        f"corrupt data in segment {segment.number} of {segment.stream_name!r} "
-                        f"at offset {batch.base_offset} (journal): {exc.message}",
-                        segment=segment.number,
-                        offset=batch.base_offset,
-                    ) from exc
-                data = memoryview(payload)[_SEGMENT_ID.size :]
-            out.append(data)
-            total += len(data)
+                out.append(batch.data)
+                continue
+            payload = next(results)
+            if isinstance(payload, CorruptData):
+                if out:
+                    break  # serve the good batches first; the next read reports this one
+                raise CorruptData(
+                    f"corrupt data in segment {segment.number} of {segment.stream_name!r} "
+                    f"at offset {batch.base_offset} (journal): {payload.message}",
+                    segment=segment.number,
+                    offset=batch.base_offset,
+                ) from payload
+            out.append(memoryview(payload)[_SEGMENT_ID.size :])
         return out
+
+    def _load_journal(self, addresses: list[JournalAddress]) -> list[bytes | CorruptData]:
+        loaded: list[bytes | CorruptData] = []
+        for address in addresses:
+            try:
+                loaded.append(self.journal.read(address))
+            except CorruptData as exc:
+                loaded.append(exc)
+                break
+        return loaded
 
     def _read_chunk(
         self, segment: Segment, chunk: Chunk, offset: int, max_bytes: int
