@@ -33,6 +33,7 @@ from .._errors import (
     StreamNotFound,
 )
 from ..format import BatchHeader, decode_header, set_base_offset, verify
+from ..protocol import Payload
 from ..storage import (
     ChunkRecord,
     Journal,
@@ -61,7 +62,7 @@ class ContainerConfig:
 @dataclass(slots=True)
 class _Append:
     segment: Segment
-    batch: bytearray
+    batch: Payload
     header: BatchHeader
     future: asyncio.Future[int]
 
@@ -147,9 +148,7 @@ class Container:
 
     # --- appends ---------------------------------------------------------------------------
 
-    def append(
-        self, segment: Segment, batch: bytearray, header: BatchHeader
-    ) -> asyncio.Future[int]:
+    def append(self, segment: Segment, batch: Payload, header: BatchHeader) -> asyncio.Future[int]:
         """Queue a verified batch; the future gives its base offset once durable, or fails with
         StorageFull / StorageError / StreamNotFound (then nothing of it is acknowledged)."""
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -207,7 +206,7 @@ class Container:
             self._publish(live, addresses)
 
     def _write_group(
-        self, entries: Sequence[tuple[bytes, bytearray]], sync: bool
+        self, entries: Sequence[tuple[bytes, Payload]], sync: bool
     ) -> list[JournalAddress]:
         addresses = self.journal.append(entries)  # a failed append leaves nothing behind
         if sync:

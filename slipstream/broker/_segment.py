@@ -26,7 +26,7 @@ class JournalBatch:
     address: JournalAddress
     min_timestamp: int
     max_timestamp: int
-    data: bytes | bytearray | None
+    data: bytes | bytearray | memoryview | None
 
 
 @dataclass(slots=True, eq=False)

@@ -47,6 +47,7 @@ from ..protocol import (
     Malformed,
     Message,
     Oversized,
+    Payload,
     StreamList,
     Unfollow,
     Welcome,
@@ -199,7 +200,7 @@ class Session(asyncio.Protocol):
         log.debug("hello from %s (%s)", self.peer, message.client_name)
         self.send(Welcome(PROTOCOL_VERSION, __version__, self.broker.config.max_batch_bytes), cid)
 
-    def _append(self, message: Append, cid: int, batch: bytearray) -> None:
+    def _append(self, message: Append, cid: int, batch: Payload) -> None:
         if len(batch) > self.broker.config.max_batch_bytes:
             raise BatchTooLarge(
                 f"batch of {len(batch)} bytes exceeds the limit of "

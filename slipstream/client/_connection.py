@@ -31,6 +31,7 @@ from ..protocol import (
     Malformed,
     Message,
     Oversized,
+    Payload,
     Welcome,
     encode_frame,
 )
@@ -38,7 +39,7 @@ from ..protocol import (
 DEFAULT_ADDRESS = "127.0.0.1:7070"
 #: Called with a pushed message (Data, FollowEnded, FollowFailed) and its payload, or with the
 #: error that ended the connection.
-FollowHandler = Callable[[Message | SlipstreamError, bytearray], None]
+FollowHandler = Callable[[Message | SlipstreamError, Payload], None]
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -53,7 +54,7 @@ class Connection(asyncio.Protocol):
     def __init__(self) -> None:
         self.decoder = FrameDecoder(1 << 30)
         self.transport: asyncio.Transport | None = None
-        self.pending: dict[int, asyncio.Future[tuple[Message, bytearray]]] = {}
+        self.pending: dict[int, asyncio.Future[tuple[Message, Payload]]] = {}
         self.follows: dict[int, FollowHandler] = {}
         self.writable = asyncio.Event()
         self.writable.set()
@@ -162,11 +163,9 @@ class Connection(asyncio.Protocol):
 
     def send_request(
         self, message: Message, payload: Sequence[Any] = ()
-    ) -> asyncio.Future[tuple[Message, bytearray]]:
+    ) -> asyncio.Future[tuple[Message, Payload]]:
         """Send a request now; the future resolves with the response or a typed error."""
-        future: asyncio.Future[tuple[Message, bytearray]] = (
-            asyncio.get_running_loop().create_future()
-        )
+        future: asyncio.Future[tuple[Message, Payload]] = asyncio.get_running_loop().create_future()
         if self.closed is not None:
             future.set_exception(self.closed)
             return future
@@ -183,7 +182,7 @@ class Connection(asyncio.Protocol):
 
     async def request(
         self, message: Message, payload: Sequence[Any] = ()
-    ) -> tuple[Message, bytearray]:
+    ) -> tuple[Message, Payload]:
         return await self.send_request(message, payload)
 
     def send_oneway(self, message: Message) -> None:

@@ -18,7 +18,17 @@ import pyarrow as pa
 
 from .._errors import InvalidArgument, SlipstreamError, error_from_wire
 from ..format import check_event_schema, iter_batches, read_body
-from ..protocol import Credit, Data, Follow, FollowEnded, FollowFailed, GetCut, Message, Unfollow
+from ..protocol import (
+    Credit,
+    Data,
+    Follow,
+    FollowEnded,
+    FollowFailed,
+    GetCut,
+    Message,
+    Payload,
+    Unfollow,
+)
 from ..streams import StreamCut
 from ._connection import Connection
 
@@ -33,7 +43,7 @@ class Delivery:
     error."""
 
     segment: int
-    payload: bytearray | None = None
+    payload: Payload | None = None
     error: SlipstreamError | None = None
 
 
@@ -117,8 +127,8 @@ class ReaderCore:
             )
         return segments
 
-    def _handler(self, segment: int) -> Callable[[Message | SlipstreamError, bytearray], None]:
-        def handle(message: Message | SlipstreamError, payload: bytearray) -> None:
+    def _handler(self, segment: int) -> Callable[[Message | SlipstreamError, Payload], None]:
+        def handle(message: Message | SlipstreamError, payload: Payload) -> None:
             if isinstance(message, Data):
                 self.deliver(Delivery(segment, payload))
             elif isinstance(message, FollowEnded):

@@ -7,6 +7,7 @@ from ._frames import (
     FrameDecoder,
     Malformed,
     Oversized,
+    Payload,
     encode_frame,
     frame_bytes,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "Malformed",
     "Message",
     "Oversized",
+    "Payload",
     "SegmentInfo",
     "StreamInfo",
     "StreamList",

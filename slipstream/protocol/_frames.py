@@ -35,17 +35,22 @@ _LENGTH = struct.Struct("<I")
 PREFIX_LENGTH = _PREFIX.size  # 16
 _MIN_FRAME_LENGTH = PREFIX_LENGTH - 4
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024 + 64 * 1024
+_BIG_FRAME_BYTES = 64 * 1024
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in KINDS.items()}
 
 
+Payload = bytearray | memoryview
+
+
 class Frame(msgspec.Struct, frozen=True):
-    """A decoded frame. ``payload`` is a private copy the receiver may patch in place."""
+    """A decoded frame. ``payload`` is private to the receiver, writable (it may be patched
+    in place): a copy for small frames, a view of the frame's own buffer for large ones."""
 
     correlation_id: int
     message: Message
-    payload: bytearray
+    payload: Payload
 
 
 class Oversized(msgspec.Struct, frozen=True):
@@ -91,12 +96,23 @@ class FrameDecoder:
         self._buf = bytearray()
         self._pos = 0  # start of the first undecoded byte; compacted on feed
         self._skip = 0  # bytes of an oversized frame still to discard
+        # A large frame is assembled in a buffer of its own, sized once: its bytes are copied
+        # once on arrival and its payload is a view of that buffer, not a second copy.
+        self._big: bytearray | None = None
+        self._big_filled = 0
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         if self._skip:
             dropped = min(self._skip, len(data))
             self._skip -= dropped
             data = memoryview(data)[dropped:]
+        if self._big is not None:
+            taken = min(len(self._big) - self._big_filled, len(data))
+            self._big[self._big_filled : self._big_filled + taken] = memoryview(data)[:taken]
+            self._big_filled += taken
+            data = memoryview(data)[taken:]
+            if not data:
+                return
         if self._pos:
             del self._buf[: self._pos]
             self._pos = 0
@@ -104,10 +120,13 @@ class FrameDecoder:
 
     @property
     def buffered(self) -> int:
-        return len(self._buf) - self._pos
+        big = self._big_filled if self._big is not None else 0
+        return len(self._buf) - self._pos + big
 
     def next_item(self) -> Frame | Oversized | Malformed | None:
         """The next complete frame, or None if more bytes are needed."""
+        if self._big is not None:
+            return self._next_big()
         pos = self._pos
         if self._skip or len(self._buf) - pos < 4:
             return None
@@ -127,15 +146,30 @@ class FrameDecoder:
             self._pos += available
             self._skip = total - available
             return Oversized(correlation_id, kind, frame_length)
-        if len(self._buf) - pos < total:
+        available = len(self._buf) - pos
+        if available < total:
+            if total >= _BIG_FRAME_BYTES:
+                self._big = bytearray(total)
+                self._big[:available] = memoryview(self._buf)[pos:]
+                self._big_filled = available
+                self._pos = len(self._buf)  # everything buffered belongs to this frame
             return None
         self._pos += total
         with memoryview(self._buf) as view:
-            return self._decode(view[pos : pos + total], kind, correlation_id, meta_length)
+            return self._decode(view[pos : pos + total], kind, correlation_id, meta_length, True)
+
+    def _next_big(self) -> Frame | Malformed | None:
+        big = self._big
+        assert big is not None
+        if self._big_filled < len(big):
+            return None
+        self._big = None
+        _, kind, _flags, correlation_id, meta_length = _PREFIX.unpack_from(big)
+        return self._decode(memoryview(big), kind, correlation_id, meta_length, False)
 
     @staticmethod
     def _decode(
-        frame: memoryview, kind: int, correlation_id: int, meta_length: int
+        frame: memoryview, kind: int, correlation_id: int, meta_length: int, copy: bool
     ) -> Frame | Malformed:
         decoder = _DECODERS.get(kind)
         if decoder is None:
@@ -149,4 +183,5 @@ class FrameDecoder:
             message = decoder.decode(frame[PREFIX_LENGTH:meta_end])
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             return Malformed(correlation_id, f"bad {KINDS[kind].__name__} fields: {exc}")
-        return Frame(correlation_id, message, bytearray(frame[meta_end:]))
+        payload = bytearray(frame[meta_end:]) if copy else frame[meta_end:]
+        return Frame(correlation_id, message, payload)
