@@ -270,7 +270,7 @@ class Container:
             await asyncio.sleep(self.config.fsync_interval_ms / 1000)
             try:
                 await loop.run_in_executor(self._io, self.journal.sync)
-            except SlipstreamError as exc:
+            except Exception as exc:  # acknowledged data stays; the next sync tries again
                 log.error("container %d: periodic sync failed: %s", self.id, exc)
 
     # --- reads -----------------------------------------------------------------------------

@@ -7,7 +7,6 @@ import logging
 import signal
 from pathlib import Path
 
-from .._errors import SlipstreamError
 from ..broker import Broker, BrokerConfig, ContainerConfig
 
 
@@ -53,6 +52,3 @@ def run_broker(
         uvloop.run(main())
     except ImportError:  # pragma: no cover
         asyncio.run(main())
-
-
-__all__ = ["SlipstreamError", "run_broker", "setup_logging"]
