@@ -75,7 +75,7 @@ class _Follow:
     task: asyncio.Task[None] | None = None
 
 
-class Session(asyncio.Protocol):
+class Session(asyncio.BufferedProtocol):
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
         self.controller = broker.controller
@@ -114,8 +114,11 @@ class Session(asyncio.Protocol):
     def resume_writing(self) -> None:
         self.writable.set()
 
-    def data_received(self, data: bytes) -> None:
-        self.decoder.feed(data)
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.decoder.buffer_updated(nbytes)
         try:
             while (item := self.decoder.next_item()) is not None:
                 self._dispatch(item)

@@ -50,7 +50,7 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class Connection(asyncio.Protocol):
+class Connection(asyncio.BufferedProtocol):
     def __init__(self) -> None:
         self.decoder = FrameDecoder(1 << 30)
         self.transport: asyncio.Transport | None = None
@@ -115,8 +115,11 @@ class Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self.writable.set()
 
-    def data_received(self, data: bytes) -> None:
-        self.decoder.feed(data)
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.decoder.buffer_updated(nbytes)
         try:
             while (item := self.decoder.next_item()) is not None:
                 if isinstance(item, Frame):

@@ -36,6 +36,7 @@ PREFIX_LENGTH = _PREFIX.size  # 16
 _MIN_FRAME_LENGTH = PREFIX_LENGTH - 4
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024 + 64 * 1024
 _BIG_FRAME_BYTES = 64 * 1024
+_READ_BYTES = 256 * 1024
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in KINDS.items()}
@@ -100,6 +101,21 @@ class FrameDecoder:
         # once on arrival and its payload is a view of that buffer, not a second copy.
         self._big: bytearray | None = None
         self._big_filled = 0
+        self._scratch = bytearray(_READ_BYTES)
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """Where the next bytes from the socket should land (asyncio's BufferedProtocol):
+        straight into a large frame's own buffer when one is being assembled, else a scratch
+        buffer; report how many arrived with :meth:`buffer_updated`."""
+        if self._big is not None and not self._skip and self._big_filled < len(self._big):
+            return memoryview(self._big)[self._big_filled :]
+        return memoryview(self._scratch)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._big is not None and not self._skip and self._big_filled < len(self._big):
+            self._big_filled += nbytes
+        else:
+            self.feed(memoryview(self._scratch)[:nbytes])
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         if self._skip:

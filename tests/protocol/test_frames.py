@@ -456,6 +456,7 @@ def test_decoder_on_arbitrary_bytes_yields_items_or_raises_protocol_error(
     whole = decode_in_chunks([data], max_frame_bytes)
     bytewise = decode_in_chunks(one_byte_at_a_time(data), max_frame_bytes)
     assert bytewise == whole
+    assert decode_as_a_socket(data, [1, 7, 64], max_frame_bytes) == whole
 
 
 @settings(max_examples=200)
@@ -464,3 +465,47 @@ def test_decoder_on_random_binary_yields_items_or_raises_protocol_error(data: by
     whole = decode_in_chunks([data], DEFAULT_MAX_FRAME_BYTES)
     bytewise = decode_in_chunks(one_byte_at_a_time(data), DEFAULT_MAX_FRAME_BYTES)
     assert bytewise == whole
+
+
+def decode_as_a_socket(
+    stream: bytes, reads: list[int], max_frame_bytes: int
+) -> tuple[list[Item], bool]:
+    """Deliver ``stream`` the way asyncio's BufferedProtocol does: into ``get_buffer`` views,
+    at most the given read sizes at a time, then ``buffer_updated``."""
+    decoder = FrameDecoder(max_frame_bytes)
+    items: list[Item] = []
+    at, sizes = 0, iter(reads)
+    while at < len(stream):
+        target = decoder.get_buffer(-1)
+        count = min(len(target), len(stream) - at, next(sizes, len(stream)) or 1)
+        target[:count] = stream[at : at + count]
+        decoder.buffer_updated(count)
+        at += count
+        try:
+            drain(decoder, items)
+        except ProtocolError:
+            return items, True
+    return items, False
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    payload_sizes=st.lists(st.sampled_from([0, 10, 65_535, 70_000, 300_000]), max_size=5),
+    reads=st.lists(st.integers(1, 400_000), max_size=30),
+    data=st.data(),
+)
+def test_large_frames_decode_the_same_through_feed_and_buffers(
+    payload_sizes: list[int], reads: list[int], data: st.DataObject
+) -> None:
+    frames = [
+        Sent(Append("demo/big", i), i + 1, bytes([i % 251]) * size)
+        for i, size in enumerate(payload_sizes)
+    ]
+    stream = b"".join(sent.wire() for sent in frames)
+    expected = [sent.expected(DEFAULT_MAX_FRAME_BYTES) for sent in frames]
+    cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=12), label="cuts")
+    assert decode_in_chunks(split_at(stream, cuts), DEFAULT_MAX_FRAME_BYTES) == (expected, False)
+    assert decode_as_a_socket(stream, reads, DEFAULT_MAX_FRAME_BYTES) == (expected, False)
+    items, _ = decode_as_a_socket(stream, reads, DEFAULT_MAX_FRAME_BYTES)
+    for item in items:  # payloads stay writable, as the broker patches base offsets in place
+        assert isinstance(item, Frame) and not memoryview(item.payload).readonly
