@@ -58,9 +58,16 @@ SIZES = {
 
 
 def attempt(results: dict, key: str, fn, *args, **kwargs) -> None:
-    """Run one measurement; a failure is recorded (and shown in the table), not fatal."""
+    """Run one measurement; a failure is recorded (and shown in the table), not fatal.
+
+    Each workload starts on a quiet disk: the gigabytes the previous one wrote are flushed
+    first (``os.sync``), so that background writeback does not land in the next workload's
+    numbers (it inflates fsync tails, and with them latency percentiles, by 10x here).
+    """
     label = f"  {key} ..."
     print(label, end="", flush=True)
+    os.sync()
+    time.sleep(0.5)
     start = time.monotonic()
     try:
         results[key] = fn(*args, **kwargs)
