@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from nats_peer import free_port, latency_summary
+from nats_peer import free_port, latency_summary, rss_kib, stop_process
 
 PYTHON = os.environ.get("SLIPSTREAM_PYTHON", sys.executable)
 
@@ -82,21 +82,12 @@ class SlipstreamPeer:
         if self.client is not None:
             with contextlib.suppress(Exception):  # the broker may be gone already
                 self.client.close()
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
         if self.proc:
+            stop_process(self.proc, 15)
             self.log.close()
 
     def rss_kib(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        return 0
+        return rss_kib(self.proc.pid)
 
     def _producer(self, stream: str, **options):
         options = {
