@@ -129,6 +129,33 @@ class DataDirLocked(SlipstreamError):
     code = "data_dir_locked"
 
 
+class ProducerFenced(SlipstreamError):
+    """A newer producer opened with the same transactional id; this one may not write."""
+
+    code = "producer_fenced"
+
+
+class OutOfOrderSequence(SlipstreamError):
+    """A batch's sequence number skips ahead of (or lies behind) what the broker expects from
+    this producer in this segment: an event would be lost or duplicated. Details name the
+    expected and received sequence."""
+
+    code = "out_of_order_sequence"
+
+
+class TransactionAborted(SlipstreamError):
+    """The transaction was aborted (timeout, operator, a broker restart, or fencing) and none
+    of its events will ever be visible; run it again."""
+
+    code = "transaction_aborted"
+
+
+class TransactionNotFound(SlipstreamError):
+    """No open transaction has this id (it never existed, or it ended long ago)."""
+
+    code = "transaction_not_found"
+
+
 def _all_subclasses(cls: type[SlipstreamError]) -> list[type[SlipstreamError]]:
     found = [cls]
     for sub in cls.__subclasses__():

@@ -32,6 +32,7 @@ class BrokerProcess:
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = data_dir.parent / f"{data_dir.name}-broker.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.env: dict[str, str] = {}  # extra environment, e.g. SLIPSTREAM_FAULT
 
     def start(self, timeout: float = 20.0) -> BrokerProcess:
         with open(self.log_path, "ab") as log:
@@ -51,6 +52,7 @@ class BrokerProcess:
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -7,6 +7,7 @@ Data directory layout (docs/operations.md says the same):
     <data-dir>/meta.db                    the catalog (SQLite, WAL)
     <data-dir>/journal/<container>/*.journal   tier 1: group-committed journals
     <data-dir>/chunks/<stream>/<segment>/<base offset>.chunk   tier 2: long-term chunks
+    <data-dir>/txns/<txn id>/*.journal    staged events of open (and committing) transactions
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .._errors import DataDirLocked, InvalidArgument
 from ..storage import FileJournal, LocalChunkStore, SqliteMetaStore
 from ._container import FSYNC_MODES, Container, ContainerConfig
 from ._controller import Controller
+from ._transactions import Coordinator
 
 if TYPE_CHECKING:
     from ._session import Session
@@ -130,8 +132,10 @@ class Broker:
             for cid, journal in enumerate(self.journals)
         ]
         self.controller = Controller(self.meta, self.long_term, self.containers, self.read_pool)
+        self.coordinator = Coordinator(data_dir, self.meta, self.controller)
         started = time.monotonic()
         totals = self.controller.recover()
+        totals.update(self.coordinator.recover())
         totals["cut_bytes"] = sum(j.report.cut_bytes for j in self.journals)
         totals["ms"] = int((time.monotonic() - started) * 1000)
         for journal in self.journals:
@@ -142,7 +146,7 @@ class Broker:
         log.info(
             "recovered %(streams)d streams, %(batches)d journal batches in %(ms)d ms "
             "(%(cut_bytes)d torn bytes cut; %(skipped)d entries skipped: deleted streams, or gaps "
-            "logged above)",
+            "logged above); %(identities)d transactional ids, %(commits)d commits to finish",
             totals,
         )
         return totals
@@ -153,49 +157,59 @@ class Broker:
         loop = asyncio.get_running_loop()
         from ._session import Session
 
+        background = [loop.create_task(c.run()) for c in self.containers]
+        server: asyncio.Server | None = None
         try:
-            server = await loop.create_server(
-                lambda: Session(self),
-                self.config.host,
-                self.config.port,
-                reuse_address=True,
-                backlog=1024,
+            # commits a crash interrupted are finished before anyone can read
+            await self.coordinator.apply_pending()
+            try:
+                server = await loop.create_server(
+                    lambda: Session(self),
+                    self.config.host,
+                    self.config.port,
+                    reuse_address=True,
+                    backlog=1024,
+                )
+            except OSError as exc:
+                raise InvalidArgument(
+                    f"cannot listen on {self.config.host}:{self.config.port} ({exc.strerror}); "
+                    "is another broker running? Pass a different --port",
+                    host=self.config.host,
+                    port=self.config.port,
+                ) from exc
+            sockname = server.sockets[0].getsockname()
+            self.address = (sockname[0], sockname[1])
+            log.info(
+                "listening on %s:%d (data in %s, fsync=%s)",
+                *self.address,
+                self.config.data_dir,
+                self.config.container.fsync,
             )
-        except OSError as exc:
-            await self._close()
-            raise InvalidArgument(
-                f"cannot listen on {self.config.host}:{self.config.port} ({exc.strerror}); "
-                "is another broker running? Pass a different --port",
-                host=self.config.host,
-                port=self.config.port,
-            ) from exc
-        sockname = server.sockets[0].getsockname()
-        self.address = (sockname[0], sockname[1])
-        log.info(
-            "listening on %s:%d (data in %s, fsync=%s)",
-            *self.address,
-            self.config.data_dir,
-            self.config.container.fsync,
-        )
-        if ready is not None:
-            ready(self.address)
-        try:
-            async with asyncio.TaskGroup() as tasks:
-                background = [tasks.create_task(c.run()) for c in self.containers]
-                background.append(tasks.create_task(self._retention_loop()))
-                await self._stop.wait()
-                server.close()
-                for session in list(self.sessions):
-                    if session.transport is not None:
-                        session.transport.close()
-                for task in background:
-                    task.cancel()
+            if ready is not None:
+                ready(self.address)
+            background.append(loop.create_task(self._retention_loop()))
+            background.append(loop.create_task(self.coordinator.run()))
+            stopped = loop.create_task(self._stop.wait())
+            done, _ = await asyncio.wait([stopped, *background], return_when="FIRST_COMPLETED")
+            for task in done:
+                if task is not stopped:  # a background loop died: stop rather than limp on
+                    log.error("background task failed; stopping", exc_info=task.exception())
+            stopped.cancel()
+            server.close()
+            for session in list(self.sessions):
+                if session.transport is not None:
+                    session.transport.close()
         finally:
-            await server.wait_closed()
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            if server is not None:
+                await server.wait_closed()
             await self._close()
             log.info("stopped cleanly")
 
     async def _close(self) -> None:
+        await self.coordinator.close()
         for container in self.containers:
             await container.close()
         self.read_pool.shutdown(wait=True)

@@ -42,6 +42,7 @@ from ..storage import (
     MetaStore,
     chunk_name,
 )
+from ..streams import ProducerState, ProducerTable
 from ._segment import Chunk, JournalBatch, Segment
 
 log = logging.getLogger("slipstream.container")
@@ -141,6 +142,7 @@ class Container:
                     None,
                 )
             )
+            _remember(segment.producers, header)
             segment.next_offset = segment.pending_offset = header.next_offset
             segment.note_batch(header.batch_length, header.min_timestamp, header.max_timestamp)
             kept += 1
@@ -174,15 +176,41 @@ class Container:
             self._wakeup.clear()
             group, self._queue = self._queue, []
             live = []
+            # idempotence state before this group, to roll back to if it fails to be stored
+            saved: dict[tuple[Segment, int], ProducerState | None] = {}
+            in_group: dict[tuple[Segment, int, int], asyncio.Future[int]] = {}
             for item in group:
-                segment = item.segment
+                segment, header = item.segment, item.header
                 if segment.deleted:
                     _fail(
                         item.future, StreamNotFound(f"stream {segment.stream_name!r} was deleted")
                     )
                     continue
+                if header.producer_id >= 0:
+                    pid, seq = header.producer_id, header.sequence
+                    try:
+                        original = segment.producers.check(
+                            pid, header.producer_epoch, seq, header.event_count
+                        )
+                    except SlipstreamError as exc:
+                        _fail(item.future, exc)
+                        continue
+                    if original is not None:  # a retry: answer with the first append's offset
+                        first = in_group.get((segment, pid, seq))
+                        if first is None:
+                            item.future.set_result(original.base_offset)
+                        else:
+                            _chain(first, item.future)
+                        continue
+                    if (segment, pid) not in saved:
+                        state = segment.producers.get(pid)
+                        saved[segment, pid] = None if state is None else state.copy()
+                    segment.producers.record(
+                        pid, header.producer_epoch, seq, header.event_count, segment.pending_offset
+                    )
+                    in_group[segment, pid, seq] = item.future
                 set_base_offset(item.batch, segment.pending_offset)
-                segment.pending_offset += item.header.event_count
+                segment.pending_offset += header.event_count
                 live.append(item)
             if not live:
                 continue
@@ -202,6 +230,8 @@ class Container:
                 for item in live:
                     item.segment.pending_offset = item.segment.next_offset
                     _fail(item.future, exc)
+                for (segment, pid), state in saved.items():
+                    segment.producers.restore(pid, state)
                 continue
             self._publish(live, addresses)
 
@@ -440,6 +470,12 @@ class Container:
             for global_id, batches in by_segment.items():
                 segment = live[global_id]
                 headers = [h for _, h, _ in batches]
+                # the idempotence state as of this chunk's end: the previous chunk's, plus these
+                producers = ProducerTable.from_snapshot(
+                    segment.chunks[-1].record.producers if segment.chunks else None
+                )
+                for h in headers:
+                    _remember(producers, h)
                 name = chunk_name(segment.stream_id, segment.number, headers[0].base_offset)
                 if source is not None:
                     ranges = [(at, h.batch_length) for at, h, _ in batches]
@@ -464,6 +500,7 @@ class Container:
                     max(h.max_timestamp for h in headers),
                     name,
                     index.tobytes(),
+                    producers.snapshot() if len(producers) else b"",
                 )
                 plans.append((segment, record))
             self.meta.add_chunks(self.id, file_id, [record for _, record in plans])
@@ -500,3 +537,30 @@ class Container:
 def _fail(future: asyncio.Future[int], exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)
+
+
+def _chain(first: asyncio.Future[int], retry: asyncio.Future[int]) -> None:
+    """Give ``retry`` the outcome of ``first`` (a retry that arrived while its first copy was
+    still being stored)."""
+
+    def copy(done: asyncio.Future[int]) -> None:
+        if retry.done():
+            return
+        if done.exception() is not None:
+            retry.set_exception(done.exception())  # type: ignore[arg-type]
+        else:
+            retry.set_result(done.result())
+
+    first.add_done_callback(copy)
+
+
+def _remember(producers: ProducerTable, header: BatchHeader) -> None:
+    """Replay an appended batch into a segment's idempotence state."""
+    if header.producer_id >= 0:
+        producers.record(
+            header.producer_id,
+            header.producer_epoch,
+            header.sequence,
+            header.event_count,
+            header.base_offset,
+        )

@@ -18,7 +18,13 @@ from .._errors import InvalidArgument, SegmentNotFound, StreamNotFound
 from ..format import read_body
 from ..protocol import SegmentInfo, StreamInfo
 from ..storage import ChunkRecord, LongTermStore, MetaStore, SegmentRecord
-from ..streams import MAX_SEGMENTS, split_key_space, validate_scope, validate_stream_name
+from ..streams import (
+    MAX_SEGMENTS,
+    ProducerTable,
+    split_key_space,
+    validate_scope,
+    validate_stream_name,
+)
 from ._container import Container
 from ._segment import Chunk, Segment
 
@@ -115,6 +121,9 @@ class Controller:
                 for chunk in chunks_by_segment.get((record.id, s.number), []):
                     segment.chunks.append(Chunk.of(chunk))
                     segment.note_batch(chunk.bytes, chunk.min_timestamp, chunk.max_timestamp)
+                if segment.chunks:
+                    last = segment.chunks[-1].record
+                    segment.producers = ProducerTable.from_snapshot(last.producers)
                 segment.next_offset = segment.pending_offset = max(
                     s.start_offset, segment.chunks[-1].record.next_offset if segment.chunks else 0
                 )

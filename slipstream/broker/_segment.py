@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..storage import ChunkRecord, JournalAddress
+from ..streams import ProducerTable
 
 
 @dataclass(slots=True, eq=False)
@@ -66,6 +67,8 @@ class Segment:
     last_timestamp: int | None = None
     sealed: bool = False
     deleted: bool = False
+    #: idempotent producers' recent batches (see streams/_idempotence.py)
+    producers: ProducerTable = field(default_factory=ProducerTable)
     _waiter: asyncio.Future[None] | None = None
 
     @property

@@ -28,6 +28,7 @@ from ..protocol import (
     PROTOCOL_VERSION,
     Append,
     AppendAck,
+    BeginTxn,
     CreateStream,
     Credit,
     Cut,
@@ -35,6 +36,7 @@ from ..protocol import (
     DeleteStream,
     DescribeStream,
     Done,
+    EndTxn,
     Error,
     Follow,
     FollowEnded,
@@ -42,13 +44,19 @@ from ..protocol import (
     Frame,
     FrameDecoder,
     GetCut,
+    GetIdentity,
     Hello,
+    InitProducer,
     ListStreams,
+    ListTxns,
     Malformed,
     Message,
     Oversized,
     Payload,
+    ProducerGrant,
     StreamList,
+    TxnBegun,
+    TxnList,
     Unfollow,
     Welcome,
     encode_frame,
@@ -217,8 +225,13 @@ class Session(asyncio.BufferedProtocol):
                 f"an Append carries exactly one batch: header says {header.batch_length} bytes, "
                 f"payload has {len(batch)}"
             )
-        container = self.broker.containers[segment.container]
-        future = container.append(segment, batch, header)
+        future: asyncio.Future[int] | asyncio.Future[None]
+        if message.txn is not None:
+            future = self.broker.coordinator.stage(message.txn, segment, batch, header)
+        else:
+            if header.producer_id >= 0:
+                self.broker.coordinator.check_epoch(header.producer_id, header.producer_epoch)
+            future = self.broker.containers[segment.container].append(segment, batch, header)
         size = len(batch)
         self.pending_bytes += size
         if (
@@ -229,7 +242,7 @@ class Session(asyncio.BufferedProtocol):
             self.reading_paused = True
             self.transport.pause_reading()
 
-        def acknowledge(done: asyncio.Future[int]) -> None:
+        def acknowledge(done: asyncio.Future[int] | asyncio.Future[None]) -> None:
             self.pending_bytes -= size
             if self.reading_paused and self.pending_bytes <= MAX_PENDING_APPEND_BYTES // 2:
                 self.reading_paused = False
@@ -237,7 +250,8 @@ class Session(asyncio.BufferedProtocol):
                     self.transport.resume_reading()
             exc = done.exception()
             if exc is None:
-                self.send(AppendAck(done.result(), header.event_count), cid)
+                base = done.result()  # None: staged in a transaction, no offset yet
+                self.send(AppendAck(-1 if base is None else base, header.event_count), cid)
             elif isinstance(exc, SlipstreamError):
                 self.send_error(cid, exc)
             else:
@@ -258,7 +272,7 @@ class Session(asyncio.BufferedProtocol):
             self.send(reply, cid)
 
     async def _handle(self, message: Message) -> Message:
-        controller = self.controller
+        controller, coordinator = self.controller, self.broker.coordinator
         match message:
             case CreateStream(name, segments, retention_ms, retention_bytes):
                 return controller.create_stream(
@@ -280,6 +294,16 @@ class Session(asyncio.BufferedProtocol):
                 if follow is not None and follow.task is not None:
                     follow.task.cancel()
                 return Done()
+            case InitProducer(transactional_id):
+                return ProducerGrant(*await coordinator.init_producer(transactional_id))
+            case BeginTxn(producer_id, epoch, timeout_ms):
+                return TxnBegun(await coordinator.begin(producer_id, epoch, timeout_ms))
+            case EndTxn(txn_id, commit, metadata):
+                return await coordinator.end(txn_id, commit, metadata)
+            case ListTxns():
+                return TxnList(coordinator.list())
+            case GetIdentity(transactional_id):
+                return coordinator.identity(transactional_id)
             case Hello():
                 raise ProtocolError("Hello was already sent on this connection")
         raise ProtocolError(f"{type(message).__name__} is not a request")

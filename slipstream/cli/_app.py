@@ -28,6 +28,12 @@ stream_app = typer.Typer(
     rich_markup_mode="rich",
 )
 app.add_typer(stream_app, name="stream")
+txn_app = typer.Typer(
+    help="See and abort open transactions; show a transactional id's last commit.",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+)
+app.add_typer(txn_app, name="txn")
 
 
 def examples(*lines: str) -> str:
@@ -420,6 +426,70 @@ def demo(
     )
     if as_json:
         _print_json(summary)
+
+
+@txn_app.command("list", epilog=examples("slipstream txn list", "slipstream txn list --json"))
+def txn_list(as_json: JsonFlag = False, broker: BrokerOption = "") -> None:
+    """Open transactions: id, transactional id, state, age, timeout, events, bytes and how
+    many segments they touch. Their events are invisible to readers until they commit."""
+    from ._txns import txn_dict, txns_table
+
+    with connect(broker) as client:
+        txns = client.transactions()
+    if as_json:
+        _print_json([txn_dict(t) for t in txns])
+    else:
+        out.print(txns_table(txns))
+
+
+@txn_app.command("abort", epilog=examples("slipstream txn list", "slipstream txn abort 2005"))
+def txn_abort(
+    txn_id: Annotated[int, typer.Argument(help="Transaction id, from 'slipstream txn list'.")],
+    broker: BrokerOption = "",
+) -> None:
+    """Abort an open transaction: its events are discarded and never become visible; its
+    owner's commit fails with TransactionAborted (and it may run the transaction again)."""
+    with connect(broker) as client:
+        client.abort_transaction(txn_id)
+    err.print(f"aborted transaction {txn_id}")
+
+
+@txn_app.command(
+    "status",
+    epilog=examples("slipstream txn status enricher-1", "slipstream txn status enricher-1 --json"),
+)
+def txn_status(
+    transactional_id: Annotated[str, typer.Argument(help="The transactional id.")],
+    as_json: JsonFlag = False,
+    broker: BrokerOption = "",
+) -> None:
+    """A transactional id's last committed transaction and the metadata stored with it
+    (how an application that restarts knows where it was)."""
+    from ._common import iso_ms
+
+    with connect(broker) as client:
+        last = client.last_commit(transactional_id)
+    if last is None:
+        if as_json:
+            _print_json(None)
+        else:
+            out.print(f"{escape(transactional_id)} has never committed a transaction")
+        return
+    document = {
+        "txn_id": last.txn_id,
+        "committed_ms": last.committed_ms,
+        "committed": iso_ms(last.committed_ms),
+        "epoch": last.epoch,
+        "metadata": last.metadata,
+    }
+    if as_json:
+        _print_json(document)
+    else:
+        out.print(
+            f"[bold cyan]{escape(transactional_id)}[/]: transaction {last.txn_id} committed "
+            f"{document['committed']} (producer epoch {last.epoch})\n"
+            f"metadata: {escape(msgspec.json.encode(last.metadata).decode())}"
+        )
 
 
 def main() -> None:

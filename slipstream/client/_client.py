@@ -7,26 +7,42 @@ readers hand work across with thread-safe queues, never one loop round trip per 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
+import json
 import os
 import queue
 import threading
+import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import pyarrow as pa
 
-from .._errors import InvalidArgument
+from .._errors import BrokerUnavailable, InvalidArgument, TransactionAborted, TransactionNotFound
 from ..format import Event, events_of
 from ..protocol import (
+    BeginTxn,
     CreateStream,
     DeleteStream,
     DescribeStream,
+    EndTxn,
+    GetIdentity,
+    IdentityInfo,
+    InitProducer,
     ListStreams,
+    ListTxns,
+    Message,
+    ProducerGrant,
     StreamInfo,
     StreamList,
+    TxnBegun,
+    TxnEnded,
+    TxnInfo,
+    TxnList,
 )
 from ..streams import Router, StreamCut, parse_duration_ms, parse_size_bytes
 from ._connection import DEFAULT_ADDRESS, Connection
@@ -58,14 +74,57 @@ def _router(info: StreamInfo) -> Router:
 
 
 class AsyncClient:
-    """A connection to a broker for asyncio code. Create with ``await connect_async(...)``."""
+    """A connection to a broker for asyncio code. Create with ``await connect_async(...)``.
 
-    def __init__(self, connection: Connection) -> None:
+    When the connection drops (a broker restart), the next request dials again, for up to
+    ``reconnect_timeout`` seconds; idempotent producers resend what was not acknowledged.
+    Readers do not survive a lost connection: they raise BrokerUnavailable.
+    """
+
+    def __init__(
+        self, connection: Connection, *, timeout: float = 10.0, reconnect_timeout: float = 30.0
+    ) -> None:
         self.connection = connection
+        self.address = connection.address
+        self.timeout = timeout
+        self.reconnect_timeout = reconnect_timeout
+        self._redial: asyncio.Task[Connection] | None = None
+        self._identities: dict[str, tuple[int, int]] = {}
+        self._cores: weakref.WeakSet[ProducerCore] = weakref.WeakSet()
 
     @classmethod
-    async def connect(cls, address: str | None = None, *, timeout: float = 10.0) -> AsyncClient:
-        return cls(await Connection.open(address or default_address(), timeout=timeout))
+    async def connect(
+        cls, address: str | None = None, *, timeout: float = 10.0, reconnect_timeout: float = 30.0
+    ) -> AsyncClient:
+        connection = await Connection.open(address or default_address(), timeout=timeout)
+        return cls(connection, timeout=timeout, reconnect_timeout=reconnect_timeout)
+
+    async def live_connection(self) -> Connection:
+        """The connection, dialled again if it was lost (raises BrokerUnavailable once
+        ``reconnect_timeout`` passes without a broker)."""
+        if self.connection.closed is None:
+            return self.connection
+        if self._redial is None or self._redial.done():
+            self._redial = asyncio.get_running_loop().create_task(self._dial_again())
+        return await asyncio.shield(self._redial)
+
+    async def _dial_again(self) -> Connection:
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.05
+        while True:
+            try:
+                self.connection = await Connection.open(self.address, timeout=self.timeout)
+                return self.connection
+            except BrokerUnavailable:
+                if time.monotonic() + delay > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def _request(self, message: Message) -> Message:
+        connection = await self.live_connection()
+        reply, _ = await connection.request(message)
+        return reply
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -74,6 +133,11 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
+        for core in list(self._cores):
+            await core.stop()
+        if self._redial is not None:
+            self._redial.cancel()
+            await asyncio.gather(self._redial, return_exceptions=True)
         self.connection.close()
 
     async def create_stream(
@@ -87,7 +151,7 @@ class AsyncClient:
         """Create ``scope/name`` with a fixed number of segments. ``retention_time`` ("7d",
         milliseconds or a timedelta) and ``retention_bytes`` ("10GiB" or bytes) bound how much
         history is kept; without them, everything is kept. Raises StreamExists, InvalidName."""
-        reply, _ = await self.connection.request(
+        reply = await self._request(
             CreateStream(
                 name, segments, _retention_ms(retention_time), _retention_bytes(retention_bytes)
             )
@@ -97,34 +161,209 @@ class AsyncClient:
 
     async def delete_stream(self, name: str) -> None:
         """Delete a stream and all its data. Readers following it get StreamNotFound."""
-        await self.connection.request(DeleteStream(name))
+        await self._request(DeleteStream(name))
 
     async def list_streams(self, scope: str | None = None) -> list[StreamInfo]:
-        reply, _ = await self.connection.request(ListStreams(scope))
+        reply = await self._request(ListStreams(scope))
         assert isinstance(reply, StreamList)
         return reply.streams
 
     async def describe_stream(self, name: str) -> StreamInfo:
         """Segments with key ranges, offsets, bytes and first/last event timestamps."""
-        reply, _ = await self.connection.request(DescribeStream(name))
+        reply = await self._request(DescribeStream(name))
         assert isinstance(reply, StreamInfo)
         return reply
 
     async def tail(self, stream: str) -> StreamCut:
         """The StreamCut of the current durable end: a bounded reader stops there."""
-        return await tail_cut(self.connection, stream)
+        return await tail_cut(await self.live_connection(), stream)
 
-    async def producer(self, stream: str, **options: Any) -> AsyncProducer:
-        """A producer for one stream; see :class:`Producer` for the options."""
+    async def producer(
+        self,
+        stream: str,
+        *,
+        idempotent: bool = True,
+        transactional_id: str | None = None,
+        **options: Any,
+    ) -> AsyncProducer:
+        """A producer for one stream; see :meth:`Client.producer` for the options."""
+        return AsyncProducer(
+            await self._producer_core(stream, idempotent, transactional_id, None, options)
+        )
+
+    async def _producer_core(
+        self,
+        stream: str,
+        idempotent: bool,
+        transactional_id: str | None,
+        txn: int | None,
+        options: dict[str, Any],
+    ) -> ProducerCore:
         info = await self.describe_stream(stream)
-        loop = asyncio.get_running_loop()
-        return AsyncProducer(ProducerCore(self.connection, loop, stream, _router(info), **options))
+        identity = None
+        if txn is None and (idempotent or transactional_id is not None):
+            grant = await self._request(InitProducer(transactional_id))
+            assert isinstance(grant, ProducerGrant)
+            identity = (grant.producer_id, grant.epoch)
+        core = ProducerCore(
+            self.connection,
+            asyncio.get_running_loop(),
+            stream,
+            _router(info),
+            identity=identity,
+            txn=txn,
+            reconnect=self.live_connection,
+            **options,
+        )
+        self._cores.add(core)
+        return core
 
     def reader(
         self, stream: str, start: Start = "earliest", end: StreamCut | None = None
     ) -> AsyncReader:
         """An async iterator of events; see :class:`Reader`."""
         return AsyncReader(self.connection, stream, start, end)
+
+    # --- transactions ----------------------------------------------------------------------
+
+    async def transaction(
+        self, transactional_id: str, *, timeout: float = 60.0, **options: Any
+    ) -> AsyncTransaction:
+        """Begin a transaction; see :meth:`Client.transaction`. The first transaction of a
+        ``transactional_id`` on this client fences every other client using that id."""
+        identity = self._identities.get(transactional_id)
+        if identity is None:
+            grant = await self._request(InitProducer(transactional_id))
+            assert isinstance(grant, ProducerGrant)
+            identity = self._identities[transactional_id] = (grant.producer_id, grant.epoch)
+        begun = await self._request(BeginTxn(*identity, int(timeout * 1000)))
+        assert isinstance(begun, TxnBegun)
+        return AsyncTransaction(self, begun.txn_id, transactional_id, options)
+
+    async def last_commit(self, transactional_id: str) -> CommitInfo | None:
+        """What the last committed transaction of ``transactional_id`` stored as metadata
+        (None if it never committed): how a restarted application knows where it was."""
+        reply = await self._request(GetIdentity(transactional_id))
+        assert isinstance(reply, IdentityInfo)
+        if reply.last_txn_id < 0:
+            return None
+        metadata = json.loads(reply.last_metadata) if reply.last_metadata else None
+        return CommitInfo(reply.last_txn_id, metadata, reply.committed_ms, reply.epoch)
+
+    async def transactions(self) -> list[TxnInfo]:
+        """Open transactions on the broker, with age, size and state."""
+        reply = await self._request(ListTxns())
+        assert isinstance(reply, TxnList)
+        return reply.txns
+
+    async def abort_transaction(self, txn_id: int) -> None:
+        """Abort an open transaction by id (an operator's tool: its owner's commit fails)."""
+        await self._request(EndTxn(txn_id, False))
+
+    async def _end(self, txn_id: int, commit: bool, metadata: bytes) -> TxnEnded:
+        """End a transaction; a commit whose answer was lost with the connection is asked
+        again (the broker answers a repeated commit with the first one's outcome)."""
+        try:
+            reply = await self._request(EndTxn(txn_id, commit, metadata))
+        except BrokerUnavailable:
+            reply = await self._request(EndTxn(txn_id, commit, metadata))
+        assert isinstance(reply, TxnEnded)
+        return reply
+
+
+class CommitInfo(NamedTuple):
+    """A transactional id's last commit: transaction id, metadata (decoded JSON), time, and
+    the epoch of the producer that owns the id now."""
+
+    txn_id: int
+    metadata: Any
+    committed_ms: int
+    epoch: int
+
+
+class AsyncTransaction:
+    """A transaction for asyncio code; see :class:`Transaction`."""
+
+    def __init__(
+        self, client: AsyncClient, txn_id: int, transactional_id: str, options: dict[str, Any]
+    ) -> None:
+        self.client = client
+        self.txn_id = txn_id
+        self.transactional_id = transactional_id
+        self._options = options
+        self._cores: dict[str, ProducerCore] = {}
+        self.metadata: Any = None
+        self.result: TxnEnded | None = None
+
+    async def _core(self, stream: str) -> ProducerCore:
+        core = self._cores.get(stream)
+        if core is None:
+            core = await self.client._producer_core(stream, False, None, self.txn_id, self._options)
+            self._cores[stream] = core
+        return core
+
+    async def send(
+        self,
+        stream: str,
+        value: bytes,
+        key: str | bytes | None = None,
+        headers: Mapping[str, bytes] | None = None,
+        timestamp: int | None = None,
+    ) -> None:
+        core = await self._core(stream)
+        await core.space_available()
+        core.send(value, key, headers, timestamp)
+
+    async def send_many(
+        self,
+        stream: str,
+        values: Sequence[bytes] | pa.Array,
+        keys: Sequence[str | bytes | None] | None = None,
+        timestamps: Sequence[int] | np.ndarray | None = None,
+    ) -> None:
+        core = await self._core(stream)
+        await core.space_available()
+        core.send_many(values, keys, timestamps)
+
+    async def commit(self, metadata: Any = None) -> TxnEnded:
+        """Make every event of the transaction visible at once, with ``metadata`` (any JSON
+        value, or ``self.metadata``) stored atomically with them."""
+        if self.result is not None:
+            return self.result
+        try:
+            futures = [f for core in self._cores.values() for f in core.flush_nowait()]
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except BaseException:
+            await self.abort()
+            raise
+        data = metadata if metadata is not None else self.metadata
+        encoded = b"" if data is None else json.dumps(data).encode()
+        self.result = await self.client._end(self.txn_id, True, encoded)
+        self._close_cores()
+        return self.result
+
+    async def abort(self) -> None:
+        """Discard every event of the transaction (nothing of it ever becomes visible)."""
+        if self.result is not None:
+            return
+        self._close_cores()
+        try:
+            self.result = await self.client._end(self.txn_id, False, b"")
+        except (TransactionAborted, TransactionNotFound):
+            self.result = TxnEnded(self.txn_id, False)
+
+    def _close_cores(self) -> None:
+        for core in self._cores.values():
+            core.closed = True
+
+    async def __aenter__(self) -> AsyncTransaction:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is None:
+            await self.commit()
+        else:
+            await self.abort()
 
 
 class AsyncProducer:
@@ -217,10 +456,12 @@ class AsyncReader:
         await self.close()
 
 
-async def connect_async(address: str | None = None, *, timeout: float = 10.0) -> AsyncClient:
+async def connect_async(
+    address: str | None = None, *, timeout: float = 10.0, reconnect_timeout: float = 30.0
+) -> AsyncClient:
     """Connect to a broker from asyncio code (``SLIPSTREAM_BROKER`` or 127.0.0.1:7070 by
     default). Raises BrokerUnavailable if none answers."""
-    return await AsyncClient.connect(address, timeout=timeout)
+    return await AsyncClient.connect(address, timeout=timeout, reconnect_timeout=reconnect_timeout)
 
 
 # --- the blocking client ----------------------------------------------------------------------
@@ -248,6 +489,14 @@ class _LoopThread:
         self.loop.call_soon_threadsafe(fn, *args)
 
     def stop(self) -> None:
+        async def drain() -> None:  # nothing may be left pending when the loop closes
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            self.run(drain(), timeout=5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
         if not self.thread.is_alive():
@@ -261,10 +510,14 @@ class Client:
     ``close()``. Every method raises the typed errors of ``slipstream.errors``.
     """
 
-    def __init__(self, address: str | None = None, *, timeout: float = 10.0) -> None:
+    def __init__(
+        self, address: str | None = None, *, timeout: float = 10.0, reconnect_timeout: float = 30.0
+    ) -> None:
         self._loop = _LoopThread()
         try:
-            self._async = self._loop.run(AsyncClient.connect(address, timeout=timeout))
+            self._async = self._loop.run(
+                AsyncClient.connect(address, timeout=timeout, reconnect_timeout=reconnect_timeout)
+            )
         except BaseException:
             self._loop.stop()
             raise
@@ -318,6 +571,9 @@ class Client:
         compression: str | None = None,
         max_in_flight: int = 8,
         buffer_bytes: int = 64 * 1024 * 1024,
+        idempotent: bool = True,
+        transactional_id: str | None = None,
+        delivery_timeout: float = 120.0,
     ) -> Producer:
         """A producer for ``stream``.
 
@@ -326,20 +582,59 @@ class Client:
         ``linger_ms`` passed since its first event, or at once when nothing is in flight.
         ``compression``: None, "lz4" or "zstd" (Arrow IPC buffer compression). ``send`` blocks
         while more than ``buffer_bytes`` are waiting for acknowledgement (backpressure).
+
+        Idempotent by default: batches the broker did not acknowledge are sent again after a
+        reconnect, for up to ``delivery_timeout`` seconds, and the broker stores each exactly
+        once. ``transactional_id`` gives the producer a stable identity: opening another
+        producer (or transaction) with the same id fences this one, whose next write raises
+        ProducerFenced (a zombie instance can never write after its replacement started).
         """
-        info = self.describe_stream(stream)
-        core = ProducerCore(
-            self._async.connection,
-            self._loop.loop,
-            stream,
-            _router(info),
-            linger_ms=linger_ms,
-            batch_bytes=batch_bytes,
-            compression=compression,
-            max_in_flight=max_in_flight,
-            buffer_bytes=buffer_bytes,
+        options = {
+            "linger_ms": linger_ms,
+            "batch_bytes": batch_bytes,
+            "compression": compression,
+            "max_in_flight": max_in_flight,
+            "buffer_bytes": buffer_bytes,
+            "delivery_timeout": delivery_timeout,
+        }
+        return Producer(
+            self._loop.run(
+                self._async._producer_core(stream, idempotent, transactional_id, None, options)
+            )
         )
-        return Producer(core)
+
+    def transaction(
+        self, transactional_id: str, *, timeout: float = 60.0, **options: Any
+    ) -> Transaction:
+        """Begin a transaction over any streams::
+
+            with client.transaction("enricher-1") as txn:
+                txn.send("demo/orders", b"...", key="k1")
+                txn.send("demo/audit", b"...", key="k1")
+            # leaving the block commits; an exception aborts
+
+        Readers see all of a committed transaction or nothing of it, never an open or aborted
+        one. ``timeout`` (seconds) aborts a transaction left open. ``txn.commit(metadata=...)``
+        stores a JSON value atomically with the events (``client.last_commit(id)`` reads it
+        back), e.g. how far the input was read. Producer options (``batch_bytes``,
+        ``linger_ms``, ``compression``) apply to the transaction's batches.
+        """
+        return Transaction(
+            self._loop,
+            self._loop.run(self._async.transaction(transactional_id, timeout=timeout, **options)),
+        )
+
+    def last_commit(self, transactional_id: str) -> CommitInfo | None:
+        """The last committed transaction of ``transactional_id`` and its metadata, or None."""
+        return self._loop.run(self._async.last_commit(transactional_id))
+
+    def transactions(self) -> list[TxnInfo]:
+        """Open transactions on the broker (id, transactional id, state, age, events, bytes)."""
+        return self._loop.run(self._async.transactions())
+
+    def abort_transaction(self, txn_id: int) -> None:
+        """Abort an open transaction by id."""
+        self._loop.run(self._async.abort_transaction(txn_id))
 
     def reader(
         self, stream: str, start: Start = "earliest", end: StreamCut | None = None
@@ -352,7 +647,7 @@ class Client:
         yields new events as soon as they are durable. Raises OffsetOutOfRange if retention
         removed the start position.
         """
-        return Reader(self._loop, self._async.connection, stream, start, end)
+        return Reader(self._loop, self._loop.run(self._async.live_connection()), stream, start, end)
 
 
 class Producer:
@@ -404,6 +699,71 @@ class Producer:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+class Transaction:
+    """A blocking transaction; see :meth:`Client.transaction`. ``send`` may be called from any
+    thread; leaving the ``with`` block commits (or aborts, on an exception)."""
+
+    def __init__(self, loop: _LoopThread, txn: AsyncTransaction) -> None:
+        self._loop = loop
+        self._async = txn
+        self.txn_id = txn.txn_id
+        self.transactional_id = txn.transactional_id
+
+    def _core(self, stream: str) -> ProducerCore:
+        core = self._async._cores.get(stream)
+        return core if core is not None else self._loop.run(self._async._core(stream))
+
+    def send(
+        self,
+        stream: str,
+        value: bytes,
+        key: str | bytes | None = None,
+        headers: Mapping[str, bytes] | None = None,
+        timestamp: int | None = None,
+    ) -> None:
+        """Stage one event for ``stream``; visible to readers only once committed."""
+        self._core(stream).send(value, key, headers, timestamp)
+
+    def send_many(
+        self,
+        stream: str,
+        values: Sequence[bytes] | pa.Array,
+        keys: Sequence[str | bytes | None] | None = None,
+        timestamps: Sequence[int] | np.ndarray | None = None,
+    ) -> None:
+        """Stage many events for ``stream`` column-wise (see :meth:`Producer.send_many`)."""
+        self._core(stream).send_many(values, keys, timestamps)
+
+    @property
+    def metadata(self) -> Any:
+        return self._async.metadata
+
+    @metadata.setter
+    def metadata(self, value: Any) -> None:
+        """A JSON value to store with the commit (or pass it to ``commit``)."""
+        self._async.metadata = value
+
+    def commit(self, metadata: Any = None) -> TxnEnded:
+        """Commit: every event becomes visible, ``metadata`` is stored with them. Returns
+        where the events landed (``ranges``). Raises TransactionAborted if it was aborted
+        (timeout, operator, fencing, a broker restart): run it again."""
+        return self._loop.run(self._async.commit(metadata))
+
+    def abort(self) -> None:
+        self._loop.run(self._async.abort())
+
+    def __enter__(self) -> Transaction:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if kind is None:
+            self.commit()
+        else:
+            self.abort()
 
 
 class Reader:
@@ -462,7 +822,10 @@ class Reader:
         self.close()
 
 
-def connect(address: str | None = None, *, timeout: float = 10.0) -> Client:
+def connect(
+    address: str | None = None, *, timeout: float = 10.0, reconnect_timeout: float = 30.0
+) -> Client:
     """Connect to a broker (``SLIPSTREAM_BROKER`` or 127.0.0.1:7070 by default) and handshake.
-    Raises BrokerUnavailable if none answers within ``timeout`` seconds."""
-    return Client(address, timeout=timeout)
+    Raises BrokerUnavailable if none answers within ``timeout`` seconds. A lost connection is
+    dialled again on the next request for up to ``reconnect_timeout`` seconds."""
+    return Client(address, timeout=timeout, reconnect_timeout=reconnect_timeout)

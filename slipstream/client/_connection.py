@@ -73,7 +73,8 @@ class Connection(asyncio.BufferedProtocol):
         host, port = parse_address(address)
         loop = asyncio.get_running_loop()
         try:
-            _, connection = await asyncio.wait_for(loop.create_connection(cls, host, port), timeout)
+            async with asyncio.timeout(timeout):  # no inner task to orphan if we are cancelled
+                _, connection = await loop.create_connection(cls, host, port)
         except (OSError, TimeoutError) as exc:
             raise BrokerUnavailable(
                 f"no broker at {address} ({exc}); start one with 'slipstream up' or pass "

@@ -6,21 +6,36 @@ lone event does not wait for the linger time, and under load batches grow while 
 ones are being made durable: group commit on the client side).
 
 ``send`` may be called from any thread; the network side runs on the client's event loop.
+
+Idempotence (on by default): the producer has a producer id and epoch from the broker and
+numbers each segment's events; a batch keeps its sequence numbers and bytes until it is
+acknowledged. When the connection drops, the producer reconnects and sends every
+unacknowledged batch again, in the original order: the broker stores the ones it does not have
+and answers the others with their original offsets, so nothing is lost or duplicated. At most
+``WINDOW`` batches are in flight, so every retry falls in the broker's window of remembered
+batches.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import threading
 import time
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from .._errors import BatchTooLarge, InvalidArgument, SlipstreamError
+from .._errors import (
+    BatchTooLarge,
+    BrokerShuttingDown,
+    BrokerUnavailable,
+    InvalidArgument,
+    SlipstreamError,
+)
 from ..format import (
     COMPRESSIONS,
     EVENT_SCHEMA,
@@ -33,7 +48,7 @@ from ..format import (
     timestamp_array,
 )
 from ..protocol import Append, AppendAck
-from ..streams import Position, Router
+from ..streams import WINDOW, Position, Router, next_sequence
 from ._connection import Connection
 
 _EVENT_OVERHEAD = 24  # bytes of Arrow offsets and timestamp per event, for sizing batches
@@ -110,6 +125,27 @@ class _Batch:
         )
 
 
+class _InFlight:
+    """A batch sent and not yet acknowledged: kept whole so that it can be sent again."""
+
+    __slots__ = ("first_sent", "future", "order", "parts", "segment", "size")
+
+    def __init__(
+        self,
+        order: int,
+        segment: int,
+        parts: list[Any],
+        future: concurrent.futures.Future[int],
+        size: int,
+    ) -> None:
+        self.order = order
+        self.segment = segment
+        self.parts = parts
+        self.future = future
+        self.size = size
+        self.first_sent = time.monotonic()
+
+
 class Receipt:
     """The outcome of one ``send``: ``result()`` blocks until the event is acknowledged and
     returns its Position; ``await receipt`` does the same in asyncio code.
@@ -172,7 +208,15 @@ class ProducerCore:
         compression: str | None = None,
         max_in_flight: int = 8,
         buffer_bytes: int = 64 * 1024 * 1024,
+        identity: tuple[int, int] | None = None,
+        txn: int | None = None,
+        reconnect: Callable[[], Awaitable[Connection]] | None = None,
+        delivery_timeout: float = 120.0,
     ) -> None:
+        if identity is not None and not 1 <= max_in_flight <= WINDOW:
+            raise InvalidArgument(
+                f"an idempotent producer keeps 1 to {WINDOW} batches in flight, not {max_in_flight}"
+            )
         if compression is not None and compression not in COMPRESSIONS:
             raise InvalidArgument(f"compression must be one of {COMPRESSIONS} or None")
         if batch_bytes > connection.max_batch_bytes - 64 * 1024:
@@ -203,6 +247,14 @@ class ProducerCore:
         self._sticky = 0
         self.closed = False
         self.error: SlipstreamError | None = None
+        self.identity = identity  # (producer id, epoch), or None: not idempotent
+        self.txn = txn  # stage every batch in this transaction
+        self._reconnect = reconnect
+        self.delivery_timeout = delivery_timeout
+        self._next_sequence: dict[int, int] = {}
+        self._order = itertools.count()
+        self._retry: list[_InFlight] = []
+        self._recovery: asyncio.Task[None] | None = None
 
     # --- any thread --------------------------------------------------------------------------
 
@@ -389,6 +441,8 @@ class ProducerCore:
     def _dispatch(self) -> None:
         with self._lock:
             self._wakeup_pending = False
+            if self._recovery is not None:
+                return  # new batches wait until the unacknowledged ones went out again
             if self._in_flight == 0:
                 self._seal_all()
             elif (self._open or self._keyless) and self._timer is None:
@@ -426,23 +480,43 @@ class ProducerCore:
             timestamps = record.column(2).view(pa.int64()).to_numpy()
             min_ts, max_ts = int(timestamps.min()), int(timestamps.max())
         body = encode_body_parts(record, self.compression)
-        head = encode_header(
-            body, event_count=record.num_rows, min_timestamp=min_ts, max_timestamp=max_ts
-        )
-        self._in_flight += 1
+        count = record.num_rows
+        if self.identity is None:
+            head = encode_header(
+                body, event_count=count, min_timestamp=min_ts, max_timestamp=max_ts
+            )
+        else:
+            sequence = self._next_sequence.get(segment, 0)
+            self._next_sequence[segment] = next_sequence(sequence, count)
+            head = encode_header(
+                body,
+                event_count=count,
+                min_timestamp=min_ts,
+                max_timestamp=max_ts,
+                producer_id=self.identity[0],
+                producer_epoch=self.identity[1],
+                sequence=sequence,
+            )
         self._unacked.add(future)
-        reply = self.connection.send_request(Append(self.stream, segment), [head, *body])
-        reply.add_done_callback(lambda done: self._acked(done, future, size))
+        self._transmit(_InFlight(next(self._order), segment, [head, *body], future, size))
 
-    def _acked(
-        self,
-        done: asyncio.Future[Any],
-        future: concurrent.futures.Future[int],
-        size: int,
-    ) -> None:
+    def _transmit(self, flight: _InFlight) -> None:
+        self._in_flight += 1
+        reply = self.connection.send_request(
+            Append(self.stream, flight.segment, self.txn), flight.parts
+        )
+        reply.add_done_callback(lambda done: self._acked(done, flight))
+
+    def _acked(self, done: asyncio.Future[Any], flight: _InFlight) -> None:
         self._in_flight -= 1
-        self._unacked.discard(future)
         exc = done.exception()
+        if exc is not None and self._retriable(exc, flight):
+            self._retry.append(flight)
+            if self._recovery is None:
+                self._recovery = self.loop.create_task(self._recover())
+            return
+        future = flight.future
+        self._unacked.discard(future)
         if exc is not None:
             if isinstance(exc, SlipstreamError):
                 self.error = exc
@@ -451,6 +525,10 @@ class ProducerCore:
             ack, _ = done.result()
             assert isinstance(ack, AppendAck)
             future.set_result(ack.base_offset)
+        self._release(flight.size)
+        self._dispatch()
+
+    def _release(self, size: int) -> None:
         with self._lock:
             self._buffered -= size
             self._space.notify_all()
@@ -458,7 +536,55 @@ class ProducerCore:
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+    def _retriable(self, exc: BaseException, flight: _InFlight) -> bool:
+        return (
+            not self.closed
+            and self.identity is not None
+            and self._reconnect is not None
+            and isinstance(exc, BrokerUnavailable | BrokerShuttingDown)
+            and time.monotonic() - flight.first_sent < self.delivery_timeout
+        )
+
+    async def _recover(self) -> None:
+        """After a lost connection: once nothing is in flight, reconnect and send every
+        unacknowledged batch again in its original order, then carry on."""
+        assert self._reconnect is not None
+        try:
+            while self._in_flight:  # the rest of the lost connection's batches fail at once
+                await asyncio.sleep(0.001)
+            self.connection = await self._reconnect()
+        except (SlipstreamError, asyncio.CancelledError) as exc:
+            self._recovery = None
+            self._give_up(
+                exc
+                if isinstance(exc, SlipstreamError)
+                else BrokerUnavailable("the client was closed before the broker came back")
+            )
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        self._recovery = None
+        again, self._retry = sorted(self._retry, key=lambda f: f.order), []
+        for flight in again:
+            self._transmit(flight)
         self._dispatch()
+
+    def _give_up(self, error: SlipstreamError) -> None:
+        failed, self._retry = self._retry, []
+        self.error = error
+        for flight in failed:
+            self._unacked.discard(flight.future)
+            flight.future.set_exception(error)
+            self._release(flight.size)
+
+    async def stop(self) -> None:
+        """Stop resending (the client is closing): unacknowledged batches fail."""
+        self.closed = True
+        recovery = self._recovery
+        if recovery is not None:
+            recovery.cancel()
+            await asyncio.gather(recovery, return_exceptions=True)
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:

@@ -11,6 +11,7 @@ from ._batch import (
     encode_header,
     iter_batches,
     read_body,
+    restamp,
     set_base_offset,
     verify,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "iter_batches",
     "make_record_batch",
     "read_body",
+    "restamp",
     "set_base_offset",
     "timestamp_array",
     "to_json_value",

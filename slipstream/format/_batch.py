@@ -189,6 +189,20 @@ def set_base_offset(buf: bytearray | memoryview, base_offset: int, at: int = 0) 
     _BASE_OFFSET.pack_into(buf, at + _BASE_OFFSET_AT, base_offset)
 
 
+_PRODUCER_FIELDS = struct.Struct("<Hh")  # flags, producer_epoch at byte 24
+_PRODUCER_ID = struct.Struct("<qi")  # producer_id, sequence at byte 48
+
+
+def restamp(
+    batch: bytearray, *, flags: int, producer_id: int, producer_epoch: int, sequence: int
+) -> None:
+    """Rewrite a whole batch's producer fields and flags in place and recompute its CRC (the
+    broker does this when it moves a committed transaction's staged batches into segments)."""
+    _PRODUCER_FIELDS.pack_into(batch, 24, flags, producer_epoch)
+    _PRODUCER_ID.pack_into(batch, 48, producer_id, sequence)
+    struct.pack_into("<I", batch, 20, crc32c.crc32c(memoryview(batch)[CRC_START:]))
+
+
 def iter_batches(
     buf: bytes | bytearray | memoryview, *, check_crc: bool = True
 ) -> Iterator[tuple[BatchHeader, memoryview]]:

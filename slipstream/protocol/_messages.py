@@ -58,10 +58,14 @@ class DescribeStream(Message, frozen=True):
 
 
 class Append(Message, frozen=True):
-    """Payload: one record batch. -> ``AppendAck`` once the batch is durable."""
+    """Payload: one record batch. -> ``AppendAck`` once the batch is durable; a retry of an
+    idempotent producer's batch gets the first copy's offset. With ``txn`` the batch is staged
+    in that open transaction instead (the ack's ``base_offset`` is -1): it becomes visible
+    only if and when the transaction commits."""
 
     stream: str
     segment: int
+    txn: int | None = None
 
 
 class GetCut(Message, frozen=True):
@@ -96,6 +100,42 @@ class Unfollow(Message, frozen=True):
     """Stop a follow -> ``Done``."""
 
     sub_id: int
+
+
+class InitProducer(Message, frozen=True):
+    """-> ``ProducerGrant``: a fresh producer id (epoch 0), or with a ``transactional_id`` its
+    stable producer id with the next epoch, which fences every older producer of that id and
+    aborts its open transaction."""
+
+    transactional_id: str | None = None
+
+
+class BeginTxn(Message, frozen=True):
+    """-> ``TxnBegun``. The transaction aborts by itself if not ended in ``timeout_ms``."""
+
+    producer_id: int
+    epoch: int
+    timeout_ms: int
+
+
+class EndTxn(Message, frozen=True):
+    """Commit (with ``metadata``, stored atomically with the events) or abort -> ``TxnEnded``.
+    Retrying a commit that already happened answers ``TxnEnded(committed=True)`` again. Anyone
+    holding the id may abort an open transaction (``slipstream txn abort``)."""
+
+    txn_id: int
+    commit: bool
+    metadata: bytes = b""
+
+
+class ListTxns(Message, frozen=True):
+    """-> ``TxnList`` of open transactions."""
+
+
+class GetIdentity(Message, frozen=True):
+    """-> ``IdentityInfo``: a transactional id's epoch and last committed transaction."""
+
+    transactional_id: str
 
 
 # --- responses and pushes ---------------------------------------------------------------------
@@ -172,6 +212,59 @@ class FollowFailed(Message, frozen=True):
     details: dict[str, Any] = {}
 
 
+class ProducerGrant(Message, frozen=True):
+    producer_id: int
+    epoch: int
+
+
+class TxnBegun(Message, frozen=True):
+    txn_id: int
+
+
+class TxnRange(Message, frozen=True):
+    """Where a committed transaction's events landed: offsets ``[start, end)`` of a segment."""
+
+    stream: str
+    segment: int
+    start: int
+    end: int
+
+
+class TxnEnded(Message, frozen=True):
+    txn_id: int
+    committed: bool
+    ranges: list[TxnRange] = []
+
+
+class TxnInfo(Message, frozen=True):
+    txn_id: int
+    transactional_id: str
+    producer_id: int
+    epoch: int
+    state: str
+    age_ms: int
+    timeout_ms: int
+    events: int
+    bytes: int
+    segments: int
+
+
+class TxnList(Message, frozen=True):
+    txns: list[TxnInfo]
+
+
+class IdentityInfo(Message, frozen=True):
+    """``producer_id`` -1: the transactional id was never used. ``last_metadata``: what the
+    last committed transaction stored with its events (b"" if none)."""
+
+    transactional_id: str
+    producer_id: int
+    epoch: int
+    last_txn_id: int
+    last_metadata: bytes
+    committed_ms: int
+
+
 KINDS: dict[int, type[Message]] = {
     1: Hello,
     2: CreateStream,
@@ -183,6 +276,11 @@ KINDS: dict[int, type[Message]] = {
     8: Follow,
     9: Credit,
     10: Unfollow,
+    11: InitProducer,
+    12: BeginTxn,
+    13: EndTxn,
+    14: ListTxns,
+    15: GetIdentity,
     64: Welcome,
     65: Error,
     66: Done,
@@ -193,5 +291,10 @@ KINDS: dict[int, type[Message]] = {
     71: Data,
     72: FollowEnded,
     73: FollowFailed,
+    74: ProducerGrant,
+    75: TxnBegun,
+    76: TxnEnded,
+    77: TxnList,
+    78: IdentityInfo,
 }
 KIND_OF: dict[type[Message], int] = {cls: kind for kind, cls in KINDS.items()}

@@ -10,12 +10,23 @@ from ._journal import (
     RecoveryReport,
     storage_error,
 )
-from ._meta import ChunkRecord, MetaStore, SegmentRecord, SqliteMetaStore, StreamRecord
+from ._meta import (
+    ChunkRecord,
+    CommitPart,
+    Identity,
+    MetaStore,
+    SegmentRecord,
+    SqliteMetaStore,
+    StreamRecord,
+    TxnCommit,
+)
 
 __all__ = [
     "ENTRY_OVERHEAD",
     "ChunkRecord",
+    "CommitPart",
     "FileJournal",
+    "Identity",
     "Journal",
     "JournalAddress",
     "LocalChunkStore",
@@ -27,6 +38,7 @@ __all__ = [
     "SegmentRecord",
     "SqliteMetaStore",
     "StreamRecord",
+    "TxnCommit",
     "chunk_name",
     "storage_error",
 ]

@@ -1,9 +1,10 @@
-"""MetaStore: the catalog of streams, segments and chunks. SQLite by default.
+"""MetaStore: the catalog of streams, segments and chunks, producer identities and transaction
+commit records. SQLite by default.
 
 Everything that must change together changes in one transaction: a stream with its segments;
 a journal file's chunks with the mark that the file has moved; retention's chunk removals with
-the new start offsets. Key ranges are unsigned 64-bit; SQLite integers are signed, so they are
-stored shifted by -2**63.
+the new start offsets; a transaction's commit record with its transactional id's last commit.
+Key ranges are unsigned 64-bit; SQLite integers are signed, so they are stored shifted by -2**63.
 """
 
 from __future__ import annotations
@@ -56,6 +57,43 @@ class ChunkRecord(msgspec.Struct, frozen=True):
     max_timestamp: int
     name: str
     index: builtins.bytes
+    #: the segment's idempotent-producer state as of the chunk's end (msgpack; b"" if none)
+    producers: builtins.bytes = b""
+
+
+class CommitPart(msgspec.Struct, frozen=True, array_like=True):
+    """One segment of a committed transaction: its staged batches are applied there as the
+    owner's idempotent batches starting at ``start_sequence``."""
+
+    stream_id: int
+    segment: int
+    start_sequence: int
+
+
+class TxnCommit(msgspec.Struct, frozen=True):
+    """The commit record of a transaction: once stored, the transaction is committed, and a
+    broker that crashes before it has applied every part finishes the job on restart.
+    ``metadata`` is committed atomically with the events (e.g. the Spark sink's batch id)."""
+
+    txn_id: int
+    transactional_id: str
+    producer_id: int
+    epoch: int
+    parts: list[CommitPart]
+    metadata: builtins.bytes
+    committed_ms: int
+
+
+class Identity(msgspec.Struct, frozen=True):
+    """A transactional id's producer id and current epoch, and its last committed
+    transaction with that transaction's metadata (JSON bytes, b"" when none)."""
+
+    transactional_id: str
+    producer_id: int
+    epoch: int
+    last_txn_id: int = -1
+    last_metadata: builtins.bytes = b""
+    committed_ms: int = 0
 
 
 class MetaStore(ABC):
@@ -97,6 +135,30 @@ class MetaStore(ABC):
     def remove_chunks(self, chunks: Sequence[ChunkRecord]) -> None:
         """Forget chunks (retention) and move their segments' start offsets past them."""
 
+    @abstractmethod
+    def reserve_ids(self, name: str, count: int) -> int:
+        """Durably reserve ``count`` ids of the counter ``name``; returns the first."""
+
+    @abstractmethod
+    def identities(self) -> list[Identity]:
+        """Every transactional id."""
+
+    @abstractmethod
+    def save_identity(self, identity: Identity) -> None:
+        """Store a transactional id's producer id and epoch (keeps its last commit)."""
+
+    @abstractmethod
+    def commit_txn(self, commit: TxnCommit) -> None:
+        """Store a commit record and make it its transactional id's last commit, atomically."""
+
+    @abstractmethod
+    def pending_commits(self) -> list[TxnCommit]:
+        """Commit records not yet marked applied, oldest first."""
+
+    @abstractmethod
+    def finish_txn(self, txn_id: int) -> None:
+        """Mark a committed transaction as applied to every segment."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the store."""
 
@@ -111,6 +173,11 @@ class SqliteMetaStore(MetaStore):
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(_SCHEMA)
+            columns = [row[1] for row in self._db.execute("PRAGMA table_info(chunks)")]
+            if "producers" not in columns:  # catalogs written before idempotent producers
+                self._db.execute(
+                    "ALTER TABLE chunks ADD COLUMN producers BLOB NOT NULL DEFAULT x''"
+                )
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Cursor]:
@@ -210,7 +277,7 @@ class SqliteMetaStore(MetaStore):
     def _chunks(cur: sqlite3.Cursor, where: str, args: tuple[int, ...]) -> list[ChunkRecord]:
         rows = cur.execute(
             "SELECT stream_id, segment, base_offset, next_offset, bytes, min_timestamp, "
-            f"max_timestamp, name, idx FROM chunks {where} "
+            f"max_timestamp, name, idx, producers FROM chunks {where} "
             "ORDER BY stream_id, segment, base_offset",
             args,
         )
@@ -220,8 +287,8 @@ class SqliteMetaStore(MetaStore):
         with self._transaction() as cur:
             cur.executemany(
                 "INSERT OR REPLACE INTO chunks (stream_id, segment, base_offset, next_offset, "
-                "bytes, min_timestamp, max_timestamp, name, idx) "
-                "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ? WHERE EXISTS "
+                "bytes, min_timestamp, max_timestamp, name, idx, producers) "
+                "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ? WHERE EXISTS "
                 "(SELECT 1 FROM streams WHERE id = ?)",
                 [(*msgspec.structs.astuple(c), c.stream_id) for c in chunks],
             )
@@ -250,6 +317,55 @@ class SqliteMetaStore(MetaStore):
                     "WHERE stream_id = ? AND number = ?",
                     (c.next_offset, c.stream_id, c.segment),
                 )
+
+    def reserve_ids(self, name: str, count: int) -> int:
+        with self._transaction() as cur:
+            row = cur.execute("SELECT next FROM counters WHERE name = ?", (name,)).fetchone()
+            first = 0 if row is None else int(row[0])
+            cur.execute(
+                "INSERT INTO counters (name, next) VALUES (?, ?) "
+                "ON CONFLICT (name) DO UPDATE SET next = excluded.next",
+                (name, first + count),
+            )
+        return first
+
+    def identities(self) -> list[Identity]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT transactional_id, producer_id, epoch, last_txn_id, last_metadata, "
+                "committed_ms FROM identities ORDER BY transactional_id"
+            ).fetchall()
+        return [Identity(*row) for row in rows]
+
+    def save_identity(self, identity: Identity) -> None:
+        with self._transaction() as cur:
+            cur.execute(
+                "INSERT INTO identities (transactional_id, producer_id, epoch) VALUES (?, ?, ?) "
+                "ON CONFLICT (transactional_id) DO UPDATE SET producer_id = excluded.producer_id, "
+                "epoch = excluded.epoch",
+                (identity.transactional_id, identity.producer_id, identity.epoch),
+            )
+
+    def commit_txn(self, commit: TxnCommit) -> None:
+        with self._transaction() as cur:
+            cur.execute(
+                "INSERT INTO txn_commits (txn_id, record) VALUES (?, ?)",
+                (commit.txn_id, msgspec.msgpack.encode(commit)),
+            )
+            cur.execute(
+                "UPDATE identities SET last_txn_id = ?, last_metadata = ?, committed_ms = ? "
+                "WHERE transactional_id = ?",
+                (commit.txn_id, commit.metadata, commit.committed_ms, commit.transactional_id),
+            )
+
+    def pending_commits(self) -> list[TxnCommit]:
+        with self._lock:
+            rows = self._db.execute("SELECT record FROM txn_commits ORDER BY txn_id").fetchall()
+        return [msgspec.msgpack.decode(row[0], type=TxnCommit) for row in rows]
+
+    def finish_txn(self, txn_id: int) -> None:
+        with self._transaction() as cur:
+            cur.execute("DELETE FROM txn_commits WHERE txn_id = ?", (txn_id,))
 
     def close(self) -> None:
         with self._lock:
@@ -285,10 +401,27 @@ CREATE TABLE IF NOT EXISTS chunks (
     max_timestamp INTEGER NOT NULL,
     name TEXT NOT NULL,
     idx BLOB NOT NULL,
+    producers BLOB NOT NULL DEFAULT x'',
     PRIMARY KEY (stream_id, segment, base_offset)
 );
 CREATE TABLE IF NOT EXISTS containers (
     id INTEGER PRIMARY KEY,
     moved_file INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS counters (
+    name TEXT PRIMARY KEY,
+    next INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS identities (
+    transactional_id TEXT PRIMARY KEY,
+    producer_id INTEGER NOT NULL,
+    epoch INTEGER NOT NULL,
+    last_txn_id INTEGER NOT NULL DEFAULT -1,
+    last_metadata BLOB NOT NULL DEFAULT x'',
+    committed_ms INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS txn_commits (
+    txn_id INTEGER PRIMARY KEY,
+    record BLOB NOT NULL
 );
 """

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import BrokerProcess, free_port
 
+import slipstream
+
 
 def run(
     *args: str, stdin: str = "", broker: BrokerProcess | None = None
@@ -121,6 +123,9 @@ def test_end_cut_resumes_exactly_where_consume_stopped(broker: BrokerProcess) ->
         ["produce"],
         ["consume"],
         ["demo"],
+        ["txn", "list"],
+        ["txn", "abort"],
+        ["txn", "status"],
     ],
 )
 def test_help_teaches_with_an_example(command: list[str]) -> None:
@@ -141,3 +146,34 @@ def test_demo_runs_and_stops_cleanly(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     output = " ".join((result.stdout + result.stderr).split())
     assert "demo done" in output and "consumed" in output
+
+
+def test_txn_list_status_and_abort(broker: BrokerProcess) -> None:
+    with broker.client() as client:
+        client.create_stream("cli/txn", segments=1)
+        with client.transaction("cli-app") as done:
+            done.send("cli/txn", b"committed")
+            done.metadata = {"offset": 7}
+        open_txn = client.transaction("cli-other", timeout=300)
+        open_txn.send("cli/txn", b"pending")
+        open_txn.send("cli/txn", b"pending too")
+        listed = json.loads(run("txn", "list", "--json", broker=broker).stdout)
+        assert [(t["txn_id"], t["transactional_id"], t["state"]) for t in listed] == [
+            (open_txn.txn_id, "cli-other", "open")
+        ]
+        table = run("txn", "list", broker=broker).stdout
+        assert "cli-other" in table and "1 open transaction" in table
+        status = json.loads(run("txn", "status", "cli-app", "--json", broker=broker).stdout)
+        assert status["metadata"] == {"offset": 7} and status["txn_id"] == done.txn_id
+        assert "never committed" in run("txn", "status", "nobody", broker=broker).stdout
+        aborted = run("txn", "abort", str(open_txn.txn_id), broker=broker)
+        assert aborted.returncode == 0, aborted.stderr
+        assert json.loads(run("txn", "list", "--json", broker=broker).stdout) == []
+        again = run("txn", "abort", str(open_txn.txn_id), broker=broker)  # retry-safe
+        assert again.returncode == 0, again.stderr
+        committed = run("txn", "abort", str(done.txn_id), broker=broker)
+        assert committed.returncode == 1 and "already committed" in committed.stderr
+        unknown = run("txn", "abort", "987654321", broker=broker)
+        assert unknown.returncode == 1 and "no open transaction" in unknown.stderr
+        with pytest.raises(slipstream.TransactionAborted):
+            open_txn.commit()

@@ -2,71 +2,21 @@
 
 from __future__ import annotations
 
-import socket
 import struct
 from collections.abc import Iterator
 
 import msgspec
 import pytest
 from conftest import BrokerProcess
+from raw import RawConnection, batch
 
 import slipstream
-from slipstream.format import (
-    binary_array,
-    encode_body,
-    encode_header,
-    make_record_batch,
-    timestamp_array,
-)
 from slipstream.protocol import (
-    PROTOCOL_VERSION,
     Append,
     Error,
     Frame,
-    FrameDecoder,
-    Hello,
     Welcome,
-    frame_bytes,
 )
-
-
-class RawConnection:
-    """A hand-driven protocol connection, to send what a well-behaved client never would."""
-
-    def __init__(self, address: str, version: int = PROTOCOL_VERSION) -> None:
-        host, port = address.split(":")
-        self.sock = socket.create_connection((host, int(port)), timeout=10)
-        self.decoder = FrameDecoder()
-        self.send_frame(Hello(version, "raw-test"), 1)
-
-    def send_frame(self, message: object, cid: int, payload: bytes = b"") -> None:
-        self.sock.sendall(
-            b"".join(bytes(b) for b in frame_bytes(message, cid, [payload] if payload else []))
-        )  # type: ignore[arg-type]
-
-    def receive(self) -> Frame:
-        while True:
-            item = self.decoder.next_item()
-            if item is not None:
-                assert isinstance(item, Frame)
-                return item
-            data = self.sock.recv(65536)
-            if not data:
-                raise ConnectionError("broker closed the connection")
-            self.decoder.feed(data)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def _batch(count: int = 3, value: bytes = b"v") -> bytes:
-    record = make_record_batch(
-        binary_array([None] * count), binary_array([value] * count), timestamp_array([1] * count)
-    )
-    body = encode_body(record)
-    return (
-        encode_header(body, event_count=count, min_timestamp=1, max_timestamp=1) + body.to_pybytes()
-    )
 
 
 def _error(frame: Frame) -> Error:
@@ -106,13 +56,13 @@ def test_malformed_frames_get_errors_and_the_connection_survives(
     error = _error(raw.receive())
     assert error.code == "protocol" and "Append" in error.message
     # a batch with a broken CRC
-    batch = bytearray(_batch())
-    batch[-1] ^= 0xFF
-    raw.send_frame(Append("bad/input", 0), 7, bytes(batch))
+    broken = bytearray(batch())
+    broken[-1] ^= 0xFF
+    raw.send_frame(Append("bad/input", 0), 7, bytes(broken))
     frame = raw.receive()
     assert frame.correlation_id == 7 and _error(frame).code == "corrupt_batch"
     # and the same connection still appends a good batch
-    raw.send_frame(Append("bad/input", 0), 8, _batch())
+    raw.send_frame(Append("bad/input", 0), 8, batch())
     assert raw.receive().correlation_id == 8
     assert client.describe_stream("bad/input").segments[0].end_offset == 3
 
@@ -130,11 +80,11 @@ def test_frame_length_below_minimum_closes_only_that_connection(
 def test_oversized_batch_is_refused_and_nothing_is_stored(
     raw: RawConnection, client: slipstream.Client
 ) -> None:
-    big = _batch(count=2, value=b"x" * (5 * 1024 * 1024))
+    big = batch(count=2, value=b"x" * (5 * 1024 * 1024))
     raw.send_frame(Append("bad/input", 0), 9, big)
     error = _error(raw.receive())
     assert error.code == "batch_too_large" and "8388608" in error.message
-    raw.send_frame(Append("bad/input", 0), 10, _batch())
+    raw.send_frame(Append("bad/input", 0), 10, batch())
     assert raw.receive().correlation_id == 10
     assert client.describe_stream("bad/input").segments[0].end_offset == 3
 

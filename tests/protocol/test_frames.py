@@ -29,6 +29,7 @@ from slipstream.protocol import (
     PROTOCOL_VERSION,
     Append,
     AppendAck,
+    BeginTxn,
     CreateStream,
     Credit,
     Cut,
@@ -36,6 +37,7 @@ from slipstream.protocol import (
     DeleteStream,
     DescribeStream,
     Done,
+    EndTxn,
     Error,
     Follow,
     FollowEnded,
@@ -43,14 +45,24 @@ from slipstream.protocol import (
     Frame,
     FrameDecoder,
     GetCut,
+    GetIdentity,
     Hello,
+    IdentityInfo,
+    InitProducer,
     ListStreams,
+    ListTxns,
     Malformed,
     Message,
     Oversized,
+    ProducerGrant,
     SegmentInfo,
     StreamInfo,
     StreamList,
+    TxnBegun,
+    TxnEnded,
+    TxnInfo,
+    TxnList,
+    TxnRange,
     Unfollow,
     Welcome,
     encode_frame,
@@ -113,7 +125,7 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
     DeleteStream: st.builds(DeleteStream, name=TEXT),
     ListStreams: st.builds(ListStreams, scope=st.none() | TEXT),
     DescribeStream: st.builds(DescribeStream, name=TEXT),
-    Append: st.builds(Append, stream=TEXT, segment=I64),
+    Append: st.builds(Append, stream=TEXT, segment=I64, txn=OPTIONAL_I64),
     GetCut: st.builds(GetCut, stream=TEXT, at=TEXT, timestamp_ms=OPTIONAL_I64),
     Follow: st.builds(
         Follow,
@@ -136,6 +148,49 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
     Data: st.builds(Data, sub_id=I64),
     FollowEnded: st.builds(FollowEnded, sub_id=I64, next_offset=OFFSETS),
     FollowFailed: st.builds(FollowFailed, sub_id=I64, code=TEXT, message=TEXT, details=DETAILS),
+    InitProducer: st.builds(InitProducer, transactional_id=st.none() | TEXT),
+    BeginTxn: st.builds(BeginTxn, producer_id=I64, epoch=I64, timeout_ms=I64),
+    EndTxn: st.builds(EndTxn, txn_id=I64, commit=st.booleans(), metadata=st.binary(max_size=64)),
+    ListTxns: st.builds(ListTxns),
+    GetIdentity: st.builds(GetIdentity, transactional_id=TEXT),
+    ProducerGrant: st.builds(ProducerGrant, producer_id=I64, epoch=I64),
+    TxnBegun: st.builds(TxnBegun, txn_id=I64),
+    TxnEnded: st.builds(
+        TxnEnded,
+        txn_id=I64,
+        committed=st.booleans(),
+        ranges=st.lists(
+            st.builds(TxnRange, stream=TEXT, segment=I64, start=OFFSETS, end=OFFSETS), max_size=3
+        ),
+    ),
+    TxnList: st.builds(
+        TxnList,
+        txns=st.lists(
+            st.builds(
+                TxnInfo,
+                txn_id=I64,
+                transactional_id=TEXT,
+                producer_id=I64,
+                epoch=I64,
+                state=TEXT,
+                age_ms=I64,
+                timeout_ms=I64,
+                events=I64,
+                bytes=I64,
+                segments=I64,
+            ),
+            max_size=2,
+        ),
+    ),
+    IdentityInfo: st.builds(
+        IdentityInfo,
+        transactional_id=TEXT,
+        producer_id=I64,
+        epoch=I64,
+        last_txn_id=I64,
+        last_metadata=st.binary(max_size=64),
+        committed_ms=I64,
+    ),
 }
 messages = st.one_of(*MESSAGES.values())
 
@@ -223,8 +278,8 @@ def test_hello_frame_is_the_documented_golden_bytes() -> None:
 
 def test_append_frame_head_is_the_documented_golden_bytes() -> None:
     golden_head = bytes.fromhex(
-        "32040000 0600 0000 07000000 0e000000"  # frame_length 1074 = 12 + 14 + 1048, kind 6
-        "92 ab 64656d6f2f6f7264657273 01"  # ["demo/orders", 1]
+        "33040000 0600 0000 07000000 0f000000"  # frame_length 1075 = 12 + 15 + 1048, kind 6
+        "93 ab 64656d6f2f6f7264657273 01 c0"  # ["demo/orders", 1, None]: no transaction
     )
     assert bytes(encode_frame(Append("demo/orders", 1), 7, payload_length=1048)) == golden_head
 
@@ -232,8 +287,9 @@ def test_append_frame_head_is_the_documented_golden_bytes() -> None:
 def test_kinds_are_a_bijection_covering_every_message() -> None:
     assert {KIND_OF[cls] for cls in KINDS.values()} == set(KINDS)
     assert set(KINDS.values()) == set(MESSAGES)
-    # SegmentInfo only travels inside StreamInfo; every other message has a kind of its own.
-    assert set(Message.__subclasses__()) - set(KINDS.values()) == {SegmentInfo}
+    # SegmentInfo, TxnInfo and TxnRange only travel inside other messages; every other message
+    # has a kind of its own.
+    assert set(Message.__subclasses__()) - set(KINDS.values()) == {SegmentInfo, TxnInfo, TxnRange}
     assert all(0 < kind < 2**16 for kind in KINDS)
     assert PROTOCOL_VERSION == 1
 

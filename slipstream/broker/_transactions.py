@@ -1,0 +1,537 @@
+"""The transaction coordinator: producer identities, fencing, and transactions.
+
+How a transaction works (docs/concepts.md tells users the same):
+
+1. ``BeginTxn`` opens it, with a staging journal of its own in ``<data-dir>/txns/<txn id>/``.
+2. ``Append(txn=...)`` batches go to that staging journal, not to their segments: nobody can
+   read them. (Staged writes are not synced one by one.)
+3. ``EndTxn(commit)``: the staging journal is synced; the *commit record* (which segments, at
+   which producer sequence, plus the caller's metadata) is stored in the catalog in one SQLite
+   transaction that also makes it the transactional id's last commit. From here on the
+   transaction is committed, whatever happens.
+4. The staged batches are *applied*: appended to their segments through the containers' group
+   commit as ordinary idempotent batches of the owner's producer id, epoch and consecutive
+   sequence numbers starting at the commit record's, flagged transactional. Once every one is
+   durable, the record is marked applied, the staging journal removed and the caller answered.
+
+A broker that crashes before step 3 loses the transaction (aborted: its staging journal is
+removed on restart). One that crashes after it applies the record again on restart, before it
+serves anyone: segments that already hold some of the batches recognise them by their
+sequence numbers, so each batch lands exactly once. Readers never see staged data, so they
+never see uncommitted or aborted events, and committed data reads exactly like any other.
+
+Open transactions live in memory only: a broker restart aborts them, and their owner's next
+call fails with TransactionAborted (run the transaction again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import struct
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .._errors import (
+    InvalidArgument,
+    ProducerFenced,
+    SlipstreamError,
+    StreamNotFound,
+    TransactionAborted,
+    TransactionNotFound,
+)
+from ..format import FLAG_TRANSACTIONAL, BatchHeader, decode_header, restamp
+from ..protocol import IdentityInfo, Payload, TxnEnded, TxnInfo, TxnRange
+from ..storage import CommitPart, FileJournal, Identity, JournalAddress, MetaStore, TxnCommit
+from ..streams import SEQUENCE_MODULUS, next_sequence
+from ._segment import Segment, segment_global_id, split_global_id
+
+if TYPE_CHECKING:
+    from ._controller import Controller
+
+log = logging.getLogger("slipstream.txn")
+
+_SEGMENT_ID = struct.Struct("<Q")
+MAX_EPOCH = 0x7FFF
+MAX_TIMEOUT_MS = 15 * 60 * 1000
+_ID_BLOCK = 1000
+_ENDED_REMEMBERED = 10_000
+_APPLY_WINDOW_BYTES = 64 * 1024 * 1024
+#: Test hook: the broker kills itself with SIGKILL at this step of a commit
+#: (txn.before_commit_record, txn.after_commit_record, txn.mid_apply, txn.after_apply).
+_FAULT = os.environ.get("SLIPSTREAM_FAULT", "")
+
+
+def _crash_point(name: str) -> None:
+    if name == _FAULT:
+        log.warning("fault injection: killing the broker at %s", name)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+#: a staged batch: its segment, where it is in the staging journal, its header
+_Staged = tuple[Segment, JournalAddress, BatchHeader]
+
+
+@dataclass(eq=False)
+class _Txn:
+    txn_id: int
+    identity: Identity
+    timeout_ms: int
+    journal: FileJournal
+    started: float = field(default_factory=time.monotonic)
+    state: str = "open"  # open -> committing | aborting
+    staged: list[_Staged] = field(default_factory=list)
+    writes: set[asyncio.Future[None]] = field(default_factory=set)
+    events: int = 0
+    bytes: int = 0
+    outcome: asyncio.Future[TxnEnded] | None = None
+
+    def info(self) -> TxnInfo:
+        return TxnInfo(
+            self.txn_id,
+            self.identity.transactional_id,
+            self.identity.producer_id,
+            self.identity.epoch,
+            self.state,
+            int((time.monotonic() - self.started) * 1000),
+            self.timeout_ms,
+            self.events,
+            self.bytes,
+            len({segment for segment, _, _ in self.staged}),
+        )
+
+
+class _Ids:
+    """Ids handed out from blocks reserved durably in the catalog (one write per block)."""
+
+    def __init__(self, meta: MetaStore, name: str) -> None:
+        self._meta, self._name = meta, name
+        self._next = self._end = 0
+
+    def take(self) -> int:
+        if self._next == self._end:
+            self._next = self._meta.reserve_ids(self._name, _ID_BLOCK)
+            self._end = self._next + _ID_BLOCK
+        self._next += 1
+        return self._next - 1
+
+
+class Coordinator:
+    def __init__(self, data_dir: Path, meta: MetaStore, controller: Controller) -> None:
+        self.directory = data_dir / "txns"
+        self.meta = meta
+        self.controller = controller
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="txn-io")
+        self._producer_ids = _Ids(meta, "producer_id")
+        self._txn_ids = _Ids(meta, "txn_id")
+        self.identities: dict[str, Identity] = {}
+        self._epochs: dict[int, int] = {}  # producer id -> current epoch, for transactional ids
+        self.open: dict[int, _Txn] = {}
+        self._by_tid: dict[str, _Txn] = {}
+        self._ended: OrderedDict[int, TxnEnded] = OrderedDict()
+        self._pending: list[tuple[TxnCommit, FileJournal]] = []
+
+    # --- startup ---------------------------------------------------------------------------
+
+    def recover(self) -> dict[str, int]:
+        """Load identities; keep the staging journals of committed transactions still to be
+        applied (``apply_pending`` does that once containers run); remove the rest."""
+        for identity in self.meta.identities():
+            self.identities[identity.transactional_id] = identity
+            self._epochs[identity.producer_id] = identity.epoch
+        pending = {c.txn_id: c for c in self.meta.pending_commits()}
+        aborted = 0
+        if self.directory.exists():
+            for path in sorted(self.directory.iterdir()):
+                commit = pending.get(int(path.name)) if path.name.isdigit() else None
+                if commit is None:
+                    shutil.rmtree(path, ignore_errors=True)
+                    aborted += 1
+                else:
+                    self._pending.append((commit, FileJournal(path)))
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if aborted:
+            log.info("aborted %d transactions left open by the last run", aborted)
+        return {"identities": len(self.identities), "commits": len(self._pending)}
+
+    async def apply_pending(self) -> None:
+        """Finish the commits a crash interrupted (before the broker serves anyone)."""
+        loop = asyncio.get_running_loop()
+        pending, self._pending = self._pending, []
+        for commit, journal in pending:
+            staged = await loop.run_in_executor(self._io, self._read_staging, journal)
+            ranges = await self._apply(commit, journal, staged)
+            await loop.run_in_executor(self._io, self._finish, commit.txn_id, journal)
+            log.info(
+                "applied transaction %d of %r after restart (%d segments)",
+                commit.txn_id,
+                commit.transactional_id,
+                len(ranges),
+            )
+
+    def _read_staging(self, journal: FileJournal) -> list[_Staged]:
+        staged = []
+        for address, payload in journal.recover():
+            (global_id,) = _SEGMENT_ID.unpack_from(payload)
+            segment = self._segment(*split_global_id(global_id))
+            if segment is not None:
+                staged.append((segment, address, decode_header(payload, _SEGMENT_ID.size)))
+        return staged
+
+    def _segment(self, stream_id: int, number: int) -> Segment | None:
+        for container in self.controller.containers:
+            segment = container.segments.get(segment_global_id(stream_id, number))
+            if segment is not None:
+                return segment
+        return None
+
+    # --- producers -------------------------------------------------------------------------
+
+    async def init_producer(self, transactional_id: str | None) -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        if transactional_id is None:
+            return await loop.run_in_executor(self._io, self._producer_ids.take), 0
+        if not transactional_id or len(transactional_id) > 255:
+            raise InvalidArgument("a transactional id is 1 to 255 characters")
+        old = self.identities.get(transactional_id)
+        if old is None or old.epoch >= MAX_EPOCH:
+            producer_id = await loop.run_in_executor(self._io, self._producer_ids.take)
+            epoch = 0
+        else:
+            producer_id, epoch = old.producer_id, old.epoch + 1
+        identity = (
+            Identity(transactional_id, producer_id, epoch)
+            if old is None
+            else Identity(
+                transactional_id,
+                producer_id,
+                epoch,
+                old.last_txn_id,
+                old.last_metadata,
+                old.committed_ms,
+            )
+        )
+        # fence first: the older producer's writes fail from now on
+        self.identities[transactional_id] = identity
+        self._epochs[producer_id] = epoch
+        txn = self._by_tid.get(transactional_id)
+        if txn is not None:
+            if txn.state == "committing" and txn.outcome is not None:
+                await asyncio.wait({txn.outcome})  # a commit under way finishes first
+            else:
+                await self._abort(txn, "fenced by a newer producer with the same transactional id")
+        await loop.run_in_executor(self._io, self.meta.save_identity, identity)
+        return producer_id, epoch
+
+    def check_epoch(self, producer_id: int, epoch: int) -> None:
+        current = self._epochs.get(producer_id)
+        if current is not None and epoch < current:
+            raise ProducerFenced(
+                f"producer {producer_id} epoch {epoch} was fenced by epoch {current}: a newer "
+                "producer opened with the same transactional id",
+                producer_id=producer_id,
+                epoch=epoch,
+                current_epoch=current,
+            )
+
+    def identity(self, transactional_id: str) -> IdentityInfo:
+        identity = self.identities.get(transactional_id)
+        if identity is None:
+            return IdentityInfo(transactional_id, -1, -1, -1, b"", 0)
+        return IdentityInfo(
+            transactional_id,
+            identity.producer_id,
+            identity.epoch,
+            identity.last_txn_id,
+            identity.last_metadata,
+            identity.committed_ms,
+        )
+
+    # --- transactions ----------------------------------------------------------------------
+
+    async def begin(self, producer_id: int, epoch: int, timeout_ms: int) -> int:
+        if not 0 < timeout_ms <= MAX_TIMEOUT_MS:
+            raise InvalidArgument(f"timeout_ms must be in 1..{MAX_TIMEOUT_MS}, not {timeout_ms}")
+        self.check_epoch(producer_id, epoch)
+        identity = next(
+            (
+                i
+                for i in self.identities.values()
+                if i.producer_id == producer_id and i.epoch == epoch
+            ),
+            None,
+        )
+        if identity is None:
+            raise InvalidArgument(
+                f"producer {producer_id} has no transactional id; open it with one "
+                "(InitProducer) to run transactions"
+            )
+        previous = self._by_tid.get(identity.transactional_id)
+        if previous is not None:
+            if previous.state == "committing" and previous.outcome is not None:
+                await asyncio.wait({previous.outcome})
+            else:
+                await self._abort(previous, "its owner began a new transaction")
+        loop = asyncio.get_running_loop()
+        txn_id = await loop.run_in_executor(self._io, self._txn_ids.take)
+        journal = FileJournal(self.directory / str(txn_id))
+        await loop.run_in_executor(self._io, lambda: list(journal.recover()))
+        txn = _Txn(txn_id, identity, timeout_ms, journal)
+        self.open[txn_id] = txn
+        self._by_tid[identity.transactional_id] = txn
+        return txn_id
+
+    def _txn(self, txn_id: int) -> _Txn:
+        txn = self.open.get(txn_id)
+        if txn is None:
+            ended = self._ended.get(txn_id)
+            if ended is not None and not ended.committed:
+                raise TransactionAborted(f"transaction {txn_id} was aborted", txn_id=txn_id)
+            raise TransactionNotFound(f"no open transaction {txn_id}", txn_id=txn_id)
+        return txn
+
+    def stage(
+        self, txn_id: int, segment: Segment, batch: Payload, header: BatchHeader
+    ) -> asyncio.Future[None]:
+        """Write a batch to a transaction's staging journal; the future is done once written."""
+        txn = self._txn(txn_id)
+        if txn.state != "open":
+            raise TransactionAborted(
+                f"transaction {txn_id} is {txn.state}; no more events may join it", txn_id=txn_id
+            )
+        entry = [_SEGMENT_ID.pack(segment.global_id), batch]
+        future = asyncio.get_running_loop().run_in_executor(self._io, txn.journal.append, [entry])
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        txn.writes.add(done)
+
+        def written(write: asyncio.Future[list[JournalAddress]]) -> None:
+            txn.writes.discard(done)
+            exc = write.exception()
+            if exc is not None:
+                done.set_exception(exc)
+                return
+            txn.staged.append((segment, write.result()[0], header))
+            txn.events += header.event_count
+            txn.bytes += header.batch_length
+            done.set_result(None)
+
+        future.add_done_callback(written)
+        return done
+
+    async def end(self, txn_id: int, commit: bool, metadata: bytes) -> TxnEnded:
+        txn = self.open.get(txn_id)
+        if txn is None:
+            ended = self._ended.get(txn_id)
+            if ended is None and any(i.last_txn_id == txn_id for i in self.identities.values()):
+                ended = TxnEnded(txn_id, True)  # committed before a restart
+            if ended is None:
+                raise TransactionNotFound(f"no open transaction {txn_id}", txn_id=txn_id)
+            if commit and not ended.committed:
+                raise TransactionAborted(f"transaction {txn_id} was aborted", txn_id=txn_id)
+            if not commit and ended.committed:
+                raise InvalidArgument(
+                    f"transaction {txn_id} is already committed and cannot be aborted",
+                    txn_id=txn_id,
+                )
+            return ended
+        if txn.state == "committing" and txn.outcome is not None:
+            if not commit:
+                raise InvalidArgument(f"transaction {txn_id} is already committing")
+            return await asyncio.shield(txn.outcome)
+        if txn.state != "open":
+            raise TransactionAborted(f"transaction {txn_id} is {txn.state}", txn_id=txn_id)
+        if not commit:
+            await self._abort(txn, "abort requested")
+            return TxnEnded(txn_id, False)
+        txn.outcome = asyncio.get_running_loop().create_future()
+        txn.state = "committing"
+        try:
+            result = await self._commit(txn, metadata)
+        except BaseException as exc:
+            txn.outcome.set_exception(exc)
+            txn.outcome.exception()  # retrieved: only the commit's caller reports it
+            raise
+        txn.outcome.set_result(result)
+        return result
+
+    async def _commit(self, txn: _Txn, metadata: bytes) -> TxnEnded:
+        loop = asyncio.get_running_loop()
+        identity = txn.identity
+        results = await asyncio.gather(*txn.writes, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed or self._epochs.get(identity.producer_id) != identity.epoch:
+            reason = "a staged write failed" if failed else "its producer was fenced"
+            await self._abort(txn, reason)
+            raise TransactionAborted(f"transaction {txn.txn_id} aborted: {reason}")
+        gone = [s for s, _, _ in txn.staged if s.deleted]
+        if gone:
+            await self._abort(txn, f"stream {gone[0].stream_name!r} was deleted")
+            raise StreamNotFound(
+                f"stream {gone[0].stream_name!r} was deleted; transaction {txn.txn_id} aborted"
+            )
+        try:
+            await loop.run_in_executor(self._io, txn.journal.sync)
+        except SlipstreamError as exc:
+            await self._abort(txn, f"staging could not be made durable: {exc}")
+            raise
+        parts: dict[Segment, CommitPart] = {}
+        for segment, _, _ in txn.staged:
+            if segment not in parts:
+                state = segment.producers.get(identity.producer_id)
+                start = state.next_sequence if state and state.epoch == identity.epoch else 0
+                parts[segment] = CommitPart(segment.stream_id, segment.number, start)
+        record = TxnCommit(
+            txn.txn_id,
+            identity.transactional_id,
+            identity.producer_id,
+            identity.epoch,
+            list(parts.values()),
+            metadata,
+            int(time.time() * 1000),
+        )
+        _crash_point("txn.before_commit_record")
+        try:
+            await loop.run_in_executor(self._io, self.meta.commit_txn, record)
+        except SlipstreamError as exc:
+            await self._abort(txn, f"the commit record could not be stored: {exc}")
+            raise
+        _crash_point("txn.after_commit_record")
+        self.identities[identity.transactional_id] = Identity(
+            identity.transactional_id,
+            identity.producer_id,
+            identity.epoch,
+            txn.txn_id,
+            metadata,
+            record.committed_ms,
+        )
+        txn.identity = self.identities[identity.transactional_id]
+        while True:  # committed: it must be applied, however long storage trouble lasts
+            try:
+                ranges = await self._apply(record, txn.journal, txn.staged)
+                break
+            except SlipstreamError as exc:
+                log.error("applying transaction %d failed, retrying: %s", txn.txn_id, exc)
+                await asyncio.sleep(1)
+        _crash_point("txn.after_apply")
+        await loop.run_in_executor(self._io, self._finish, txn.txn_id, txn.journal)
+        self._forget(txn, TxnEnded(txn.txn_id, True, ranges))
+        return TxnEnded(txn.txn_id, True, ranges)
+
+    async def _apply(
+        self,
+        record: TxnCommit,
+        journal: FileJournal,
+        staged: list[_Staged],
+    ) -> list[TxnRange]:
+        """Append the staged batches to their segments, skipping any a segment already holds
+        (an apply interrupted by a crash); returns where they landed."""
+        loop = asyncio.get_running_loop()
+        sequence: dict[tuple[int, int], int] = {}
+        skip: dict[tuple[int, int], int] = {}
+        for part in record.parts:
+            key = (part.stream_id, part.segment)
+            sequence[key] = part.start_sequence
+            segment = self._segment(*key)
+            state = None if segment is None else segment.producers.get(record.producer_id)
+            already = 0
+            if state is not None and state.epoch == record.epoch:
+                already = (state.next_sequence - part.start_sequence) % SEQUENCE_MODULUS
+                if already >= SEQUENCE_MODULUS // 2:
+                    already = 0
+            skip[key] = already
+        in_flight: list[tuple[Segment, asyncio.Future[int], int]] = []
+        window = 0
+        sequential = _FAULT == "txn.mid_apply"
+        first_part: tuple[int, int] | None = None
+        for segment, address, header in staged:
+            key = (segment.stream_id, segment.number)
+            if segment.deleted or key not in sequence:
+                continue
+            if skip[key] >= header.event_count:  # already in the segment
+                skip[key] -= header.event_count
+                sequence[key] = next_sequence(sequence[key], header.event_count)
+                continue
+            if sequential and first_part not in (None, key):
+                await asyncio.gather(*(f for _, f, _ in in_flight))
+                _crash_point("txn.mid_apply")
+            first_part = first_part or key
+            payload = await loop.run_in_executor(self._io, journal.read, address)
+            batch = bytearray(memoryview(payload)[_SEGMENT_ID.size :])
+            restamp(
+                batch,
+                flags=FLAG_TRANSACTIONAL,
+                producer_id=record.producer_id,
+                producer_epoch=record.epoch,
+                sequence=sequence[key],
+            )
+            sequence[key] = next_sequence(sequence[key], header.event_count)
+            container = self.controller.containers[segment.container]
+            future = container.append(segment, batch, decode_header(batch))
+            in_flight.append((segment, future, header.event_count))
+            window += len(batch)
+            if window > _APPLY_WINDOW_BYTES:
+                await asyncio.gather(*(f for _, f, _ in in_flight))
+                window = 0
+        ranges: dict[Segment, list[int]] = {}
+        for segment, future, count in in_flight:
+            base = await future
+            span = ranges.setdefault(segment, [base, base + count])
+            span[0], span[1] = min(span[0], base), max(span[1], base + count)
+        return [TxnRange(s.stream_name, s.number, lo, hi) for s, (lo, hi) in ranges.items()]
+
+    def _finish(self, txn_id: int, journal: FileJournal) -> None:
+        self.meta.finish_txn(txn_id)
+        journal.close()
+        shutil.rmtree(journal.directory, ignore_errors=True)
+
+    async def _abort(self, txn: _Txn, reason: str) -> None:
+        if txn.state == "aborting":
+            return
+        txn.state = "aborting"
+        await asyncio.gather(*txn.writes, return_exceptions=True)
+
+        def discard() -> None:
+            txn.journal.close()
+            shutil.rmtree(txn.journal.directory, ignore_errors=True)
+
+        await asyncio.get_running_loop().run_in_executor(self._io, discard)
+        self._forget(txn, TxnEnded(txn.txn_id, False))
+        log.info(
+            "transaction %d of %r aborted (%s): %d events discarded",
+            txn.txn_id,
+            txn.identity.transactional_id,
+            reason,
+            txn.events,
+        )
+
+    def _forget(self, txn: _Txn, ended: TxnEnded) -> None:
+        self.open.pop(txn.txn_id, None)
+        if self._by_tid.get(txn.identity.transactional_id) is txn:
+            del self._by_tid[txn.identity.transactional_id]
+        self._ended[txn.txn_id] = TxnEnded(ended.txn_id, ended.committed)
+        while len(self._ended) > _ENDED_REMEMBERED:
+            self._ended.popitem(last=False)
+
+    def list(self) -> list[TxnInfo]:
+        return [txn.info() for txn in self.open.values()]
+
+    async def run(self) -> None:
+        """Abort transactions that outlive their timeout."""
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for txn in list(self.open.values()):
+                if txn.state == "open" and (now - txn.started) * 1000 > txn.timeout_ms:
+                    await self._abort(txn, f"timed out after {txn.timeout_ms} ms")
+
+    async def close(self) -> None:
+        for txn in list(self.open.values()):
+            txn.journal.close()
+        self._io.shutdown(wait=True)
