@@ -25,7 +25,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine
 from nats_peer import NatsPeer
 
-WORKLOADS = ["machine", "produce_1k", "produce_100b", "replay", "latency", "streams"]
+WORKLOADS = [
+    "machine",
+    "produce_1k",
+    "produce_100b",
+    "replay",
+    "latency",
+    "transactions",
+    "streams",
+]
 SIZES = {
     "full": {
         "p1k": 200_000,
@@ -36,6 +44,7 @@ SIZES = {
         "lat_seconds": 10.0,
         "lat_warmup": 1.0,
         "streams": 10_000,
+        "tx_events": 200_000,
         "disk_bytes": 256 * machine.MiB,
         "fsync_iterations": 500,
     },
@@ -48,6 +57,7 @@ SIZES = {
         "lat_seconds": 3.0,
         "lat_warmup": 0.5,
         "streams": 1_000,
+        "tx_events": 50_000,
         "disk_bytes": 256 * machine.MiB,
         "fsync_iterations": 200,
     },
@@ -142,6 +152,9 @@ def run_slipstream(root: Path, s: dict, only: set[str], args: argparse.Namespace
         if "latency" in only:
             lat = (s["lat_rate"], s["lat_seconds"])
             attempt(out, "latency", peer.latency, *lat, warmup=s["lat_warmup"])
+        if "transactions" in only:
+            tx = (1024, s["tx_events"], (1, 100, 10_000))
+            attempt(out, "transactions", peer.transactions, *tx)
     finally:
         peer.stop()
     if "streams" in only:  # a fresh broker: memory freed by earlier workloads would hide growth
@@ -285,6 +298,48 @@ def build_rows(r: dict, only: set[str]) -> list[dict]:
             lambda a, ratio: None if a is None else a <= 5,
         )
         row(name, "max ms", "latency", "max_ms", "latency")
+    if "transactions" in only:
+        tx = ss.get("transactions") if isinstance(ss.get("transactions"), dict) else {}
+        plain = (tx.get("plain") or {}).get("events_s")
+        for part, label in (
+            ("plain", "produce 1 KiB, 4 segments"),
+            ("txn_1", "transactions of 1 event"),
+            ("txn_100", "transactions of 100 events"),
+            ("txn_10000", "transactions of 10,000 events"),
+        ):
+            value = (tx.get(part) or {}).get("events_s")
+            rows.append(
+                {
+                    "workload": label,
+                    "metric": "events/s (ratio: vs plain)",
+                    "unit": "",
+                    "slipstream": value,
+                    "jetstream": None,
+                    "ratio": value / plain if value and plain else None,
+                    "target": "report",
+                    "result": None,
+                    "slipstream_error": error_of(ss, "transactions") if value is None else None,
+                    "jetstream_error": None,
+                }
+            )
+        committed = (tx.get("read_committed") or {}).get("mb_s")
+        plain_read = (tx.get("read_plain") or {}).get("mb_s")
+        ratio = committed / plain_read if committed and plain_read else None
+        rows.append(
+            {
+                "workload": "read committed data, batches()",
+                "metric": "MB/s (ratio: vs plain read)",
+                "unit": "",
+                "slipstream": committed,
+                "jetstream": None,
+                "ratio": ratio,
+                # ratios within 10% are the noise of this machine, not a difference
+                "target": "≥ plain read",
+                "result": None if ratio is None else ("PASS" if ratio >= 0.9 else "MISS"),
+                "slipstream_error": error_of(ss, "transactions") if committed is None else None,
+                "jetstream_error": None,
+            }
+        )
     if "streams" in only:
         name = f"{get(ss, 'streams', 'streams') or 'many'} streams"
         row(name, "KiB RSS per idle stream", "streams", "rss_per_stream_kib")
@@ -449,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
                 sizes["disk_bytes"],
                 sizes["fsync_iterations"],
             )
-        if "jetstream" in peers and only - {"machine", "streams"}:
+        if "jetstream" in peers and only - {"machine", "streams", "transactions"}:
             results["jetstream"] = run_jetstream(root, sizes, only, args)
         if "slipstream" in peers and only - {"machine"}:
             results["slipstream"] = run_slipstream(root, sizes, only, args)

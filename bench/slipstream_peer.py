@@ -254,6 +254,60 @@ class SlipstreamPeer:
         result["linger_ms"] = linger
         return result
 
+    def transactions(self, size: int, events: int, sizes: tuple[int, ...]) -> dict:
+        """``events`` events of ``size`` bytes through transactions of each size in ``sizes``
+        (keyed over 4 segments of 2 streams, so each commit spans several containers), against
+        the same events through a plain idempotent producer; then a bounded read of committed
+        data against a read of plain data."""
+        payload = os.urandom(size)
+        keys = [f"k{i}" for i in range(64)]
+        out: dict = {}
+        self.client.create_stream("bench/txplain", segments=4)
+        with self._producer("bench/txplain") as producer:
+            start = time.perf_counter()
+            for i in range(events):
+                producer.send(payload, key=keys[i & 63])
+            producer.flush()
+            seconds = time.perf_counter() - start
+        out["plain"] = {"events_s": events / seconds, "mb_s": events * size / seconds / 1e6}
+        for per_txn in sizes:
+            stream = f"bench/tx{per_txn}"
+            self.client.create_stream(stream, segments=4)
+            self.client.create_stream(stream + "-audit", segments=4)
+            count = min(events, max(per_txn * 20, 200 if per_txn == 1 else per_txn * 5))
+            txns = max(1, count // per_txn)
+            start = time.perf_counter()
+            for t in range(txns):
+                with self.client.transaction("bench-tx", batch_bytes=self.batch_bytes) as txn:
+                    for i in range(per_txn):
+                        txn.send(stream, payload, key=keys[(t + i) & 63])
+                    txn.metadata = {"txn": t}
+            seconds = time.perf_counter() - start
+            stored = self._stored(stream)
+            if stored != txns * per_txn:
+                raise RuntimeError(f"{stream}: committed {txns * per_txn} events, read {stored}")
+            out[f"txn_{per_txn}"] = {
+                "events": txns * per_txn,
+                "txns_s": txns / seconds,
+                "events_s": txns * per_txn / seconds,
+                "mb_s": txns * per_txn * size / seconds / 1e6,
+            }
+        big = f"bench/tx{max(sizes)}"
+        committed = self._stored(big)
+        best: dict[str, float] = {}
+        for _ in range(3):  # alternate and keep each one's best: short reads are noisy here
+            for label, stream in (("read_committed", big), ("read_plain", "bench/txplain")):
+                start = time.perf_counter()
+                n = 0
+                for batch in self.client.reader(stream, end=self.client.tail(stream)).batches():
+                    n += batch.num_rows
+                    if n >= committed:
+                        break
+                best[label] = min(best.get(label, 1e9), time.perf_counter() - start)
+        for label, seconds in best.items():
+            out[label] = {"events_s": committed / seconds, "mb_s": committed * size / seconds / 1e6}
+        return out
+
     def many_streams(self, count: int, size: int = 100) -> dict:
         """Create ``count`` single-segment streams, append one event to each, and report the
         broker's RSS growth per stream once they are idle."""

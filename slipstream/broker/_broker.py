@@ -7,7 +7,7 @@ Data directory layout (docs/operations.md says the same):
     <data-dir>/meta.db                    the catalog (SQLite, WAL)
     <data-dir>/journal/<container>/*.journal   tier 1: group-committed journals
     <data-dir>/chunks/<stream>/<segment>/<base offset>.chunk   tier 2: long-term chunks
-    <data-dir>/txns/<txn id>/*.journal    staged events of open (and committing) transactions
+    <data-dir>/txns/*.journal             staged events of open (and committing) transactions
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class Broker:
             for cid, journal in enumerate(self.journals)
         ]
         self.controller = Controller(self.meta, self.long_term, self.containers, self.read_pool)
-        self.coordinator = Coordinator(data_dir, self.meta, self.controller)
+        self.coordinator = Coordinator(data_dir, self.meta, self.controller, fsync=do_sync)
         started = time.monotonic()
         totals = self.controller.recover()
         totals.update(self.coordinator.recover())

@@ -2,9 +2,10 @@
 
 How a transaction works (docs/concepts.md tells users the same):
 
-1. ``BeginTxn`` opens it, with a staging journal of its own in ``<data-dir>/txns/<txn id>/``.
-2. ``Append(txn=...)`` batches go to that staging journal, not to their segments: nobody can
-   read them. (Staged writes are not synced one by one.)
+1. ``BeginTxn`` opens it (in memory only).
+2. ``Append(txn=...)`` batches go to the staging journal (``<data-dir>/txns/``, shared by all
+   transactions, each entry tagged with its transaction id), not to their segments: nobody can
+   read them. Staged writes are not synced one by one.
 3. ``EndTxn(commit)``: the staging journal is synced; the *commit record* (which segments, at
    which producer sequence, plus the caller's metadata) is stored in the catalog in one SQLite
    transaction that also makes it the transactional id's last commit. From here on the
@@ -12,13 +13,15 @@ How a transaction works (docs/concepts.md tells users the same):
 4. The staged batches are *applied*: appended to their segments through the containers' group
    commit as ordinary idempotent batches of the owner's producer id, epoch and consecutive
    sequence numbers starting at the commit record's, flagged transactional. Once every one is
-   durable, the record is marked applied, the staging journal removed and the caller answered.
+   durable, the record is marked applied and the caller answered. A staging file is deleted
+   once it is sealed and every transaction with entries in it has ended.
 
-A broker that crashes before step 3 loses the transaction (aborted: its staging journal is
-removed on restart). One that crashes after it applies the record again on restart, before it
-serves anyone: segments that already hold some of the batches recognise them by their
-sequence numbers, so each batch lands exactly once. Readers never see staged data, so they
-never see uncommitted or aborted events, and committed data reads exactly like any other.
+A broker that crashes before step 3 loses the transaction (aborted: its staged entries are
+ignored on restart and their files deleted). One that crashes after it applies the record
+again on restart, before it serves anyone: segments that already hold some of the batches
+recognise them by their sequence numbers, so each batch lands exactly once. Readers never see
+staged data, so they never see uncommitted or aborted events, and committed data reads exactly
+like any other.
 
 Open transactions live in memory only: a broker restart aborts them, and their owner's next
 call fails with TransactionAborted (run the transaction again).
@@ -29,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import signal
 import struct
 import time
@@ -49,7 +51,14 @@ from .._errors import (
 )
 from ..format import FLAG_TRANSACTIONAL, BatchHeader, decode_header, restamp
 from ..protocol import IdentityInfo, Payload, TxnEnded, TxnInfo, TxnRange
-from ..storage import CommitPart, FileJournal, Identity, JournalAddress, MetaStore, TxnCommit
+from ..storage import (
+    CommitPart,
+    FileJournal,
+    Identity,
+    JournalAddress,
+    MetaStore,
+    TxnCommit,
+)
 from ..streams import SEQUENCE_MODULUS, next_sequence
 from ._segment import Segment, segment_global_id, split_global_id
 
@@ -58,7 +67,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("slipstream.txn")
 
-_SEGMENT_ID = struct.Struct("<Q")
+_STAGED = struct.Struct("<QQ")  # staging entry prefix: transaction id, segment global id
+_STAGING_ROLL_BYTES = 64 * 1024 * 1024
 MAX_EPOCH = 0x7FFF
 MAX_TIMEOUT_MS = 15 * 60 * 1000
 _ID_BLOCK = 1000
@@ -84,11 +94,11 @@ class _Txn:
     txn_id: int
     identity: Identity
     timeout_ms: int
-    journal: FileJournal
     started: float = field(default_factory=time.monotonic)
     state: str = "open"  # open -> committing | aborting
     staged: list[_Staged] = field(default_factory=list)
     writes: set[asyncio.Future[None]] = field(default_factory=set)
+    files: set[int] = field(default_factory=set)  # staging files holding its entries
     events: int = 0
     bytes: int = 0
     outcome: asyncio.Future[TxnEnded] | None = None
@@ -124,8 +134,10 @@ class _Ids:
 
 
 class Coordinator:
-    def __init__(self, data_dir: Path, meta: MetaStore, controller: Controller) -> None:
-        self.directory = data_dir / "txns"
+    def __init__(
+        self, data_dir: Path, meta: MetaStore, controller: Controller, *, fsync: bool = True
+    ) -> None:
+        self.staging = FileJournal(data_dir / "txns", fsync=fsync)
         self.meta = meta
         self.controller = controller
         self._io = ThreadPoolExecutor(1, thread_name_prefix="txn-io")
@@ -136,54 +148,69 @@ class Coordinator:
         self.open: dict[int, _Txn] = {}
         self._by_tid: dict[str, _Txn] = {}
         self._ended: OrderedDict[int, TxnEnded] = OrderedDict()
-        self._pending: list[tuple[TxnCommit, FileJournal]] = []
+        self._pending: list[tuple[TxnCommit, list[_Staged]]] = []
+        self._file_users: dict[int, set[int]] = {}  # staging file id -> open transactions
 
     # --- startup ---------------------------------------------------------------------------
 
     def recover(self) -> dict[str, int]:
-        """Load identities; keep the staging journals of committed transactions still to be
-        applied (``apply_pending`` does that once containers run); remove the rest."""
+        """Load identities, and the staged batches of committed transactions still to be
+        applied (``apply_pending`` does that once containers run). Every other staged entry
+        belongs to a transaction this restart aborted."""
         for identity in self.meta.identities():
             self.identities[identity.transactional_id] = identity
             self._epochs[identity.producer_id] = identity.epoch
         pending = {c.txn_id: c for c in self.meta.pending_commits()}
-        aborted = 0
-        if self.directory.exists():
-            for path in sorted(self.directory.iterdir()):
-                commit = pending.get(int(path.name)) if path.name.isdigit() else None
-                if commit is None:
-                    shutil.rmtree(path, ignore_errors=True)
-                    aborted += 1
-                else:
-                    self._pending.append((commit, FileJournal(path)))
-        self.directory.mkdir(parents=True, exist_ok=True)
+        staged: dict[int, list[_Staged]] = {txn_id: [] for txn_id in pending}
+        aborted: set[int] = set()
+        for address, payload in self.staging.recover():
+            txn_id, global_id = _STAGED.unpack_from(payload)
+            if txn_id not in staged:
+                aborted.add(txn_id)
+                continue
+            segment = self._segment(*split_global_id(global_id))
+            if segment is not None:
+                staged[txn_id].append((segment, address, decode_header(payload, _STAGED.size)))
+        for txn_id, commit in pending.items():
+            self._pending.append((commit, staged[txn_id]))
         if aborted:
-            log.info("aborted %d transactions left open by the last run", aborted)
+            log.info("aborted %d transactions left open by the last run", len(aborted))
         return {"identities": len(self.identities), "commits": len(self._pending)}
 
     async def apply_pending(self) -> None:
-        """Finish the commits a crash interrupted (before the broker serves anyone)."""
+        """Finish the commits a crash interrupted (before the broker serves anyone), then
+        start staging afresh."""
         loop = asyncio.get_running_loop()
         pending, self._pending = self._pending, []
-        for commit, journal in pending:
-            staged = await loop.run_in_executor(self._io, self._read_staging, journal)
-            ranges = await self._apply(commit, journal, staged)
-            await loop.run_in_executor(self._io, self._finish, commit.txn_id, journal)
+        for commit, staged in pending:
+            if len(staged) < commit.batches:  # cannot happen while fsync keeps its promises
+                log.error(
+                    "transaction %d: only %d of its %d staged batches are readable; applying those",
+                    commit.txn_id,
+                    len(staged),
+                    commit.batches,
+                )
+            ranges = await self._apply(commit, staged)
+            await loop.run_in_executor(self._io, self.meta.finish_txn, commit.txn_id)
             log.info(
                 "applied transaction %d of %r after restart (%d segments)",
                 commit.txn_id,
                 commit.transactional_id,
                 len(ranges),
             )
+        await loop.run_in_executor(self._io, self._drop_sealed, True)
 
-    def _read_staging(self, journal: FileJournal) -> list[_Staged]:
-        staged = []
-        for address, payload in journal.recover():
-            (global_id,) = _SEGMENT_ID.unpack_from(payload)
-            segment = self._segment(*split_global_id(global_id))
-            if segment is not None:
-                staged.append((segment, address, decode_header(payload, _SEGMENT_ID.size)))
-        return staged
+    def _drop_sealed(self, roll: bool = False) -> None:
+        """Delete sealed staging files no open transaction uses (after rolling, if asked)."""
+        try:
+            if roll:
+                self.staging.roll()
+            for file_id in self.staging.sealed_files():
+                if not self._file_users.get(file_id):
+                    self._file_users.pop(file_id, None)
+                    self.staging.delete_file(file_id)
+        except (SlipstreamError, OSError) as exc:  # the next transaction to end tries again
+            log.warning("could not delete a used-up staging file: %s", exc)
 
     def _segment(self, stream_id: int, number: int) -> Segment | None:
         for container in self.controller.containers:
@@ -281,9 +308,7 @@ class Coordinator:
                 await self._abort(previous, "its owner began a new transaction")
         loop = asyncio.get_running_loop()
         txn_id = await loop.run_in_executor(self._io, self._txn_ids.take)
-        journal = FileJournal(self.directory / str(txn_id))
-        await loop.run_in_executor(self._io, lambda: list(journal.recover()))
-        txn = _Txn(txn_id, identity, timeout_ms, journal)
+        txn = _Txn(txn_id, identity, timeout_ms)
         self.open[txn_id] = txn
         self._by_tid[identity.transactional_id] = txn
         return txn_id
@@ -306,8 +331,8 @@ class Coordinator:
             raise TransactionAborted(
                 f"transaction {txn_id} is {txn.state}; no more events may join it", txn_id=txn_id
             )
-        entry = [_SEGMENT_ID.pack(segment.global_id), batch]
-        future = asyncio.get_running_loop().run_in_executor(self._io, txn.journal.append, [entry])
+        entry = [_STAGED.pack(txn_id, segment.global_id), batch]
+        future = asyncio.get_running_loop().run_in_executor(self._io, self._write, [entry])
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         txn.writes.add(done)
 
@@ -317,13 +342,23 @@ class Coordinator:
             if exc is not None:
                 done.set_exception(exc)
                 return
-            txn.staged.append((segment, write.result()[0], header))
+            address = write.result()[0]
+            txn.staged.append((segment, address, header))
+            if address.file_id not in txn.files:
+                txn.files.add(address.file_id)
+                self._file_users.setdefault(address.file_id, set()).add(txn_id)
             txn.events += header.event_count
             txn.bytes += header.batch_length
             done.set_result(None)
 
         future.add_done_callback(written)
         return done
+
+    def _write(self, entries: list[list[Payload | bytes]]) -> list[JournalAddress]:
+        addresses = self.staging.append(entries)
+        if self.staging.active_bytes >= _STAGING_ROLL_BYTES:
+            self.staging.roll()
+        return addresses
 
     async def end(self, txn_id: int, commit: bool, metadata: bytes) -> TxnEnded:
         txn = self.open.get(txn_id)
@@ -377,9 +412,14 @@ class Coordinator:
                 f"stream {gone[0].stream_name!r} was deleted; transaction {txn.txn_id} aborted"
             )
         try:
-            await loop.run_in_executor(self._io, txn.journal.sync)
+            await loop.run_in_executor(self._io, self.staging.sync)
         except SlipstreamError as exc:
-            await self._abort(txn, f"staging could not be made durable: {exc}")
+            # what was staged since the last sync is in an unknown state: cut it off, and
+            # abort every transaction that may have lost entries with it
+            await loop.run_in_executor(self._io, self.staging.discard_unsynced)
+            for other in list(self.open.values()):
+                if other.state == "open" or other is txn:
+                    await self._abort(other, f"staging could not be made durable: {exc}")
             raise
         parts: dict[Segment, CommitPart] = {}
         for segment, _, _ in txn.staged:
@@ -395,6 +435,7 @@ class Coordinator:
             list(parts.values()),
             metadata,
             int(time.time() * 1000),
+            len(txn.staged),
         )
         _crash_point("txn.before_commit_record")
         try:
@@ -414,22 +455,20 @@ class Coordinator:
         txn.identity = self.identities[identity.transactional_id]
         while True:  # committed: it must be applied, however long storage trouble lasts
             try:
-                ranges = await self._apply(record, txn.journal, txn.staged)
+                ranges = await self._apply(record, txn.staged)
                 break
             except SlipstreamError as exc:
                 log.error("applying transaction %d failed, retrying: %s", txn.txn_id, exc)
                 await asyncio.sleep(1)
         _crash_point("txn.after_apply")
-        await loop.run_in_executor(self._io, self._finish, txn.txn_id, txn.journal)
+        # Marking the record applied need not hold up the answer: a restart before it lands
+        # applies the record again, and finds every batch already in place. (The io thread is
+        # FIFO, so staging files this transaction used are deleted only after it.)
+        loop.run_in_executor(self._io, self._finish, txn.txn_id)
         self._forget(txn, TxnEnded(txn.txn_id, True, ranges))
         return TxnEnded(txn.txn_id, True, ranges)
 
-    async def _apply(
-        self,
-        record: TxnCommit,
-        journal: FileJournal,
-        staged: list[_Staged],
-    ) -> list[TxnRange]:
+    async def _apply(self, record: TxnCommit, staged: list[_Staged]) -> list[TxnRange]:
         """Append the staged batches to their segments, skipping any a segment already holds
         (an apply interrupted by a crash); returns where they landed."""
         loop = asyncio.get_running_loop()
@@ -462,8 +501,8 @@ class Coordinator:
                 await asyncio.gather(*(f for _, f, _ in in_flight))
                 _crash_point("txn.mid_apply")
             first_part = first_part or key
-            payload = await loop.run_in_executor(self._io, journal.read, address)
-            batch = bytearray(memoryview(payload)[_SEGMENT_ID.size :])
+            payload = await loop.run_in_executor(self._io, self.staging.read, address)
+            batch = bytearray(memoryview(payload)[_STAGED.size :])
             restamp(
                 batch,
                 flags=FLAG_TRANSACTIONAL,
@@ -486,22 +525,17 @@ class Coordinator:
             span[0], span[1] = min(span[0], base), max(span[1], base + count)
         return [TxnRange(s.stream_name, s.number, lo, hi) for s, (lo, hi) in ranges.items()]
 
-    def _finish(self, txn_id: int, journal: FileJournal) -> None:
-        self.meta.finish_txn(txn_id)
-        journal.close()
-        shutil.rmtree(journal.directory, ignore_errors=True)
+    def _finish(self, txn_id: int) -> None:
+        try:
+            self.meta.finish_txn(txn_id)
+        except SlipstreamError as exc:  # harmless: a restart re-applies it as a no-op
+            log.warning("could not mark transaction %d applied: %s", txn_id, exc)
 
     async def _abort(self, txn: _Txn, reason: str) -> None:
         if txn.state == "aborting":
             return
         txn.state = "aborting"
         await asyncio.gather(*txn.writes, return_exceptions=True)
-
-        def discard() -> None:
-            txn.journal.close()
-            shutil.rmtree(txn.journal.directory, ignore_errors=True)
-
-        await asyncio.get_running_loop().run_in_executor(self._io, discard)
         self._forget(txn, TxnEnded(txn.txn_id, False))
         log.info(
             "transaction %d of %r aborted (%s): %d events discarded",
@@ -518,6 +552,14 @@ class Coordinator:
         self._ended[txn.txn_id] = TxnEnded(ended.txn_id, ended.committed)
         while len(self._ended) > _ENDED_REMEMBERED:
             self._ended.popitem(last=False)
+        released = False
+        for file_id in txn.files:
+            users = self._file_users.get(file_id)
+            if users is not None:
+                users.discard(txn.txn_id)
+                released |= not users
+        if released:  # its files may now be free to delete (only sealed ones ever are)
+            asyncio.get_running_loop().run_in_executor(self._io, self._drop_sealed)
 
     def list(self) -> list[TxnInfo]:
         return [txn.info() for txn in self.open.values()]
@@ -532,6 +574,5 @@ class Coordinator:
                     await self._abort(txn, f"timed out after {txn.timeout_ms} ms")
 
     async def close(self) -> None:
-        for txn in list(self.open.values()):
-            txn.journal.close()
+        await asyncio.get_running_loop().run_in_executor(self._io, self.staging.close)
         self._io.shutdown(wait=True)

@@ -91,6 +91,7 @@ class AsyncClient:
         self._redial: asyncio.Task[Connection] | None = None
         self._identities: dict[str, tuple[int, int]] = {}
         self._cores: weakref.WeakSet[ProducerCore] = weakref.WeakSet()
+        self._described: dict[str, StreamInfo] = {}  # routing of streams transactions write
 
     @classmethod
     async def connect(
@@ -199,7 +200,9 @@ class AsyncClient:
         txn: int | None,
         options: dict[str, Any],
     ) -> ProducerCore:
-        info = await self.describe_stream(stream)
+        info = self._described.get(stream) if txn is not None else None
+        if info is None:
+            info = self._described[stream] = await self.describe_stream(stream)
         identity = None
         if txn is None and (idempotent or transactional_id is not None):
             grant = await self._request(InitProducer(transactional_id))
@@ -213,6 +216,7 @@ class AsyncClient:
             identity=identity,
             txn=txn,
             reconnect=self.live_connection,
+            eager=txn is None,
             **options,
         )
         self._cores.add(core)

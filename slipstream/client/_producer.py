@@ -212,6 +212,7 @@ class ProducerCore:
         txn: int | None = None,
         reconnect: Callable[[], Awaitable[Connection]] | None = None,
         delivery_timeout: float = 120.0,
+        eager: bool = True,
     ) -> None:
         if identity is not None and not 1 <= max_in_flight <= WINDOW:
             raise InvalidArgument(
@@ -251,6 +252,9 @@ class ProducerCore:
         self.txn = txn  # stage every batch in this transaction
         self._reconnect = reconnect
         self.delivery_timeout = delivery_timeout
+        # eager: send a batch before it is full (linger, or nothing in flight). A transaction's
+        # batches are invisible until it commits, so they are sent only when full or flushed.
+        self.eager = eager
         self._next_sequence: dict[int, int] = {}
         self._order = itertools.count()
         self._retry: list[_InFlight] = []
@@ -443,7 +447,9 @@ class ProducerCore:
             self._wakeup_pending = False
             if self._recovery is not None:
                 return  # new batches wait until the unacknowledged ones went out again
-            if self._in_flight == 0:
+            if not self.eager:
+                pass
+            elif self._in_flight == 0:
                 self._seal_all()
             elif (self._open or self._keyless) and self._timer is None:
                 oldest = min(b.created for b in self._open_batches())

@@ -8,6 +8,7 @@ from ._journal import (
     JournalAddress,
     MemoryJournal,
     RecoveryReport,
+    fsync_dir,
     storage_error,
 )
 from ._meta import (
@@ -40,5 +41,6 @@ __all__ = [
     "StreamRecord",
     "TxnCommit",
     "chunk_name",
+    "fsync_dir",
     "storage_error",
 ]

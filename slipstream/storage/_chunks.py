@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .._errors import CorruptData
-from ._journal import Buffer, _fsync_dir, _writev_all, storage_error
+from ._journal import Buffer, _writev_all, fsync_dir, storage_error
 
 
 def chunk_name(stream_id: int, segment: int, base_offset: int) -> str:
@@ -88,7 +88,7 @@ class LocalChunkStore(LongTermStore):
                 os.close(fd)
             os.replace(tmp, path)
             if self._fsync:
-                _fsync_dir(path.parent)
+                fsync_dir(path.parent)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
@@ -108,7 +108,7 @@ class LocalChunkStore(LongTermStore):
             os.link(source, tmp)
             os.replace(tmp, path)
             if self._fsync:
-                _fsync_dir(path.parent)
+                fsync_dir(path.parent)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)

@@ -217,7 +217,7 @@ class FileJournal(Journal):
             self._files[file_id] = valid
             yield from entries
         if cut or moved_through >= 0:
-            _fsync_dir(self.directory)  # make the removals and the cut durable
+            fsync_dir(self.directory)  # make the removals and the cut durable
         self._active_id = max(self._files, default=0)
         if not self._files:
             self._files[0] = 0
@@ -228,7 +228,7 @@ class FileJournal(Journal):
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._synced_size = self._files[self._active_id]
         if self._synced_size == 0:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
 
     def append(self, entries: Sequence[Sequence[Buffer]]) -> list[JournalAddress]:
         buffers: list[Buffer] = []
@@ -300,7 +300,7 @@ class FileJournal(Journal):
         with self._lock:
             try:
                 fd = os.open(self._path(sealed + 1), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-                _fsync_dir(self.directory)  # the new file's name must survive a power cut
+                fsync_dir(self.directory)  # the new file's name must survive a power cut
             except OSError as exc:
                 raise storage_error(exc, "starting a new journal file") from exc
             os.close(self._fd)
@@ -444,7 +444,7 @@ def _writev_all(fd: int, buffers: list[Buffer]) -> None:
                 written = 0
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -82,6 +82,7 @@ class TxnCommit(msgspec.Struct, frozen=True):
     parts: list[CommitPart]
     metadata: builtins.bytes
     committed_ms: int
+    batches: int = 0  # staged batches, to notice staging lost after the commit record
 
 
 class Identity(msgspec.Struct, frozen=True):

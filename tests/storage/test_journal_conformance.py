@@ -636,13 +636,13 @@ def test_a_new_journal_file_is_durable_in_its_directory(
     # lose the whole file, and every acknowledged entry in it, unless the directory is synced
     directory = tmp_path / "journal"
     synced_dirs: list[Path] = []
-    real_fsync_dir = _journal._fsync_dir
+    real_fsync_dir = _journal.fsync_dir
 
     def recording_fsync_dir(path: Path) -> None:
         synced_dirs.append(path)
         real_fsync_dir(path)
 
-    monkeypatch.setattr(_journal, "_fsync_dir", recording_fsync_dir)
+    monkeypatch.setattr(_journal, "fsync_dir", recording_fsync_dir)
     journal = FileJournal(directory)
     recover(journal)
     try:

@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 
 from slipstream import StreamExists, StreamNotFound
-from slipstream.storage import ChunkRecord, MetaStore, SegmentRecord, SqliteMetaStore
+from slipstream.storage import (
+    ChunkRecord,
+    CommitPart,
+    Identity,
+    MetaStore,
+    SegmentRecord,
+    SqliteMetaStore,
+    TxnCommit,
+)
 
 MAX_KEY = 2**64 - 1
 
@@ -287,3 +295,38 @@ def test_reopen_from_a_file_keeps_everything(file_kit: Kit) -> None:
     assert start_offsets(reopened, "s/a") == [10, 0, 0]
     # ids keep growing past every id ever handed out, deleted ones included
     assert create(reopened, "s/c") > max(s.id for s in streams) + 1
+
+
+# --- producer ids, identities and transaction commit records ------------------------------------
+
+
+def test_reserved_id_blocks_never_overlap_even_after_a_reopen(file_kit: Kit) -> None:
+    meta = file_kit.meta
+    assert meta.reserve_ids("producer_id", 1000) == 0
+    assert meta.reserve_ids("producer_id", 10) == 1000
+    assert meta.reserve_ids("txn_id", 5) == 0  # counters are independent
+    meta = file_kit.reopen()
+    assert meta.reserve_ids("producer_id", 1) == 1010
+
+
+def test_identities_keep_their_last_commit_across_epochs(file_kit: Kit) -> None:
+    meta = file_kit.meta
+    assert meta.identities() == []
+    meta.save_identity(Identity("app-1", 7, 0))
+    commit = TxnCommit(42, "app-1", 7, 0, [CommitPart(1, 0, 5)], b'{"batch": 3}', 1_700, 4)
+    meta.commit_txn(commit)
+    assert meta.pending_commits() == [commit]
+    meta.save_identity(Identity("app-1", 7, 1))  # a new epoch keeps the last commit
+    meta = file_kit.reopen()
+    assert meta.identities() == [Identity("app-1", 7, 1, 42, b'{"batch": 3}', 1_700)]
+    assert meta.pending_commits() == [commit]
+    meta.finish_txn(42)
+    assert meta.pending_commits() == []
+    assert meta.identities()[0].last_txn_id == 42
+
+
+def test_chunk_producer_snapshots_round_trip(meta: MetaStore) -> None:
+    stream_id = create(meta, "s/p", 1)
+    record = ChunkRecord(stream_id, 0, 0, 5, 100, 1, 2, "c", b"\0" * 24, b"snapshot")
+    meta.add_chunks(0, 0, [record])
+    assert meta.chunks() == [record]
