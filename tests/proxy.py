@@ -21,6 +21,7 @@ class CuttingProxy:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self.listener, selectors.EVENT_READ)
         self._stop = False
+        self._frozen: set[socket.socket] = set()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -34,7 +35,7 @@ class CuttingProxy:
                     continue
                 with self._lock:
                     peer = self._pairs.get(sock)
-                if peer is None:
+                if peer is None or sock in self._frozen:
                     continue
                 try:
                     data = sock.recv(262144)
@@ -70,6 +71,15 @@ class CuttingProxy:
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(s)
             s.close()
+
+    def freeze(self) -> None:
+        """Stop forwarding on every current connection, leaving it open: a hung peer. New
+        connections work normally."""
+        with self._lock:
+            self._frozen.update(self._pairs)
+        for sock in list(self._frozen):
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(sock)
 
     def cut(self) -> None:
         """Reset every connection through the proxy (in flight data is lost both ways)."""

@@ -518,7 +518,7 @@ class Container:
                     batch.data = None
                 moved += 1
             del segment.journal[:moved]
-            segment.chunks.append(Chunk.of(record))
+            segment.add_chunk(record)
         self._cached = deque(b for b in self._cached if b.data is not None)
         await loop.run_in_executor(self._io, self.journal.delete_file, file_id)
 

@@ -119,7 +119,7 @@ class Controller:
                     sealed=s.sealed,
                 )
                 for chunk in chunks_by_segment.get((record.id, s.number), []):
-                    segment.chunks.append(Chunk.of(chunk))
+                    segment.add_chunk(chunk)
                     segment.note_batch(chunk.bytes, chunk.min_timestamp, chunk.max_timestamp)
                 if segment.chunks:
                     last = segment.chunks[-1].record

@@ -12,6 +12,7 @@ import asyncio
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from ..storage import ChunkRecord, JournalAddress
@@ -92,6 +93,14 @@ class Segment:
         waiter, self._waiter = self._waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def add_chunk(self, record: ChunkRecord) -> None:
+        """Append a chunk. Only the newest chunk keeps its idempotence snapshot in memory: it is
+        the one the next chunk's snapshot builds on."""
+        if self.chunks and self.chunks[-1].record.producers:
+            last = self.chunks[-1]
+            last.record = msgspec.structs.replace(last.record, producers=b"")
+        self.chunks.append(Chunk.of(record))
 
     def journal_index(self, offset: int) -> int:
         """Index in ``journal`` of the batch holding ``offset`` (journal must cover it)."""

@@ -578,6 +578,7 @@ class Client:
         idempotent: bool = True,
         transactional_id: str | None = None,
         delivery_timeout: float = 120.0,
+        request_timeout: float = 30.0,
     ) -> Producer:
         """A producer for ``stream``.
 
@@ -589,8 +590,11 @@ class Client:
 
         Idempotent by default: batches the broker did not acknowledge are sent again after a
         reconnect, for up to ``delivery_timeout`` seconds, and the broker stores each exactly
-        once. ``transactional_id`` gives the producer a stable identity: opening another
-        producer (or transaction) with the same id fences this one, whose next write raises
+        once. A connection that answers nothing for ``request_timeout`` seconds is dropped
+        and dialled again.
+
+        ``transactional_id`` gives the producer a stable identity: opening another producer
+        (or transaction) with the same id fences this one, whose next write raises
         ProducerFenced (a zombie instance can never write after its replacement started).
         """
         options = {
@@ -600,6 +604,7 @@ class Client:
             "max_in_flight": max_in_flight,
             "buffer_bytes": buffer_bytes,
             "delivery_timeout": delivery_timeout,
+            "request_timeout": request_timeout,
         }
         return Producer(
             self._loop.run(

@@ -194,7 +194,8 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed is None and self.transport is not None:
             self.transport.write(encode_frame(message, 0))
 
-    def close(self) -> None:
+    def close(self, error: SlipstreamError | None = None) -> None:
+        """Close; pending requests fail with ``error`` (default: closed by the client)."""
         if self.transport is not None:
-            self.transport.close()
-        self._shutdown(BrokerUnavailable("connection closed by the client"))
+            self.transport.abort()
+        self._shutdown(error or BrokerUnavailable("connection closed by the client"))

@@ -128,7 +128,7 @@ class _Batch:
 class _InFlight:
     """A batch sent and not yet acknowledged: kept whole so that it can be sent again."""
 
-    __slots__ = ("first_sent", "future", "order", "parts", "segment", "size")
+    __slots__ = ("connection", "first_sent", "future", "order", "parts", "segment", "sent", "size")
 
     def __init__(
         self,
@@ -143,7 +143,8 @@ class _InFlight:
         self.parts = parts
         self.future = future
         self.size = size
-        self.first_sent = time.monotonic()
+        self.first_sent = self.sent = time.monotonic()
+        self.connection: Connection | None = None
 
 
 class Receipt:
@@ -212,6 +213,7 @@ class ProducerCore:
         txn: int | None = None,
         reconnect: Callable[[], Awaitable[Connection]] | None = None,
         delivery_timeout: float = 120.0,
+        request_timeout: float = 30.0,
         eager: bool = True,
     ) -> None:
         if identity is not None and not 1 <= max_in_flight <= WINDOW:
@@ -252,6 +254,9 @@ class ProducerCore:
         self.txn = txn  # stage every batch in this transaction
         self._reconnect = reconnect
         self.delivery_timeout = delivery_timeout
+        self.request_timeout = request_timeout
+        self._flights: dict[int, _InFlight] = {}  # sent, not answered; oldest first
+        self._watchdog: asyncio.TimerHandle | None = None
         # eager: send a batch before it is full (linger, or nothing in flight). A transaction's
         # batches are invisible until it commits, so they are sent only when full or flushed.
         self.eager = eager
@@ -507,13 +512,38 @@ class ProducerCore:
         self._transmit(_InFlight(next(self._order), segment, [head, *body], future, size))
 
     def _transmit(self, flight: _InFlight) -> None:
+        flight.sent = time.monotonic()
+        flight.connection = self.connection
+        self._flights[flight.order] = flight
+        if self._watchdog is None:
+            self._watchdog = self.loop.call_later(self.request_timeout, self._check_stalled)
         self._in_flight += 1
         reply = self.connection.send_request(
             Append(self.stream, flight.segment, self.txn), flight.parts
         )
         reply.add_done_callback(lambda done: self._acked(done, flight))
 
+    def _check_stalled(self) -> None:
+        """A connection that answers nothing for ``request_timeout`` is as good as lost:
+        close it, so that the batches go out again on a new one."""
+        self._watchdog = None
+        if not self._flights:
+            return
+        oldest = min(self._flights.values(), key=lambda f: f.sent)
+        waited = time.monotonic() - oldest.sent
+        if waited >= self.request_timeout and oldest.connection is not None:
+            oldest.connection.close(
+                BrokerUnavailable(
+                    f"no answer from {oldest.connection.address} in {self.request_timeout:g} s"
+                )
+            )
+            waited = 0.0
+        self._watchdog = self.loop.call_later(
+            max(0.001, self.request_timeout - waited), self._check_stalled
+        )
+
     def _acked(self, done: asyncio.Future[Any], flight: _InFlight) -> None:
+        self._flights.pop(flight.order, None)
         self._in_flight -= 1
         exc = done.exception()
         if exc is not None and self._retriable(exc, flight):
@@ -587,6 +617,9 @@ class ProducerCore:
     async def stop(self) -> None:
         """Stop resending (the client is closing): unacknowledged batches fail."""
         self.closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         recovery = self._recovery
         if recovery is not None:
             recovery.cancel()

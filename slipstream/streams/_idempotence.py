@@ -28,8 +28,9 @@ from .._errors import OutOfOrderSequence, ProducerFenced
 
 SEQUENCE_MODULUS = 1 << 31
 WINDOW = 16
-#: producers remembered per segment; the least recently active is forgotten beyond this
-MAX_PRODUCERS = 10_000
+#: producers remembered per segment; the least recently active is forgotten beyond this (it is
+#: then treated as new: its retries are no longer recognised). Bounds memory and snapshots.
+MAX_PRODUCERS = 1_000
 
 
 def next_sequence(sequence: int, count: int) -> int:

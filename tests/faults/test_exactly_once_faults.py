@@ -89,6 +89,26 @@ def test_idempotent_producers_through_kills_and_cut_connections(
     assert len(events) == len(sent), "an event is stored twice or missing"
 
 
+def test_a_hung_connection_is_dropped_and_its_batches_resent(
+    proxied: tuple[BrokerProcess, CuttingProxy],
+) -> None:
+    _, proxy = proxied
+    with slipstream.connect(proxy.address, reconnect_timeout=10) as client:
+        client.create_stream("faults/hung", segments=2)
+        producer = client.producer("faults/hung", request_timeout=1.0, linger_ms=1)
+        receipts = [producer.send(b"%d" % i, key=f"k{i % 3}") for i in range(500)]
+        producer.flush(10)
+        proxy.freeze()  # the broker may still get these; its answers never come back
+        receipts += [producer.send(b"%d" % i, key=f"k{i % 3}") for i in range(500, 1000)]
+        started = time.monotonic()
+        producer.flush(30)
+        assert time.monotonic() - started >= 0.9, "the hang was not noticed by the timeout"
+        positions = [r.result() for r in receipts]
+        values = [e.value for e in client.reader("faults/hung", end=client.tail("faults/hung"))]
+    assert len(set(positions)) == 1000
+    assert sorted(values) == sorted(b"%d" % i for i in range(1000)), "lost or duplicated"
+
+
 class Batch(msgspec.Struct, frozen=True):
     txn: int
     item: int

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 
@@ -10,7 +11,15 @@ from conftest import BrokerProcess
 from raw import RawConnection, batch
 
 import slipstream
-from slipstream.protocol import Append, AppendAck, EndTxn, Error, InitProducer, ProducerGrant
+from slipstream.protocol import (
+    Append,
+    AppendAck,
+    BeginTxn,
+    EndTxn,
+    Error,
+    InitProducer,
+    ProducerGrant,
+)
 
 
 def _values(client: slipstream.Client, stream: str) -> list[bytes]:
@@ -229,3 +238,48 @@ def test_transactions_and_plain_appends_interleave_in_one_segment(
             txn.send("eo/mixed", b"t2")
         producer.send(b"p3")
     assert _values(client, "eo/mixed") == [b"p1", b"p2", b"t1", b"t2", b"p3"]
+
+
+def test_asyncio_transactions_and_fencing(broker: BrokerProcess) -> None:
+    async def main() -> tuple[list[bytes], object]:
+        async with await slipstream.connect_async(broker.address) as client:
+            await client.create_stream("eo/async", segments=2)
+            async with await client.transaction("async-app") as txn:
+                for i in range(10):
+                    await txn.send("eo/async", b"%d" % i, key=f"k{i % 2}")
+                txn.metadata = {"done": 10}
+            with pytest.raises(ValueError):
+                async with await client.transaction("async-app") as failed:
+                    await failed.send("eo/async", b"aborted")
+                    raise ValueError("abort me")
+            producer = await client.producer("eo/async", transactional_id="async-writer")
+            await (await producer.send(b"fenced soon"))
+            await client.producer("eo/async", transactional_id="async-writer")  # fences it
+            with pytest.raises(slipstream.ProducerFenced):
+                await (await producer.send(b"zombie"))
+            reader = client.reader("eo/async", end=await client.tail("eo/async"))
+            values = [event.value async for event in reader]
+            return values, await client.last_commit("async-app")
+
+    values, last = asyncio.run(main())
+    assert sorted(values) == sorted([b"%d" % i for i in range(10)] + [b"fenced soon"])
+    assert getattr(last, "metadata", None) == {"done": 10}
+
+
+def test_bad_transaction_requests_get_typed_errors(raw: RawConnection) -> None:
+    def error(message: object, payload: bytes = b"") -> Error:
+        raw.send_frame(message, 50, payload)
+        reply = raw.receive().message
+        assert isinstance(reply, Error), reply
+        return reply
+
+    plain_pid, _ = _grant(raw)
+    assert error(BeginTxn(plain_pid, 0, 1000)).code == "invalid_argument"  # no transactional id
+    pid, epoch = _grant(raw, "bad-requests")
+    assert error(BeginTxn(pid, epoch, 0)).code == "invalid_argument"  # timeout out of range
+    assert error(BeginTxn(pid, epoch - 1, 1000)).code == "producer_fenced"
+    assert error(InitProducer("")).code == "invalid_argument"
+    assert error(InitProducer("x" * 256)).code == "invalid_argument"
+    unknown = error(Append("eo/raw", 0, 424242), batch())
+    assert unknown.code == "transaction_not_found" and "424242" in unknown.message
+    assert error(EndTxn(424242, False)).code == "transaction_not_found"
