@@ -296,10 +296,10 @@ class Session(asyncio.BufferedProtocol):
                 return Done()
             case InitProducer(transactional_id):
                 return ProducerGrant(*await coordinator.init_producer(transactional_id))
-            case BeginTxn(producer_id, epoch, timeout_ms):
-                return TxnBegun(await coordinator.begin(producer_id, epoch, timeout_ms))
-            case EndTxn(txn_id, commit, metadata):
-                return await coordinator.end(txn_id, commit, metadata)
+            case BeginTxn(producer_id, epoch, timeout_ms, label):
+                return TxnBegun(await coordinator.begin(producer_id, epoch, timeout_ms, label))
+            case EndTxn(txn_id, commit, metadata, merge):
+                return await coordinator.end(txn_id, commit, metadata, merge)
             case ListTxns():
                 return TxnList(coordinator.list())
             case GetIdentity(transactional_id):

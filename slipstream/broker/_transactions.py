@@ -102,6 +102,12 @@ class _Txn:
     events: int = 0
     bytes: int = 0
     outcome: asyncio.Future[TxnEnded] | None = None
+    label: str = ""
+
+    @property
+    def anonymous(self) -> bool:
+        """Begun without a transactional id: it commits only merged into another one."""
+        return self.identity.producer_id < 0
 
     def info(self) -> TxnInfo:
         return TxnInfo(
@@ -115,6 +121,7 @@ class _Txn:
             self.events,
             self.bytes,
             len({segment for segment, _, _ in self.staged}),
+            self.label,
         )
 
 
@@ -145,6 +152,7 @@ class Coordinator:
         self._txn_ids = _Ids(meta, "txn_id")
         self.identities: dict[str, Identity] = {}
         self._epochs: dict[int, int] = {}  # producer id -> current epoch, for transactional ids
+        self._tid_of: dict[int, str] = {}  # producer id -> transactional id
         self.open: dict[int, _Txn] = {}
         self._by_tid: dict[str, _Txn] = {}
         self._ended: OrderedDict[int, TxnEnded] = OrderedDict()
@@ -160,8 +168,11 @@ class Coordinator:
         for identity in self.meta.identities():
             self.identities[identity.transactional_id] = identity
             self._epochs[identity.producer_id] = identity.epoch
+            self._tid_of[identity.producer_id] = identity.transactional_id
         pending = {c.txn_id: c for c in self.meta.pending_commits()}
-        staged: dict[int, list[_Staged]] = {txn_id: [] for txn_id in pending}
+        staged: dict[int, list[_Staged]] = {
+            txn_id: [] for commit in pending.values() for txn_id in (commit.txn_id, *commit.merged)
+        }
         aborted: set[int] = set()
         for address, payload in self.staging.recover():
             txn_id, global_id = _STAGED.unpack_from(payload)
@@ -171,8 +182,9 @@ class Coordinator:
             segment = self._segment(*split_global_id(global_id))
             if segment is not None:
                 staged[txn_id].append((segment, address, decode_header(payload, _STAGED.size)))
-        for txn_id, commit in pending.items():
-            self._pending.append((commit, staged[txn_id]))
+        for commit in pending.values():  # the owner's batches first, then each merged one's
+            batches = [b for txn_id in (commit.txn_id, *commit.merged) for b in staged[txn_id]]
+            self._pending.append((commit, batches))
         if aborted:
             log.info("aborted %d transactions left open by the last run", len(aborted))
         return {"identities": len(self.identities), "commits": len(self._pending)}
@@ -248,6 +260,7 @@ class Coordinator:
         # fence first: the older producer's writes fail from now on
         self.identities[transactional_id] = identity
         self._epochs[producer_id] = epoch
+        self._tid_of[producer_id] = transactional_id
         txn = self._by_tid.get(transactional_id)
         if txn is not None:
             if txn.state == "committing" and txn.outcome is not None:
@@ -283,19 +296,23 @@ class Coordinator:
 
     # --- transactions ----------------------------------------------------------------------
 
-    async def begin(self, producer_id: int, epoch: int, timeout_ms: int) -> int:
+    async def begin(self, producer_id: int, epoch: int, timeout_ms: int, label: str = "") -> int:
+        """Open a transaction. ``producer_id`` -1 opens an *anonymous* one: it stages events
+        (from any process that knows its id, e.g. a Spark task) and commits only as part of a
+        transactional id's commit (``merge``), or aborts."""
         if not 0 < timeout_ms <= MAX_TIMEOUT_MS:
             raise InvalidArgument(f"timeout_ms must be in 1..{MAX_TIMEOUT_MS}, not {timeout_ms}")
+        if len(label) > 255:
+            raise InvalidArgument("a transaction label is at most 255 characters")
+        loop = asyncio.get_running_loop()
+        if producer_id < 0:
+            txn_id = await loop.run_in_executor(self._io, self._txn_ids.take)
+            self.open[txn_id] = _Txn(txn_id, Identity("", -1, -1), timeout_ms, label=label)
+            return txn_id
         self.check_epoch(producer_id, epoch)
-        identity = next(
-            (
-                i
-                for i in self.identities.values()
-                if i.producer_id == producer_id and i.epoch == epoch
-            ),
-            None,
-        )
-        if identity is None:
+        tid = self._tid_of.get(producer_id)
+        identity = None if tid is None else self.identities.get(tid)
+        if identity is None or identity.epoch != epoch:
             raise InvalidArgument(
                 f"producer {producer_id} has no transactional id; open it with one "
                 "(InitProducer) to run transactions"
@@ -306,9 +323,8 @@ class Coordinator:
                 await asyncio.wait({previous.outcome})
             else:
                 await self._abort(previous, "its owner began a new transaction")
-        loop = asyncio.get_running_loop()
         txn_id = await loop.run_in_executor(self._io, self._txn_ids.take)
-        txn = _Txn(txn_id, identity, timeout_ms)
+        txn = _Txn(txn_id, identity, timeout_ms, label=label)
         self.open[txn_id] = txn
         self._by_tid[identity.transactional_id] = txn
         return txn_id
@@ -360,7 +376,11 @@ class Coordinator:
             self.staging.roll()
         return addresses
 
-    async def end(self, txn_id: int, commit: bool, metadata: bytes) -> TxnEnded:
+    async def end(
+        self, txn_id: int, commit: bool, metadata: bytes, merge: list[int] | None = None
+    ) -> TxnEnded:
+        """Commit or abort. A commit may ``merge`` open anonymous transactions: their events
+        commit with this one's, under one commit record, or not at all."""
         txn = self.open.get(txn_id)
         if txn is None:
             ended = self._ended.get(txn_id)
@@ -385,10 +405,18 @@ class Coordinator:
         if not commit:
             await self._abort(txn, "abort requested")
             return TxnEnded(txn_id, False)
+        if txn.anonymous:
+            raise InvalidArgument(
+                f"transaction {txn_id} has no transactional id; it commits only merged into the "
+                "commit of one that has"
+            )
+        merged = [self._mergeable(m, txn_id) for m in dict.fromkeys(merge or ())]
         txn.outcome = asyncio.get_running_loop().create_future()
         txn.state = "committing"
+        for m in merged:
+            m.state = "committing"
         try:
-            result = await self._commit(txn, metadata)
+            result = await self._commit(txn, metadata, merged)
         except BaseException as exc:
             txn.outcome.set_exception(exc)
             txn.outcome.exception()  # retrieved: only the commit's caller reports it
@@ -396,18 +424,36 @@ class Coordinator:
         txn.outcome.set_result(result)
         return result
 
-    async def _commit(self, txn: _Txn, metadata: bytes) -> TxnEnded:
+    def _mergeable(self, txn_id: int, owner: int) -> _Txn:
+        merged = self._txn(txn_id)
+        if txn_id == owner or not merged.anonymous or merged.state != "open":
+            raise InvalidArgument(
+                f"transaction {txn_id} cannot be merged: only other open transactions without a "
+                f"transactional id can (it is {merged.state})"
+            )
+        return merged
+
+    async def _commit(self, txn: _Txn, metadata: bytes, merged: list[_Txn]) -> TxnEnded:
         loop = asyncio.get_running_loop()
         identity = txn.identity
-        results = await asyncio.gather(*txn.writes, return_exceptions=True)
+        everyone = [txn, *merged]
+
+        async def abort_all(reason: str) -> None:
+            for one in everyone:
+                await self._abort(one, reason)
+
+        results = await asyncio.gather(
+            *(w for one in everyone for w in one.writes), return_exceptions=True
+        )
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed or self._epochs.get(identity.producer_id) != identity.epoch:
             reason = "a staged write failed" if failed else "its producer was fenced"
-            await self._abort(txn, reason)
+            await abort_all(reason)
             raise TransactionAborted(f"transaction {txn.txn_id} aborted: {reason}")
-        gone = [s for s, _, _ in txn.staged if s.deleted]
+        staged = [b for one in everyone for b in one.staged]  # the owner's first: see recover
+        gone = [s for s, _, _ in staged if s.deleted]
         if gone:
-            await self._abort(txn, f"stream {gone[0].stream_name!r} was deleted")
+            await abort_all(f"stream {gone[0].stream_name!r} was deleted")
             raise StreamNotFound(
                 f"stream {gone[0].stream_name!r} was deleted; transaction {txn.txn_id} aborted"
             )
@@ -418,11 +464,11 @@ class Coordinator:
             # abort every transaction that may have lost entries with it
             await loop.run_in_executor(self._io, self.staging.discard_unsynced)
             for other in list(self.open.values()):
-                if other.state == "open" or other is txn:
+                if other.state == "open" or other in everyone:
                     await self._abort(other, f"staging could not be made durable: {exc}")
             raise
         parts: dict[Segment, CommitPart] = {}
-        for segment, _, _ in txn.staged:
+        for segment, _, _ in staged:
             if segment not in parts:
                 state = segment.producers.get(identity.producer_id)
                 start = state.next_sequence if state and state.epoch == identity.epoch else 0
@@ -435,13 +481,14 @@ class Coordinator:
             list(parts.values()),
             metadata,
             int(time.time() * 1000),
-            len(txn.staged),
+            len(staged),
+            [m.txn_id for m in merged],
         )
         _crash_point("txn.before_commit_record")
         try:
             await loop.run_in_executor(self._io, self.meta.commit_txn, record)
         except SlipstreamError as exc:
-            await self._abort(txn, f"the commit record could not be stored: {exc}")
+            await abort_all(f"the commit record could not be stored: {exc}")
             raise
         _crash_point("txn.after_commit_record")
         self.identities[identity.transactional_id] = Identity(
@@ -455,7 +502,7 @@ class Coordinator:
         txn.identity = self.identities[identity.transactional_id]
         while True:  # committed: it must be applied, however long storage trouble lasts
             try:
-                ranges = await self._apply(record, txn.staged)
+                ranges = await self._apply(record, staged)
                 break
             except SlipstreamError as exc:
                 log.error("applying transaction %d failed, retrying: %s", txn.txn_id, exc)
@@ -465,7 +512,8 @@ class Coordinator:
         # applies the record again, and finds every batch already in place. (The io thread is
         # FIFO, so staging files this transaction used are deleted only after it.)
         loop.run_in_executor(self._io, self._finish, txn.txn_id)
-        self._forget(txn, TxnEnded(txn.txn_id, True, ranges))
+        for one in everyone:
+            self._forget(one, TxnEnded(one.txn_id, True))
         return TxnEnded(txn.txn_id, True, ranges)
 
     async def _apply(self, record: TxnCommit, staged: list[_Staged]) -> list[TxnRange]:

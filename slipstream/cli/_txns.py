@@ -23,6 +23,7 @@ def txn_dict(txn: TxnInfo) -> dict[str, Any]:
         "events": txn.events,
         "bytes": txn.bytes,
         "segments": txn.segments,
+        "label": txn.label,
     }
 
 
@@ -51,7 +52,7 @@ def txns_table(txns: list[TxnInfo]) -> Table:
     for t in sorted(txns, key=lambda t: -t.age_ms):
         table.add_row(
             str(t.txn_id),
-            t.transactional_id,
+            t.transactional_id or f"({t.label or 'anonymous'})",
             t.state,
             _age(t.age_ms),
             _age(max(0, t.timeout_ms - t.age_ms)),

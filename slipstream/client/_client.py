@@ -231,16 +231,25 @@ class AsyncClient:
     # --- transactions ----------------------------------------------------------------------
 
     async def transaction(
-        self, transactional_id: str, *, timeout: float = 60.0, **options: Any
+        self,
+        transactional_id: str | None,
+        *,
+        timeout: float = 60.0,
+        label: str = "",
+        **options: Any,
     ) -> AsyncTransaction:
         """Begin a transaction; see :meth:`Client.transaction`. The first transaction of a
         ``transactional_id`` on this client fences every other client using that id."""
-        identity = self._identities.get(transactional_id)
-        if identity is None:
-            grant = await self._request(InitProducer(transactional_id))
-            assert isinstance(grant, ProducerGrant)
-            identity = self._identities[transactional_id] = (grant.producer_id, grant.epoch)
-        begun = await self._request(BeginTxn(*identity, int(timeout * 1000)))
+        if transactional_id is None:
+            identity = (-1, -1)
+        else:
+            known = self._identities.get(transactional_id)
+            if known is None:
+                grant = await self._request(InitProducer(transactional_id))
+                assert isinstance(grant, ProducerGrant)
+                known = self._identities[transactional_id] = (grant.producer_id, grant.epoch)
+            identity = known
+        begun = await self._request(BeginTxn(*identity, int(timeout * 1000), label))
         assert isinstance(begun, TxnBegun)
         return AsyncTransaction(self, begun.txn_id, transactional_id, options)
 
@@ -264,13 +273,16 @@ class AsyncClient:
         """Abort an open transaction by id (an operator's tool: its owner's commit fails)."""
         await self._request(EndTxn(txn_id, False))
 
-    async def _end(self, txn_id: int, commit: bool, metadata: bytes) -> TxnEnded:
+    async def _end(
+        self, txn_id: int, commit: bool, metadata: bytes, merge: Sequence[int] = ()
+    ) -> TxnEnded:
         """End a transaction; a commit whose answer was lost with the connection is asked
         again (the broker answers a repeated commit with the first one's outcome)."""
+        message = EndTxn(txn_id, commit, metadata, list(merge))
         try:
-            reply = await self._request(EndTxn(txn_id, commit, metadata))
+            reply = await self._request(message)
         except BrokerUnavailable:
-            reply = await self._request(EndTxn(txn_id, commit, metadata))
+            reply = await self._request(message)
         assert isinstance(reply, TxnEnded)
         return reply
 
@@ -289,7 +301,11 @@ class AsyncTransaction:
     """A transaction for asyncio code; see :class:`Transaction`."""
 
     def __init__(
-        self, client: AsyncClient, txn_id: int, transactional_id: str, options: dict[str, Any]
+        self,
+        client: AsyncClient,
+        txn_id: int,
+        transactional_id: str | None,
+        options: dict[str, Any],
     ) -> None:
         self.client = client
         self.txn_id = txn_id
@@ -322,27 +338,34 @@ class AsyncTransaction:
         self,
         stream: str,
         values: Sequence[bytes] | pa.Array,
-        keys: Sequence[str | bytes | None] | None = None,
-        timestamps: Sequence[int] | np.ndarray | None = None,
+        keys: Sequence[str | bytes | None] | pa.Array | None = None,
+        timestamps: Sequence[int] | np.ndarray | pa.Array | None = None,
+        headers: pa.Array | None = None,
     ) -> None:
         core = await self._core(stream)
         await core.space_available()
-        core.send_many(values, keys, timestamps)
+        core.send_many(values, keys, timestamps, headers)
 
-    async def commit(self, metadata: Any = None) -> TxnEnded:
+    async def flush(self) -> None:
+        """Wait until every event sent so far is staged on the broker (not visible yet)."""
+        futures = [f for core in self._cores.values() for f in core.flush_nowait()]
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+
+    async def commit(self, metadata: Any = None, merge: Sequence[int] = ()) -> TxnEnded:
         """Make every event of the transaction visible at once, with ``metadata`` (any JSON
-        value, or ``self.metadata``) stored atomically with them."""
+        value, or ``self.metadata``) stored atomically with them. ``merge``: ids of open
+        anonymous transactions (begun with ``transactional_id=None``, possibly by other
+        processes) whose events commit with this one's, under the same commit."""
         if self.result is not None:
             return self.result
         try:
-            futures = [f for core in self._cores.values() for f in core.flush_nowait()]
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+            await self.flush()
         except BaseException:
             await self.abort()
             raise
         data = metadata if metadata is not None else self.metadata
         encoded = b"" if data is None else json.dumps(data).encode()
-        self.result = await self.client._end(self.txn_id, True, encoded)
+        self.result = await self.client._end(self.txn_id, True, encoded, merge)
         self._close_cores()
         return self.result
 
@@ -390,11 +413,12 @@ class AsyncProducer:
     async def send_many(
         self,
         values: Sequence[bytes] | pa.Array,
-        keys: Sequence[str | bytes | None] | None = None,
-        timestamps: Sequence[int] | np.ndarray | None = None,
+        keys: Sequence[str | bytes | None] | pa.Array | None = None,
+        timestamps: Sequence[int] | np.ndarray | pa.Array | None = None,
+        headers: pa.Array | None = None,
     ) -> BulkReceipt:
         await self.core.space_available()
-        return self.core.send_many(values, keys, timestamps)
+        return self.core.send_many(values, keys, timestamps, headers)
 
     async def flush(self) -> None:
         """Wait until every event sent so far is acknowledged; raises the first failure."""
@@ -613,7 +637,12 @@ class Client:
         )
 
     def transaction(
-        self, transactional_id: str, *, timeout: float = 60.0, **options: Any
+        self,
+        transactional_id: str | None,
+        *,
+        timeout: float = 60.0,
+        label: str = "",
+        **options: Any,
     ) -> Transaction:
         """Begin a transaction over any streams::
 
@@ -627,10 +656,17 @@ class Client:
         stores a JSON value atomically with the events (``client.last_commit(id)`` reads it
         back), e.g. how far the input was read. Producer options (``batch_bytes``,
         ``linger_ms``, ``compression``) apply to the transaction's batches.
+
+        With ``transactional_id=None`` the transaction is *anonymous*: it stages events but
+        commits only as part of another transaction's commit (``commit(merge=[its txn_id])``),
+        for work split over processes (the Spark sink's tasks). ``label`` names it in
+        ``slipstream txn list``.
         """
         return Transaction(
             self._loop,
-            self._loop.run(self._async.transaction(transactional_id, timeout=timeout, **options)),
+            self._loop.run(
+                self._async.transaction(transactional_id, timeout=timeout, label=label, **options)
+            ),
         )
 
     def last_commit(self, transactional_id: str) -> CommitInfo | None:
@@ -683,12 +719,13 @@ class Producer:
     def send_many(
         self,
         values: Sequence[bytes] | pa.Array,
-        keys: Sequence[str | bytes | None] | None = None,
-        timestamps: Sequence[int] | np.ndarray | None = None,
+        keys: Sequence[str | bytes | None] | pa.Array | None = None,
+        timestamps: Sequence[int] | np.ndarray | pa.Array | None = None,
+        headers: pa.Array | None = None,
     ) -> BulkReceipt:
         """Queue many events column-wise: a list of bytes or an Arrow binary array. The
         fastest way in; with ``keys``, events are routed per key like ``send``."""
-        return self.core.send_many(values, keys, timestamps)
+        return self.core.send_many(values, keys, timestamps, headers)
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until every event sent so far is acknowledged; raises the first failure."""
@@ -739,11 +776,16 @@ class Transaction:
         self,
         stream: str,
         values: Sequence[bytes] | pa.Array,
-        keys: Sequence[str | bytes | None] | None = None,
-        timestamps: Sequence[int] | np.ndarray | None = None,
+        keys: Sequence[str | bytes | None] | pa.Array | None = None,
+        timestamps: Sequence[int] | np.ndarray | pa.Array | None = None,
+        headers: pa.Array | None = None,
     ) -> None:
         """Stage many events for ``stream`` column-wise (see :meth:`Producer.send_many`)."""
-        self._core(stream).send_many(values, keys, timestamps)
+        self._core(stream).send_many(values, keys, timestamps, headers)
+
+    def flush(self) -> None:
+        """Block until every event sent so far is staged (still invisible until commit)."""
+        self._loop.run(self._async.flush())
 
     @property
     def metadata(self) -> Any:
@@ -754,11 +796,12 @@ class Transaction:
         """A JSON value to store with the commit (or pass it to ``commit``)."""
         self._async.metadata = value
 
-    def commit(self, metadata: Any = None) -> TxnEnded:
+    def commit(self, metadata: Any = None, merge: Sequence[int] = ()) -> TxnEnded:
         """Commit: every event becomes visible, ``metadata`` is stored with them. Returns
         where the events landed (``ranges``). Raises TransactionAborted if it was aborted
-        (timeout, operator, fencing, a broker restart): run it again."""
-        return self._loop.run(self._async.commit(metadata))
+        (timeout, operator, fencing, a broker restart): run it again. ``merge``: see
+        :meth:`AsyncTransaction.commit`."""
+        return self._loop.run(self._async.commit(metadata, merge))
 
     def abort(self) -> None:
         self._loop.run(self._async.abort())

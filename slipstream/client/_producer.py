@@ -350,33 +350,49 @@ class ProducerCore:
     def send_many(
         self,
         values: Sequence[bytes] | pa.Array,
-        keys: Sequence[str | bytes | None] | None = None,
-        timestamps: Sequence[int] | np.ndarray | None = None,
+        keys: Sequence[str | bytes | None] | pa.Array | None = None,
+        timestamps: Sequence[int] | np.ndarray | pa.Array | None = None,
+        headers: pa.Array | None = None,
     ) -> BulkReceipt:
-        """Send many events at once, column-wise (no per-event Python work without keys)."""
+        """Send many events at once, column-wise (no per-event Python work without keys).
+
+        ``keys`` may be an Arrow binary array (null: keyless), ``timestamps`` an Arrow
+        timestamp array, ``headers`` an Arrow array of the events' header type."""
         if self.closed:
             raise InvalidArgument("the producer is closed")
-        value_array = values if isinstance(values, pa.Array) else binary_array(values)
+        value_array = (
+            values.cast(pa.binary()) if isinstance(values, pa.Array) else binary_array(values)
+        )
         count = len(value_array)
         if timestamps is None:
             ts_array = pa.array(
                 np.full(count, time.time_ns() // 1_000_000, dtype=np.int64),
                 EVENT_SCHEMA.field(2).type,
             )
+        elif isinstance(timestamps, pa.Array):
+            ts_array = timestamps.cast(EVENT_SCHEMA.field(2).type)
         else:
             ts_array = timestamp_array(timestamps)
-        if keys is None:
+        if keys is None or (isinstance(keys, pa.Array) and keys.null_count == len(keys)):
             key_array = pa.nulls(count, pa.binary())
             segments = None
         else:
-            encoded = [k.encode() if isinstance(k, str) else k for k in keys]
-            key_array = binary_array(encoded)
+            encoded = (
+                keys.cast(pa.binary()).to_pylist()
+                if isinstance(keys, pa.Array)
+                else [k.encode() if isinstance(k, str) else k for k in keys]
+            )
+            key_array = (
+                keys.cast(pa.binary()) if isinstance(keys, pa.Array) else binary_array(encoded)
+            )
             segments = np.fromiter(
                 (self.router.segment_for(k) if k is not None else 0 for k in encoded),
                 dtype=np.int64,
                 count=count,
             )
         columns = [key_array, value_array, ts_array]
+        if headers is not None:
+            columns.append(headers.cast(EVENT_SCHEMA.field(3).type))
         # Size batches by what a sample really encodes to (nbytes leaves out IPC framing and
         # the offsets of an all-null key column), with a margin for rows longer than average.
         sample = min(count, 1024)

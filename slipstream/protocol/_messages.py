@@ -111,11 +111,14 @@ class InitProducer(Message, frozen=True):
 
 
 class BeginTxn(Message, frozen=True):
-    """-> ``TxnBegun``. The transaction aborts by itself if not ended in ``timeout_ms``."""
+    """-> ``TxnBegun``. The transaction aborts by itself if not ended in ``timeout_ms``.
+    ``producer_id`` -1 begins an anonymous transaction, which commits only when another
+    transaction's commit merges it. ``label`` is shown by ``ListTxns``."""
 
     producer_id: int
     epoch: int
     timeout_ms: int
+    label: str = ""
 
 
 class EndTxn(Message, frozen=True):
@@ -126,6 +129,7 @@ class EndTxn(Message, frozen=True):
     txn_id: int
     commit: bool
     metadata: bytes = b""
+    merge: list[int] = []
 
 
 class ListTxns(Message, frozen=True):
@@ -247,6 +251,7 @@ class TxnInfo(Message, frozen=True):
     events: int
     bytes: int
     segments: int
+    label: str = ""
 
 
 class TxnList(Message, frozen=True):

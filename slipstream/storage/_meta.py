@@ -83,6 +83,7 @@ class TxnCommit(msgspec.Struct, frozen=True):
     metadata: builtins.bytes
     committed_ms: int
     batches: int = 0  # staged batches, to notice staging lost after the commit record
+    merged: list[int] = []  # anonymous transactions committed with it (their batches follow)
 
 
 class Identity(msgspec.Struct, frozen=True):

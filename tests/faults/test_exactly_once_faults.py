@@ -230,3 +230,32 @@ def test_a_crash_at_each_step_of_a_commit_leaves_it_whole_or_gone(
             s: list(range(60)) for s in streams
         }
         assert "applied transaction" in broker.log() or step == "txn.after_apply"
+
+
+@pytest.mark.parametrize("step", ["txn.after_commit_record", "txn.mid_apply"])
+def test_a_crash_inside_a_merged_commit_applies_every_part(
+    broker_factory: type[BrokerProcess], step: str
+) -> None:
+    broker = broker_factory()
+    broker.env["SLIPSTREAM_FAULT"] = step
+    broker.start()
+    with slipstream.connect(broker.address, reconnect_timeout=0.5) as client:
+        client.create_stream("faults/merge", segments=3)
+        parts = []
+        for task in range(3):
+            part = client.transaction(None, label=f"task-{task}")
+            for item in range(40):
+                part.send("faults/merge", msgspec.json.encode(Batch(task, item)), key=f"k{item}")
+            part.flush()
+            parts.append(part.txn_id)
+        with pytest.raises(slipstream.BrokerUnavailable):
+            client.transaction("merging-owner").commit(metadata={"batch": 9}, merge=parts)
+    assert broker.proc is not None and broker.proc.wait(10) == -9
+    broker.env.clear()
+    broker.start()
+    with broker.client() as client:
+        seen = _transaction_history(client, ("faults/merge",))
+        assert client.last_commit("merging-owner").metadata == {"batch": 9}  # type: ignore[union-attr]
+    assert {task: sorted(by["faults/merge"]) for task, by in seen.items()} == {
+        task: list(range(40)) for task in range(3)
+    }

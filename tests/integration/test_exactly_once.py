@@ -283,3 +283,37 @@ def test_bad_transaction_requests_get_typed_errors(raw: RawConnection) -> None:
     unknown = error(Append("eo/raw", 0, 424242), batch())
     assert unknown.code == "transaction_not_found" and "424242" in unknown.message
     assert error(EndTxn(424242, False)).code == "transaction_not_found"
+
+
+def test_anonymous_transactions_commit_merged_into_an_owned_one(
+    client: slipstream.Client, broker: BrokerProcess
+) -> None:
+    client.create_stream("eo/merge", segments=3)
+    parts = []
+    with broker.client() as worker_a, broker.client() as worker_b:
+        for number, worker in enumerate((worker_a, worker_b)):
+            part = worker.transaction(None, label=f"task-{number}")
+            part.send_many("eo/merge", [b"%d-%d" % (number, i) for i in range(50)])
+            part.flush()
+            parts.append(part.txn_id)
+        listed = {t.txn_id: t for t in client.transactions()}
+        assert {listed[p].label for p in parts} == {"task-0", "task-1"}
+        stray = worker_a.transaction(None)
+        with pytest.raises(slipstream.InvalidArgument, match="merged"):
+            stray.commit()
+        stray.abort()
+        assert _values(client, "eo/merge") == []
+        owner = client.transaction("merger")
+        owner.send("eo/merge", b"owner")
+        ended = owner.commit(metadata={"batch": 1}, merge=parts)
+    assert ended.committed
+    values = _values(client, "eo/merge")
+    assert sorted(values) == sorted(
+        [b"owner"] + [b"%d-%d" % (n, i) for n in range(2) for i in range(50)]
+    )
+    assert client.transactions() == []
+    with pytest.raises(slipstream.SlipstreamError):  # merged ones are committed, not abortable
+        client.abort_transaction(parts[0])
+    other = client.transaction("merger-2")
+    with pytest.raises(slipstream.InvalidArgument, match="cannot be merged"):
+        client.transaction("merger").commit(merge=[other.txn_id])
