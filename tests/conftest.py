@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -125,3 +127,23 @@ def _no_ambient_broker(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SLIPSTREAM_BROKER", raising=False)
     monkeypatch.setenv("PYTHONFAULTHANDLER", "1")
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One real SparkSession (local[2]: a JVM and Python workers) for all Spark tests, started
+    once: a JVM start costs 6-10 s here."""
+    from slipstream.spark import session
+
+    spark = session("slipstream-tests", conf={"spark.sql.streaming.pollingDelay": "50ms"})
+    yield spark
+    spark.stop()
+
+
+def produce_json(
+    client: slipstream.Client, stream: str, count: int, start: int = 0, **fields: Any
+) -> None:
+    """``count`` JSON events ``{"n": i, ...fields}`` keyed ``k<i % 10>``, acknowledged."""
+    with client.producer(stream) as producer:
+        for i in range(start, start + count):
+            producer.send(json.dumps({"n": i, **fields}).encode(), key=f"k{i % 10}")

@@ -16,6 +16,7 @@ PACKAGES = [
     "slipstream.broker",
     "slipstream.client",
     "slipstream.cli",
+    "slipstream.spark",
     "slipstream",
 ]
 

@@ -47,7 +47,7 @@ from ..protocol import (
 from ..streams import Router, StreamCut, parse_duration_ms, parse_size_bytes
 from ._connection import DEFAULT_ADDRESS, Connection
 from ._producer import BulkReceipt, ProducerCore, Receipt
-from ._reader import Delivery, ReaderCore, Start, decode_delivery, tail_cut, with_position
+from ._reader import Delivery, ReaderCore, Start, cut_at, decode_delivery, with_position
 
 T = TypeVar("T")
 
@@ -177,7 +177,13 @@ class AsyncClient:
 
     async def tail(self, stream: str) -> StreamCut:
         """The StreamCut of the current durable end: a bounded reader stops there."""
-        return await tail_cut(await self.live_connection(), stream)
+        return await self.cut(stream, "latest")
+
+    async def cut(self, stream: str, at: Start) -> StreamCut:
+        """The StreamCut at ``at``: "earliest", "latest", a time (ISO-8601 text, a datetime or
+        ms since the epoch: per segment, the first event at or after it) or a StreamCut (checked
+        against the stream). Times and cuts name positions for bounded reads of history."""
+        return await cut_at(await self.live_connection(), stream, at)
 
     async def producer(
         self,
@@ -589,6 +595,10 @@ class Client:
     def tail(self, stream: str) -> StreamCut:
         """The StreamCut of the current durable end of ``stream``."""
         return self._loop.run(self._async.tail(stream))
+
+    def cut(self, stream: str, at: Start) -> StreamCut:
+        """The StreamCut at "earliest", "latest", a time or a StreamCut; see AsyncClient.cut."""
+        return self._loop.run(self._async.cut(stream, at))
 
     def producer(
         self,

@@ -189,6 +189,12 @@ def with_position(segment: int, base: int, record: pa.RecordBatch) -> pa.RecordB
     ).append_column("offset", pa.array(np.arange(base, base + count, dtype=np.int64)))
 
 
-async def tail_cut(connection: Connection, stream: str) -> StreamCut:
-    reply, _ = await connection.request(GetCut(stream, "latest"))
+async def cut_at(connection: Connection, stream: str, at: Start) -> StreamCut:
+    """Resolve a start/end position to a StreamCut on the broker."""
+    kind, timestamp_ms, cut = parse_start(at)
+    if cut is not None:
+        if cut.stream != stream:
+            raise InvalidArgument(f"StreamCut is for {cut.stream!r}, not {stream!r}")
+        return cut
+    reply, _ = await connection.request(GetCut(stream, kind, timestamp_ms))
     return StreamCut(stream, dict(reply.positions))  # type: ignore[attr-defined]

@@ -1,0 +1,274 @@
+"""The ``slipstream`` Spark data source: streaming and batch reads.
+
+Planning (offsets, admission control, partitions) runs in Spark's Python planner process on the
+driver; ``read()`` runs in Python workers, one partition per task. Offsets are StreamCuts, so a
+checkpoint names exact positions in the stream and a replayed micro-batch reads exactly the same
+events: a partition is a fixed ``[first, end)`` offset range of one segment, read with a bounded
+reader. Batches flow as Arrow from the broker's format to Spark; nothing is decoded per event.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxBytes,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from .._errors import InvalidArgument
+from ..client import Client, connect
+from ..protocol import StreamInfo
+from ..streams import StreamCut
+from ._convert import SOURCE_COLUMNS, SOURCE_DDL, to_spark_batch
+from ._plan import (
+    SourceOptions,
+    cut_to_offset,
+    limit_cut,
+    offset_to_cut,
+    source_options,
+    split_ranges,
+)
+
+#: rows per batch handed to Spark: small broker batches are combined up to this
+ROWS_PER_SPARK_BATCH = 65_536
+
+_clients: dict[str, Client] = {}
+_clients_lock = threading.Lock()
+
+
+def shared_client(broker: str) -> Client:
+    """One connection per broker per Python process, reused by every task that runs in it
+    (Spark reuses its Python workers) and closed when the process exits."""
+    with _clients_lock:
+        client = _clients.get(broker)
+        if client is None:
+            client = _clients[broker] = connect(broker)
+        return client
+
+
+@atexit.register
+def _close_clients() -> None:
+    with _clients_lock:
+        for client in _clients.values():
+            client.close()
+        _clients.clear()
+
+
+@dataclass(frozen=True)
+class SegmentRange(InputPartition):
+    """One Spark partition: events ``[first, end)`` of one segment."""
+
+    segment: int
+    first: int
+    end: int
+
+
+class SlipstreamDataSource(DataSource):
+    """``spark.readStream.format("slipstream")`` / ``spark.read`` / ``writeStream`` / ``write``.
+
+    Options (keys are case-insensitive): ``broker`` (host:port, default SLIPSTREAM_BROKER or
+    127.0.0.1:7070), ``stream`` (required), ``startingPosition`` (streaming: earliest, latest,
+    an ISO time or a StreamCut JSON; default latest), ``from``/``to`` (batch reads; default the
+    whole stream), ``maxEventsPerTrigger``, ``maxBytesPerTrigger``, ``maxEventsPerPartition``,
+    ``schema`` (a DDL string: JSON values parsed into these extra columns) and ``mode``
+    (PERMISSIVE: malformed values give null columns; FAILFAST: they fail the query).
+    Writes: see :mod:`slipstream.spark._sink`.
+    """
+
+    @classmethod
+    def name(cls) -> str:
+        return "slipstream"
+
+    def schema(self) -> str:
+        extra = self.options.get("schema")
+        return SOURCE_DDL if not extra else f"{SOURCE_DDL}, {extra}"
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return BatchReader(source_options(self.options), schema)
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return StreamReader(source_options(self.options), schema)
+
+    def writer(self, schema: StructType, overwrite: bool) -> Any:
+        from ._sink import BatchWriter
+
+        return BatchWriter(self.options, schema, overwrite)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> Any:
+        from ._sink import StreamWriter
+
+        return StreamWriter(self.options, schema, overwrite)
+
+
+def _arrow_schema(schema: StructType) -> pa.Schema:
+    names = [f.name.lower() for f in schema.fields]
+    clashes = sorted({n for n in names if names.count(n) > 1})
+    if clashes:
+        raise InvalidArgument(
+            f"the schema option names {clashes}, which the source already has "
+            f"({', '.join(SOURCE_COLUMNS)}); parse such values with from_json(value) instead"
+        )
+    return to_arrow_schema(schema, timezone="UTC")
+
+
+class _Reading:
+    """What both readers share: options, the Arrow schema and the driver's connection (made
+    lazily and never pickled to the workers)."""
+
+    def __init__(self, options: SourceOptions, schema: StructType) -> None:
+        self.options = options
+        self.arrow_schema = _arrow_schema(schema)
+        self._client: Client | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_client": None}
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            self._client = connect(self.options.broker)
+        return self._client
+
+    def describe(self) -> StreamInfo:
+        return self.client.describe_stream(self.options.stream)
+
+    def cut_at(self, position: str) -> StreamCut:
+        """A StreamCut for earliest, latest, an ISO time or StreamCut JSON."""
+        return self.client.cut(self.options.stream, position)
+
+    def partitions_between(self, start: StreamCut, end: StreamCut) -> Sequence[SegmentRange]:
+        ranges = split_ranges(start.positions, end.positions, self.options.events_per_partition)
+        return [SegmentRange(segment, first, last) for segment, first, last in ranges]
+
+    def read_range(self, partition: SegmentRange) -> Iterator[pa.RecordBatch]:
+        stream = self.options.stream
+        start = StreamCut(stream, {partition.segment: partition.first})
+        end = StreamCut(stream, {partition.segment: partition.end})
+        pending: list[pa.RecordBatch] = []
+        rows = 0
+        with shared_client(self.options.broker).reader(stream, start, end) as reader:
+            for record in reader.batches():
+                pending.append(record)
+                rows += record.num_rows
+                if rows >= ROWS_PER_SPARK_BATCH:
+                    yield self._convert(pending)
+                    pending, rows = [], 0
+        if pending:
+            yield self._convert(pending)
+
+    def _convert(self, records: list[pa.RecordBatch]) -> pa.RecordBatch:
+        record = records[0] if len(records) == 1 else pa.concat_batches(records)
+        return to_spark_batch(record, self.options.stream, self.arrow_schema, self.options.mode)
+
+
+class StreamReader(_Reading, DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Micro-batches over a stream. Offsets are StreamCut dicts; each micro-batch is the events
+    between two cuts, cut by ``maxEventsPerTrigger``/``maxBytesPerTrigger`` (shared fairly over
+    segments). Segments that appear later (a stream scaled) start at offset 0."""
+
+    def __init__(self, options: SourceOptions, schema: StructType) -> None:
+        super().__init__(options, schema)
+        self.target: StreamCut | None = None  # Trigger.AvailableNow: never read past this
+
+    def initialOffset(self) -> dict[str, Any]:
+        return cut_to_offset(self.cut_at(self.options.starting_position))
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.options.max_events_per_trigger is not None:
+            return ReadMaxRows(self.options.max_events_per_trigger)
+        if self.options.max_bytes_per_trigger is not None:
+            return ReadMaxBytes(self.options.max_bytes_per_trigger)
+        return ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self.target = self.client.tail(self.options.stream)
+
+    def _start_cut(self, start: dict[str, Any]) -> StreamCut:
+        cut = offset_to_cut(start)
+        if cut.stream != self.options.stream:
+            raise InvalidArgument(
+                f"the checkpoint's offsets are for stream {cut.stream!r}, not "
+                f"{self.options.stream!r}; use a new checkpoint location for a new stream"
+            )
+        return cut
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        begin = self._start_cut(start)
+        info = self.describe()
+        tail = self.target or self.client.tail(self.options.stream)
+        positions = {s.number: begin.positions.get(s.number, 0) for s in info.segments}
+        for segment, offset in begin.positions.items():
+            positions.setdefault(segment, offset)
+        max_events = self.options.max_events_per_trigger
+        max_bytes = self.options.max_bytes_per_trigger
+        if isinstance(limit, ReadAllAvailable):
+            max_events = max_bytes = None
+        elif isinstance(limit, ReadMaxRows):
+            max_events = limit.max_rows
+        elif isinstance(limit, ReadMaxBytes):
+            max_bytes = limit.max_bytes
+        sizes = {
+            s.number: s.bytes / (s.end_offset - s.start_offset)
+            for s in info.segments
+            if s.end_offset > s.start_offset
+        }
+        end = limit_cut(positions, tail.positions, max_events, max_bytes, sizes)
+        return cut_to_offset(StreamCut(self.options.stream, end))
+
+    def reportLatestOffset(self) -> dict[str, Any]:
+        return cut_to_offset(self.client.tail(self.options.stream))
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[SegmentRange]:
+        return self.partitions_between(self._start_cut(start), self._start_cut(end))
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, SegmentRange)
+        return self.read_range(partition)
+
+    def commit(self, end: dict[str, Any]) -> None:
+        """Nothing to do: the stream keeps events by retention, not by consumer progress."""
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+class BatchReader(_Reading, DataSourceReader):
+    """A bounded read of history between ``from`` and ``to`` (times or StreamCuts); by default
+    the whole stream as it is when the query is planned."""
+
+    def partitions(self) -> Sequence[SegmentRange]:
+        try:
+            start = self.cut_at(self.options.start)
+            end = self.cut_at(self.options.end)
+        finally:
+            self.stop()
+        positions = {s: max(o, end.positions.get(s, o)) for s, o in start.positions.items()}
+        return self.partitions_between(start, StreamCut(self.options.stream, positions))
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, SegmentRange)
+        return self.read_range(partition)
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

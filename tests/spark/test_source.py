@@ -1,0 +1,222 @@
+"""The slipstream source in real Spark against a real broker: streaming and batch reads."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import BrokerProcess, produce_json
+from pyspark.errors import PySparkException
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming import StreamingQuery
+
+import slipstream
+
+
+def read_stream(spark: SparkSession, broker: BrokerProcess, stream: str, **options: Any) -> Any:
+    reader = spark.readStream.format("slipstream").option("broker", broker.address)
+    for key, value in {"stream": stream, **options}.items():
+        reader = reader.option(key, str(value))
+    return reader.load()
+
+
+def read_batch(
+    spark: SparkSession, broker: BrokerProcess, stream: str, **options: Any
+) -> DataFrame:
+    reader = spark.read.format("slipstream").option("broker", broker.address)
+    for key, value in {"stream": stream, **options}.items():
+        reader = reader.option(key, str(value))
+    return reader.load()
+
+
+def run_available_now(df: DataFrame, tmp_path: Path, name: str) -> tuple[StreamingQuery, list[Any]]:
+    """Run to the current end with Trigger.AvailableNow into a Parquet sink (exactly-once
+    and restartable, unlike the memory sink); returns the query and all rows written so far."""
+    query = (
+        df.writeStream.format("parquet")
+        .option("path", str(tmp_path / name / "out"))
+        .option("checkpointLocation", str(tmp_path / name / "checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(120)
+    assert query.exception() is None
+    return query, df.sparkSession.read.parquet(str(tmp_path / name / "out")).collect()
+
+
+def test_stream_from_earliest_with_admission_control(
+    spark: SparkSession, broker: BrokerProcess, client: slipstream.Client, tmp_path: Path
+) -> None:
+    client.create_stream("t/orders", segments=3)
+    produce_json(client, "t/orders", 1000)
+    df = read_stream(
+        spark, broker, "t/orders", startingPosition="earliest", maxEventsPerTrigger=300
+    )
+    query, rows = run_available_now(df, tmp_path, "admission")
+    sizes = [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]]
+    assert sizes == [300, 300, 300, 100]
+    assert sorted(json.loads(r.value)["n"] for r in rows) == list(range(1000))
+    # per segment, offsets are contiguous and in order; keys stay on their segment
+    by_segment: dict[int, list[int]] = {}
+    for row in rows:
+        by_segment.setdefault(row.segment, []).append(row.offset)
+        assert row.stream == "t/orders"
+        assert row.timestamp.tzinfo is None or row.timestamp.utcoffset() == dt.timedelta(0)
+    for offsets in by_segment.values():
+        assert sorted(offsets) == list(range(len(offsets)))
+    # a restart from the checkpoint reads only what is new
+    produce_json(client, "t/orders", 10, start=1000)
+    _, rows = run_available_now(df, tmp_path, "admission")
+    assert sorted(json.loads(r.value)["n"] for r in rows) == list(range(1010))
+
+
+def test_max_bytes_per_trigger(
+    spark: SparkSession, broker: BrokerProcess, client: slipstream.Client, tmp_path: Path
+) -> None:
+    client.create_stream("t/bytes", segments=1)
+    with client.producer("t/bytes") as producer:
+        for _ in range(200):
+            producer.send(b"x" * 1000)
+    df = read_stream(
+        spark, broker, "t/bytes", startingPosition="earliest", maxBytesPerTrigger=50_000
+    )
+    query, rows = run_available_now(df, tmp_path, "bytes")
+    sizes = [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]]
+    assert len(rows) == 200
+    assert len(sizes) >= 4 and max(sizes) <= 50  # about 50 KB of ~1 KB events per batch
+
+
+def test_live_stream_sees_new_events(
+    spark: SparkSession, broker: BrokerProcess, client: slipstream.Client, tmp_path: Path
+) -> None:
+    client.create_stream("t/live", segments=2)
+    produce_json(client, "t/live", 5)  # before the query: not read from "latest"
+    df = read_stream(spark, broker, "t/live", schema="n INT")
+    query = (
+        df.writeStream.format("memory")
+        .queryName("live")
+        .option("checkpointLocation", str(tmp_path / "live"))
+        .start()
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not query.recentProgress and time.monotonic() < deadline:
+            time.sleep(0.2)
+        produce_json(client, "t/live", 20, start=100)
+        while time.monotonic() < deadline:
+            got = sorted(r.n for r in spark.sql("SELECT n FROM live").collect())
+            if len(got) >= 20:
+                break
+            time.sleep(0.2)
+        assert got == list(range(100, 120))
+    finally:
+        query.stop()
+
+
+def test_starting_positions_time_and_cut(
+    spark: SparkSession, broker: BrokerProcess, client: slipstream.Client, tmp_path: Path
+) -> None:
+    client.create_stream("t/pos", segments=2)
+    produce_json(client, "t/pos", 10)
+    middle = client.tail("t/pos")
+    time.sleep(0.05)
+    since = dt.datetime.now(dt.UTC)
+    produce_json(client, "t/pos", 10, start=10)
+    from_cut = read_stream(spark, broker, "t/pos", startingPosition=middle.to_json())
+    _, rows = run_available_now(from_cut, tmp_path, "from_cut")
+    assert sorted(json.loads(r.value)["n"] for r in rows) == list(range(10, 20))
+    from_time = read_stream(spark, broker, "t/pos", startingPosition=since.isoformat())
+    _, rows = run_available_now(from_time, tmp_path, "from_time")
+    assert sorted(json.loads(r.value)["n"] for r in rows) == list(range(10, 20))
+
+
+def test_batch_read_of_history_between_times_and_cuts(
+    spark: SparkSession, broker: BrokerProcess, client: slipstream.Client
+) -> None:
+    client.create_stream("t/history", segments=4)
+    produce_json(client, "t/history", 100)
+    time.sleep(0.05)
+    start = dt.datetime.now(dt.UTC)
+    produce_json(client, "t/history", 50, start=100)
+    cut = client.tail("t/history")
+    time.sleep(0.05)
+    produce_json(client, "t/history", 25, start=150)
+    whole = read_batch(spark, broker, "t/history", schema="n INT")
+    assert sorted(r.n for r in whole.select("n").collect()) == list(range(175))
+    between = read_batch(
+        spark,
+        broker,
+        "t/history",
+        schema="n INT",
+        **{"from": start.isoformat(), "to": cut.to_json()},
+    )
+    assert sorted(r.n for r in between.select("n").collect()) == list(range(100, 150))
+    # small partitions: the same events, split over more tasks
+    split = read_batch(spark, broker, "t/history", maxEventsPerPartition=7)
+    assert split.rdd.getNumPartitions() > 20
+    assert split.count() == 175
+    # SQL over history
+    split.createOrReplaceTempView("history")
+    per_key = spark.sql("SELECT CAST(key AS STRING) k, count(*) c FROM history GROUP BY k")
+    assert {r.k: r.c for r in per_key.collect()} == {f"k{i}": 17 + (i < 5) for i in range(10)}
+
+
+def test_json_schema_modes(
+    spark: SparkSession, broker: BrokerProcess, client: slipstream.Client
+) -> None:
+    client.create_stream("t/json", segments=1)
+    produce_json(client, "t/json", 3, item="x")
+    with client.producer("t/json") as producer:
+        producer.send(b"{broken")
+    rows = read_batch(spark, broker, "t/json", schema="n INT, item STRING").collect()
+    assert [(r.n, r.item) for r in rows] == [(0, "x"), (1, "x"), (2, "x"), (None, None)]
+    assert rows[3].value == b"{broken"  # the raw value stays readable
+    failing = read_batch(spark, broker, "t/json", schema="n INT", mode="FAILFAST")
+    with pytest.raises(PySparkException, match=r"MalformedValue|not JSON of the schema"):
+        failing.collect()
+
+
+def test_bad_input_gets_clear_errors(
+    spark: SparkSession, broker: BrokerProcess, client: slipstream.Client, tmp_path: Path
+) -> None:
+    with pytest.raises(PySparkException, match=r"StreamNotFound|t/missing"):
+        read_batch(spark, broker, "t/missing").collect()
+    with pytest.raises(PySparkException, match='option "stream" is required'):
+        spark.read.format("slipstream").option("broker", broker.address).load().collect()
+    df = read_stream(spark, broker, "t/x", maxEventsPerTrigger="many")
+    query = df.writeStream.format("noop").option("checkpointLocation", str(tmp_path / "b")).start()
+    with pytest.raises(PySparkException, match="maxEventsPerTrigger must be a positive"):
+        query.awaitTermination(60)
+    with pytest.raises(PySparkException, match="already has"):
+        read_batch(spark, broker, "t/x", schema="offset INT").collect()
+    with pytest.raises(PySparkException, match=r"BrokerUnavailable|no broker|refused"):
+        spark.read.format("slipstream").option("broker", "127.0.0.1:1").option(
+            "stream", "t/x"
+        ).load().collect()
+
+
+def test_stream_deleted_under_a_running_query(
+    spark: SparkSession, broker: BrokerProcess, client: slipstream.Client, tmp_path: Path
+) -> None:
+    client.create_stream("t/doomed", segments=1)
+    produce_json(client, "t/doomed", 10)
+    df = read_stream(spark, broker, "t/doomed", startingPosition="earliest")
+    query = (
+        df.writeStream.format("noop")
+        .option("checkpointLocation", str(tmp_path / "doomed"))
+        .trigger(processingTime="200 milliseconds")
+        .start()
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not query.recentProgress and time.monotonic() < deadline:
+            time.sleep(0.1)
+        client.delete_stream("t/doomed")
+        with pytest.raises(PySparkException, match=r"StreamNotFound: stream 't/doomed'"):
+            query.awaitTermination(60)
+    finally:
+        query.stop()
