@@ -146,13 +146,16 @@ class StreamWriter(_Writing, DataSourceStreamArrowWriter):
         with connect(self.options.broker) as client:
             last = client.last_commit(transactional_id)
             done = last.metadata if last is not None and isinstance(last.metadata, dict) else {}
+            open_ids = {t.txn_id: t.label for t in client.transactions()}
             if done.get("query") == query_id and done.get("batch", -1) >= batchId:
-                _abort_quietly(client, staged)  # a batch committed before: Spark repeats it
+                # committed before: Spark repeats a batch after a crash inside commit, or re-runs
+                # it; what was staged again (not the very same, merged transactions) goes away
+                _abort_quietly(client, [t for t in staged if t in open_ids])
                 return
             orphans = [
-                t.txn_id
-                for t in client.transactions()
-                if t.label.startswith(f"spark:{query_id}:") and t.txn_id not in staged
+                txn_id
+                for txn_id, label in open_ids.items()
+                if label.startswith(f"spark:{query_id}:") and txn_id not in staged
             ]
             _abort_quietly(client, orphans)
             if not staged:
