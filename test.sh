@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -U pip
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,dev]"
-.venv/bin/ruff check slipstream tests bench
-.venv/bin/ruff format --check slipstream tests bench
+.venv/bin/ruff check slipstream tests bench examples
+.venv/bin/ruff format --check slipstream tests bench examples
 .venv/bin/mypy
 .venv/bin/pytest "$@"

@@ -65,6 +65,12 @@ class InvalidArgument(SlipstreamError):
     code = "invalid_argument"
 
 
+class MalformedValue(InvalidArgument):
+    """A value that is not JSON of the shape a reader asked for (Spark ``schema``, FAILFAST)."""
+
+    code = "malformed_value"
+
+
 class StreamNotFound(SlipstreamError):
     """The stream does not exist, or was deleted."""
 

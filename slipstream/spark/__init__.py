@@ -19,7 +19,7 @@ and ``offset`` (plus the ``schema`` option's parsed columns). Streaming writes c
 micro-batch in one slipstream transaction, exactly once across restarts. See docs/spark.md.
 """
 
-from ._convert import MalformedValue
+from .._errors import MalformedValue
 from ._session import DEFAULT_CONF, register, session
 from ._source import SlipstreamDataSource
 

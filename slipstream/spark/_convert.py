@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pajson
 
-from .._errors import InvalidArgument
+from .._errors import InvalidArgument, MalformedValue
 from ..format import HEADER_TYPE
 
 #: the source's own columns, in order; a ``schema`` option adds the parsed value's fields
@@ -29,10 +29,6 @@ SOURCE_DDL = (
     "key BINARY, value BINARY, headers ARRAY<STRUCT<key: STRING, value: BINARY>>, "
     "timestamp TIMESTAMP, stream STRING, segment INT, offset BIGINT"
 )
-
-
-class MalformedValue(InvalidArgument):
-    """A value that is not JSON of the ``schema`` option's shape, read with mode FAILFAST."""
 
 
 def constant_strings(text: str, count: int) -> pa.Array:

@@ -105,9 +105,11 @@ def limit_cut(
     bytes_per_event: Mapping[int, float] | None = None,
 ) -> dict[int, int]:
     """How far to read from ``start`` toward ``tail`` so that at most ``max_events`` events and
-    about ``max_bytes`` bytes are taken, shared fairly between segments (water-filling: every
-    segment with data gets an equal share, and what a small segment leaves goes to the rest).
-    At least one event is admitted whenever any is available, so a stream always advances."""
+    about ``max_bytes`` bytes are taken, split between segments in proportion to what each has
+    waiting (as Spark's Kafka source splits ``maxOffsetsPerTrigger``). Proportional, not equal,
+    shares matter for event time: segments that cover the same span of time advance through it
+    together, so a busy segment does not fall behind a quiet one and see its events dropped as
+    late by a watermark. At least one event is admitted whenever any is available."""
     available = {s: max(0, tail.get(s, o) - o) for s, o in start.items()}
     budget = float("inf") if max_events is None else float(max_events)
     if max_bytes is not None:
@@ -119,18 +121,12 @@ def limit_cut(
     if total <= budget:
         return {s: start[s] + available[s] for s in start}
     budget = max(1, int(budget))
-    taken = dict.fromkeys(start, 0)
-    open_segments = sorted(s for s in start if available[s] > 0)
-    while budget > 0 and open_segments:
-        share = max(1, budget // len(open_segments))
-        for s in list(open_segments):
-            take = min(share, available[s] - taken[s], budget)
-            taken[s] += take
-            budget -= take
-            if taken[s] >= available[s]:
-                open_segments.remove(s)
-            if budget == 0:
-                break
+    shares = {s: budget * available[s] / total for s in start}
+    taken = {s: int(share) for s, share in shares.items()}
+    # the events lost to rounding down go to the largest remainders (ties: lowest segment)
+    by_remainder = sorted(start, key=lambda s: (taken[s] - shares[s], s))
+    for s in by_remainder[: budget - sum(taken.values())]:
+        taken[s] += 1
     return {s: start[s] + taken[s] for s in start}
 
 
