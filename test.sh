@@ -3,6 +3,7 @@
 # Extra arguments go to pytest, e.g. ./test.sh tests/integration -x
 set -euo pipefail
 cd "$(dirname "$0")"
+scripts/ensure-java.sh
 if [ ! -x .venv/bin/python ]; then
     "${PYTHON:-python3}" -m venv .venv
 fi

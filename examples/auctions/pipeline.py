@@ -192,8 +192,9 @@ def start_prices(spark: SparkSession, broker: str, checkpoint: str, **kw: Any) -
 
 
 class BidGenerator:
-    """Realistic bids: a few hot auctions and a long tail, prices that climb with occasional
-    jumps, and network reality: 8 % of bids arrive 0.5-4 s late (inside the watermark) and 1 %
+    """Realistic bids: a few hot auctions and a long tail; each auction's price wanders around
+    its level (bids up to 1.5 % apart) and now and then jumps 30-60 % (a bidding war: what job 2
+    flags). Network reality: 8 % of bids arrive 0.5-4 s late (inside the watermark) and 1 %
     arrive 8-20 s late (after it: Spark drops them from windows)."""
 
     def __init__(self, auctions: int = 40, seed: int | None = None) -> None:
@@ -201,19 +202,13 @@ class BidGenerator:
         self.prices = {f"a{i:03d}": 10.0 + 5 * i for i in range(auctions)}
         self.names = list(self.prices)
         self.weights = [1 / (i + 1) for i in range(auctions)]
-        self.serial = 0
 
     def next(self, now_ms: int) -> tuple[str, bytes, int]:
         """(key, JSON value, event time in ms) of the next bid."""
         rnd = self.random
         auction = rnd.choices(self.names, self.weights)[0]
-        step = (
-            rnd.uniform(0.5, 3.0)
-            if rnd.random() > 0.01
-            else rnd.uniform(0.3, 0.6) * self.prices[auction]
-        )
-        self.prices[auction] = round(self.prices[auction] + step, 2)
-        self.serial += 1
+        jump = rnd.uniform(1.3, 1.6) if rnd.random() < 0.002 else rnd.uniform(0.985, 1.015)
+        self.prices[auction] = round(self.prices[auction] * jump, 2)
         lateness = rnd.random()
         if lateness < 0.01:
             now_ms -= rnd.randint(8_000, 20_000)

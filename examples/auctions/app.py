@@ -1,0 +1,363 @@
+"""``python -m auctions live | replay``: the auctions pipeline as the main job, and its replay.
+
+live    starts a broker (embedded: local files and SQLite under --data-dir, or --broker), a bid
+        generator, both Spark jobs, and a live view of windows as they close, price alerts,
+        rates and lag until Ctrl-C or --duration; then stops everything in order (generator,
+        queries, Spark, broker). Restarting resumes from the checkpoints, exactly once.
+replay  runs version 2 of job 1 (other window or watermark) from the start of the bids stream
+        into its own output stream and compares it with version 1's windows: the "rewind and
+        test the new version" workflow. The live job may keep running meanwhile (--broker).
+
+Both use public APIs only: slipstream, slipstream.broker.EmbeddedBroker, slipstream.spark.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime as dt
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+import slipstream
+from slipstream.broker import EmbeddedBroker, choose_port
+from slipstream.spark import session
+
+from . import pipeline
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None)
+console = Console(stderr=True)
+
+DataDir = Annotated[
+    Path, typer.Option(help="Embedded broker's data directory; checkpoints go next to it.")
+]
+Broker = Annotated[
+    str | None, typer.Option(help="Use this running broker (host:port); start none.")
+]
+AsJson = Annotated[bool, typer.Option("--json", help="No live view; a JSON summary on stdout.")]
+
+
+@contextlib.contextmanager
+def platform(broker: str | None, data_dir: Path) -> Iterator[tuple[str, slipstream.Client]]:
+    """The broker's address and a client: a running broker, or an embedded one stopped last."""
+    embedded = None
+    if broker is None:
+        embedded = EmbeddedBroker(data_dir, choose_port(), fsync="always")
+        embedded.start()
+        broker = embedded.address
+    try:
+        with slipstream.connect(broker) as client:
+            yield broker, client
+    finally:
+        if embedded is not None:
+            embedded.stop()
+
+
+def reset_checkpoints_if_new(client: slipstream.Client, checkpoints: Path) -> None:
+    """Checkpoints hold offsets into the bids stream: worthless, and harmful, without it."""
+    if pipeline.BIDS not in {s.name for s in client.list_streams("auctions")}:
+        shutil.rmtree(checkpoints, ignore_errors=True)
+    pipeline.create_streams(client)
+
+
+# --- live -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Board:
+    """What the live view shows; followers fill it from the output streams."""
+
+    started: float = field(default_factory=time.monotonic)
+    sent: list[int] = field(default_factory=lambda: [0])
+    windows: collections.deque[dict[str, Any]] = field(
+        default_factory=lambda: collections.deque(maxlen=12)
+    )
+    alerts: collections.deque[dict[str, Any]] = field(
+        default_factory=lambda: collections.deque(maxlen=6)
+    )
+    counts: collections.Counter[str] = field(default_factory=collections.Counter)
+    close_delays: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=200)
+    )
+
+    def on_window(self, window: dict[str, Any]) -> None:
+        end = dt.datetime.fromisoformat(window["end"]).timestamp()
+        window["closed_after"] = time.time() - end  # watermark (5 s) + a micro-batch or two
+        self.close_delays.append(window["closed_after"])
+        self.windows.appendleft(window)
+        self.counts["windows"] += 1
+        self.counts["window_bids"] += window["bids"]
+
+    def on_move(self, move: dict[str, Any]) -> None:
+        self.counts["moves"] += 1
+        if move["alert"]:
+            self.counts["alerts"] += 1
+            self.alerts.appendleft(move)
+
+
+def follow(broker: str, stream: str, on_value: Callable[[dict[str, Any]], None]) -> None:
+    """Call ``on_value`` with each new event's JSON value (a daemon thread: until the broker
+    goes away at shutdown, or the program exits)."""
+    with contextlib.suppress(slipstream.BrokerUnavailable), slipstream.connect(broker) as client:
+        for event in client.reader(stream, "latest"):
+            on_value(json.loads(event.value))
+
+
+def produce(broker: str, rate: float, stop: threading.Event, board: Board) -> None:
+    with slipstream.connect(broker) as client:
+        pipeline.generate(client, rate, stop, board.sent)
+
+
+def job_status(query: Any, client: slipstream.Client | None = None) -> dict[str, Any]:
+    """A query's last micro-batch in a few numbers; with ``client``, its lag behind the tail."""
+    progress = query.lastProgress
+    if not progress:
+        return {"batch": None}
+    source = progress["sources"][0]
+    status = {
+        "batch": progress["batchId"],
+        "rows_per_s": round(source.get("processedRowsPerSecond") or 0.0),
+        "batch_ms": progress["durationMs"].get("triggerExecution", 0),
+        "watermark": progress.get("eventTime", {}).get("watermark", "-"),
+        "dropped_late": sum(
+            op.get("numRowsDroppedByWatermark", 0) for op in progress.get("stateOperators", [])
+        ),
+    }
+    if client is not None and source.get("endOffset"):
+        end = source["endOffset"]
+        read = json.loads(end) if isinstance(end, str) else end
+        tail = client.tail(read["stream"]).positions
+        status["lag_events"] = sum(tail.values()) - sum(read["positions"].values())
+    return status
+
+
+def render(board: Board, rate: float, jobs: dict[str, dict[str, Any]]) -> Group:
+    windows = Table(title="windows as they close (auctions/windows)", expand=True)
+    for name in ("auction", "window (UTC)", "bids", "max", "mean", "closed after"):
+        windows.add_column(name, justify="left" if name.startswith(("auction", "w")) else "right")
+    for w in board.windows:
+        span = f"{w['start'][11:19]}-{w['end'][11:19]}"
+        row = (w["bids"], f"{w['max_price']:.2f}", f"{w['mean_price']:.2f}")
+        windows.add_row(w["auction"], span, *map(str, row), f"{w['closed_after']:.1f} s")
+    alerts = Table(title="price alerts: a window's top bid 25 % over the last (job 2)", expand=True)
+    for name in ("auction", "window end", "previous", "max", "change"):
+        alerts.add_column(name, justify="left" if name[0] in "aw" else "right")
+    for a in board.alerts:
+        alerts.add_row(
+            a["auction"],
+            a["end"][11:19],
+            f"{a['previous']:.2f}",
+            f"{a['max_price']:.2f}",
+            f"+{a['change_pct']:.1f} %",
+        )
+    elapsed = time.monotonic() - board.started
+    delays = sorted(board.close_delays)
+    stats = Table.grid(padding=(0, 2))
+    stats.add_row(
+        f"bids {board.sent[0]:,} ({board.sent[0] / max(elapsed, 1e-9):,.0f}/s, target {rate:,.0f})",
+        f"windows {board.counts['windows']:,}",
+        f"moves {board.counts['moves']:,}",
+        f"alerts {board.counts['alerts']:,}",
+        f"window closed after p50 {delays[len(delays) // 2]:.1f} s" if delays else "",
+    )
+    for name, s in jobs.items():
+        if s.get("batch") is None:
+            stats.add_row(f"{name}: starting (Spark plans the first micro-batch)")
+            continue
+        stats.add_row(
+            f"{name}: batch {s['batch']}",
+            f"{s['rows_per_s']:,} rows/s",
+            f"{s['batch_ms']:,} ms/batch",
+            f"lag {s.get('lag_events', 0):,} events",
+            f"watermark {s['watermark'][11:19] or '-'}, late dropped {s['dropped_late']}",
+        )
+    return Group(stats, windows, alerts)
+
+
+@app.command(epilog="Example: python -m auctions live --rate 2000 --duration 60")
+def live(
+    rate: Annotated[float, typer.Option(min=1, help="Bids per second.")] = 1000.0,
+    duration: Annotated[
+        float | None, typer.Option(min=0, help="Stop after this many seconds (default: Ctrl-C).")
+    ] = None,
+    broker: Broker = None,
+    data_dir: DataDir = Path(".slipstream/auctions"),
+    as_json: AsJson = False,
+) -> None:
+    """The live auctions pipeline: broker, bid generator, both Spark jobs, a live view."""
+    checkpoints = data_dir.with_name(data_dir.name + "-checkpoints")
+    with platform(broker, data_dir) as (address, client):
+        reset_checkpoints_if_new(client, checkpoints)
+        board, stop = Board(), threading.Event()
+        for stream, on_value in (
+            (pipeline.WINDOWS, board.on_window),
+            (pipeline.PRICE_MOVES, board.on_move),
+        ):
+            threading.Thread(target=follow, args=(address, stream, on_value), daemon=True).start()
+        console.print(f"[dim]broker {address}; starting Spark (Java 17, about 10 s) ...")
+        # pandas in Spark's Python workers warns about NaN columns (a first window has no
+        # previous price): noise in a live view. The workers inherit this process's environment.
+        os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+        spark = session("auctions", log_level="ERROR")
+        generator = threading.Thread(target=produce, args=(address, rate, stop, board), daemon=True)
+        generator.start()
+        queries = {
+            "job 1 windows": pipeline.start_windows(spark, address, str(checkpoints / "windows")),
+            "job 2 prices": pipeline.start_prices(spark, address, str(checkpoints / "prices")),
+        }
+        deadline = None if duration is None else time.monotonic() + duration
+        try:
+            with Live(console=console, refresh_per_second=2, transient=as_json) as view:
+                while deadline is None or time.monotonic() < deadline:
+                    for query in queries.values():
+                        if query.exception() is not None:
+                            raise query.exception()  # type: ignore[misc]
+                    jobs = {name: job_status(q, client) for name, q in queries.items()}
+                    if not as_json:
+                        view.update(render(board, rate, jobs))
+                    time.sleep(0.5)
+        except KeyboardInterrupt:
+            console.print("[dim]stopping: generator, queries, Spark, broker ...")
+        finally:
+            stop.set()
+            generator.join(10)
+            jobs = {name: job_status(q) for name, q in queries.items()}
+            # stopping interrupts a micro-batch in flight; Spark logs the interrupted abort as an
+            # error with a long trace. Nothing is lost: the batch's staged transactions are
+            # aborted as orphans when the query starts again (or time out), so keep it quiet.
+            spark.sparkContext.setLogLevel("OFF")
+            for query in queries.values():
+                query.stop()
+            spark.stop()
+    summary = {
+        "seconds": round(time.monotonic() - board.started, 1),
+        "bids": board.sent[0],
+        **board.counts,
+        "jobs": jobs,
+        "checkpoints": str(checkpoints),
+    }
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        console.print(f"stopped cleanly: {json.dumps(summary)}")
+
+
+# --- replay -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Comparison:
+    """Version 2's windows against version 1's, over windows both have had time to close."""
+
+    v1: str
+    v2: str
+    horizon: str  # windows ending at or before this are compared
+    compared: int = 0
+    same: int = 0
+    bids_v1: int = 0
+    bids_v2: int = 0
+    differ: list[dict[str, Any]] = field(default_factory=list)
+    only_v1: list[str] = field(default_factory=list)
+    only_v2: list[str] = field(default_factory=list)
+
+
+def windows_of(client: slipstream.Client, stream: str) -> dict[tuple[str, str], dict[str, Any]]:
+    with client.reader(stream, "earliest", end=client.tail(stream)) as reader:
+        values = (json.loads(event.value) for event in reader)
+        return {(w["auction"], w["start"]): w for w in values}
+
+
+def compare(client: slipstream.Client, v1: str, v2: str) -> Comparison:
+    old, new = windows_of(client, v1), windows_of(client, v2)
+    ends = [max((w["end"] for w in ws.values()), default="") for ws in (old, new)]
+    result = Comparison(v1, v2, horizon=min(ends))
+    keys = {k for ws in (old, new) for k, w in ws.items() if w["end"] <= result.horizon}
+    for key in sorted(keys, key=lambda k: (k[1], k[0])):
+        a, b = old.get(key), new.get(key)
+        if a is None or b is None:
+            (result.only_v2 if a is None else result.only_v1).append(f"{key[0]} {key[1]}")
+            continue
+        result.compared += 1
+        result.bids_v1 += a["bids"]
+        result.bids_v2 += b["bids"]
+        if a == b:
+            result.same += 1
+        else:
+            fields = ("bids", "max_price", "mean_price")
+            result.differ.append(
+                {"auction": key[0], "start": key[1], **{f: [a[f], b[f]] for f in fields}}
+            )
+    return result
+
+
+def replay_job(
+    spark: Any, address: str, client: slipstream.Client, job: pipeline.WindowJob, checkpoint: Path
+) -> Comparison:
+    """Run ``job`` over the whole bids stream (from scratch, into ``job.output``), compare."""
+    with contextlib.suppress(slipstream.StreamNotFound):
+        client.delete_stream(job.output)
+    client.create_stream(job.output, segments=4)
+    shutil.rmtree(checkpoint, ignore_errors=True)
+    query = pipeline.start_windows(
+        spark, address, str(checkpoint), job, trigger={"availableNow": True}
+    )
+    query.awaitTermination()
+    if query.exception() is not None:
+        raise query.exception()  # type: ignore[misc]
+    return compare(client, pipeline.WINDOWS, job.output)
+
+
+@app.command(
+    epilog='Example: python -m auctions replay --watermark "15 seconds" --broker 127.0.0.1:7070'
+)
+def replay(
+    watermark: Annotated[str, typer.Option(help="Version 2's watermark delay.")] = "15 seconds",
+    window: Annotated[str, typer.Option(help="Version 2's window length.")] = "10 seconds",
+    output: Annotated[str, typer.Option(help="Version 2's output stream (recreated).")] = (
+        "auctions/windows-v2"
+    ),
+    broker: Broker = None,
+    data_dir: DataDir = Path(".slipstream/auctions"),
+    as_json: AsJson = False,
+) -> None:
+    """Replay the bids history through version 2 of job 1 and compare with version 1."""
+    job = pipeline.WindowJob(window=window, watermark=watermark, output=output)
+    checkpoint = data_dir.with_name(data_dir.name + "-checkpoints") / output.replace("/", "-")
+    with platform(broker, data_dir) as (address, client):
+        console.print(f"[dim]replaying {pipeline.BIDS} from earliest through {job} ...")
+        spark = session("auctions-replay", log_level="ERROR")
+        try:
+            result = replay_job(spark, address, client, job, checkpoint)
+        finally:
+            spark.stop()
+    if as_json:
+        print(json.dumps(asdict(result)))
+        return
+    console.print(
+        f"{result.compared} windows ending by {result.horizon} compared: {result.same} the same, "
+        f"{len(result.differ)} differ; bids counted v1 {result.bids_v1:,}, v2 {result.bids_v2:,}; "
+        f"windows only in v1: {len(result.only_v1)}, only in v2: {len(result.only_v2)}"
+    )
+    table = Table(title=f"windows that differ ({result.v1} -> {result.v2}), first 20")
+    for name in ("auction", "start", "bids", "max price", "mean price"):
+        table.add_column(name)
+    for d in result.differ[:20]:
+        cells = (f"{x} -> {y}" for x, y in (d["bids"], d["max_price"], d["mean_price"]))
+        table.add_row(d["auction"], d["start"], *cells)
+    console.print(table)
+
+
+def main() -> None:
+    app()
