@@ -15,11 +15,20 @@ How a micro-batch commits exactly once:
 4. Staged data that never commits is removed: ``abort`` aborts it, the next commit of the same
    query aborts every other open transaction of the query (tasks of a crashed run), and the
    broker aborts anything still open after ``transactionTimeout`` (default 10 minutes).
+
+Test hook: ``SLIPSTREAM_FAULT=spark.sink.before_commit`` (or ``spark.sink.after_commit``) in the
+driver's environment kills the driver with SIGKILL just before the broker commit of a batch with
+data (or just after the broker acknowledged it, before Spark logs the batch as committed).
+``commit`` runs in a Python worker that the pyspark daemon keeps in its own process group, so
+``SLIPSTREAM_FAULT_GROUP`` names the process group to kill (the driver's; without it only the
+worker dies and Spark sees a failed commit).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -73,6 +82,16 @@ def sink_options(options: Mapping[str, str]) -> SinkOptions:
         transactional_id=options.get("transactionalid") or None,
         timeout_s=parse_duration_ms(timeout) / 1000,
     )
+
+
+def _crash_point(name: str) -> None:
+    """Kill the driver here if SLIPSTREAM_FAULT names this point (see the module docstring)."""
+    if os.environ.get("SLIPSTREAM_FAULT") != name:
+        return
+    group = os.environ.get("SLIPSTREAM_FAULT_GROUP")
+    if group:
+        os.killpg(int(group), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _staged(messages: list[WriterCommitMessage | None]) -> list[StagedPartition]:
@@ -162,9 +181,11 @@ class StreamWriter(_Writing, DataSourceStreamArrowWriter):
                 return
             events = sum(m.events for m in present)
             owner = client.transaction(transactional_id, timeout=self.options.timeout_s)
+            _crash_point("spark.sink.before_commit")
             owner.commit(
                 metadata={"query": query_id, "batch": batchId, "events": events}, merge=staged
             )
+            _crash_point("spark.sink.after_commit")
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         self.abort_staged(messages)
