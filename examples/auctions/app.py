@@ -88,6 +88,9 @@ class Board:
         default_factory=lambda: collections.deque(maxlen=6)
     )
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
+    samples: collections.deque[tuple[float, int]] = field(
+        default_factory=lambda: collections.deque(maxlen=10)
+    )
     close_delays: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=200)
     )
@@ -162,11 +165,12 @@ def render(board: Board, rate: float, jobs: dict[str, dict[str, Any]]) -> Group:
             f"{a['max_price']:.2f}",
             f"+{a['change_pct']:.1f} %",
         )
-    elapsed = time.monotonic() - board.started
+    board.samples.append((time.monotonic(), board.sent[0]))  # the last 5 s: 10 views apart
+    (t0, sent0), (t1, sent1) = board.samples[0], board.samples[-1]
     delays = sorted(board.close_delays)
     stats = Table.grid(padding=(0, 2))
     stats.add_row(
-        f"bids {board.sent[0]:,} ({board.sent[0] / max(elapsed, 1e-9):,.0f}/s, target {rate:,.0f})",
+        f"bids {sent1:,} ({(sent1 - sent0) / max(t1 - t0, 1e-9):,.0f}/s, target {rate:,.0f})",
         f"windows {board.counts['windows']:,}",
         f"moves {board.counts['moves']:,}",
         f"alerts {board.counts['alerts']:,}",
