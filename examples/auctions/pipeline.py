@@ -183,7 +183,13 @@ def start_windows(
 
 
 def start_prices(spark: SparkSession, broker: str, checkpoint: str, **kw: Any) -> StreamingQuery:
-    """Job 2: windows -> price moves (chained on job 1's output stream)."""
+    """Job 2: windows -> price moves (chained on job 1's output stream).
+
+    Read job 1's micro-batches whole: no ``maxEventsPerTrigger`` here. Between job 1's
+    batches an auction's windows are in end order (the watermark only moves forward), but
+    within one batch they are not (different tasks write them, merged in one commit), and
+    track_prices can sort only what one of its own batches brings. A limit could split a job 1
+    batch and hand track_prices a window older than its state."""
     windows = read(spark, broker, WINDOWS, WINDOW_SCHEMA, **kw.pop("source", {}))
     return write(price_moves(windows), broker, PRICE_MOVES, checkpoint, **kw)
 

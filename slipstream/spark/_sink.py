@@ -16,12 +16,12 @@ How a micro-batch commits exactly once:
    query aborts every other open transaction of the query (tasks of a crashed run), and the
    broker aborts anything still open after ``transactionTimeout`` (default 10 minutes).
 
-Test hook: ``SLIPSTREAM_FAULT=spark.sink.before_commit`` (or ``spark.sink.after_commit``) in the
-driver's environment kills the driver with SIGKILL just before the broker commit of a batch with
-data (or just after the broker acknowledged it, before Spark logs the batch as committed).
-``commit`` runs in a Python worker that the pyspark daemon keeps in its own process group, so
-``SLIPSTREAM_FAULT_GROUP`` names the process group to kill (the driver's; without it only the
-worker dies and Spark sees a failed commit).
+Test hook: ``SLIPSTREAM_FAULT=spark.sink.before_commit`` in the driver's environment kills the
+driver with SIGKILL just before the broker commit of a batch with data; ``spark.sink.after_commit``
+just after the broker acknowledged it, before Spark logs the batch as committed. A suffix
+``@<stream>`` limits it to the query writing to that stream. ``commit`` runs in a Python worker
+that the pyspark daemon keeps in a process group of its own, so ``SLIPSTREAM_FAULT_GROUP`` names
+the group to kill (the driver's; without it only the worker dies and Spark sees a failed commit).
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ from .._errors import (
     TransactionAborted,
     TransactionNotFound,
 )
-from ..client import Client, connect
+from ..client import Client
 from ..streams import parse_duration_ms
 from ._convert import check_sink_schema, from_spark_batch
 from ._plan import broker_option, stream_option
-from ._source import shared_client
+from ._source import connect_patiently, shared_client
 
 DEFAULT_TRANSACTION_TIMEOUT = "10m"
 
@@ -84,9 +84,9 @@ def sink_options(options: Mapping[str, str]) -> SinkOptions:
     )
 
 
-def _crash_point(name: str) -> None:
+def _crash_point(name: str, stream: str) -> None:
     """Kill the driver here if SLIPSTREAM_FAULT names this point (see the module docstring)."""
-    if os.environ.get("SLIPSTREAM_FAULT") != name:
+    if os.environ.get("SLIPSTREAM_FAULT") not in (name, f"{name}@{stream}"):
         return
     group = os.environ.get("SLIPSTREAM_FAULT_GROUP")
     if group:
@@ -136,7 +136,7 @@ class _Writing:
     def abort_staged(self, messages: list[WriterCommitMessage | None]) -> None:
         staged = [m.txn_id for m in _staged(messages) if m.txn_id is not None]
         if staged:
-            with connect(self.options.broker) as client:
+            with connect_patiently(self.options.broker) as client:
                 _abort_quietly(client, staged)
 
 
@@ -162,7 +162,7 @@ class StreamWriter(_Writing, DataSourceStreamArrowWriter):
         query_id = present[0].query_id
         staged = [m.txn_id for m in present if m.txn_id is not None]
         transactional_id = self.options.transactional_id or f"spark:{query_id}"
-        with connect(self.options.broker) as client:
+        with connect_patiently(self.options.broker) as client:
             last = client.last_commit(transactional_id)
             done = last.metadata if last is not None and isinstance(last.metadata, dict) else {}
             open_ids = {t.txn_id: t.label for t in client.transactions()}
@@ -181,11 +181,11 @@ class StreamWriter(_Writing, DataSourceStreamArrowWriter):
                 return
             events = sum(m.events for m in present)
             owner = client.transaction(transactional_id, timeout=self.options.timeout_s)
-            _crash_point("spark.sink.before_commit")
+            _crash_point("spark.sink.before_commit", self.options.stream)
             owner.commit(
                 metadata={"query": query_id, "batch": batchId, "events": events}, merge=staged
             )
-            _crash_point("spark.sink.after_commit")
+            _crash_point("spark.sink.after_commit", self.options.stream)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         self.abort_staged(messages)
@@ -216,7 +216,7 @@ class BatchWriter(_Writing, DataSourceArrowWriter):
         # One id per stream keeps the broker's identity table small; two writes committing at
         # the same instant fence each other, so a fenced commit is tried again.
         transactional_id = self.options.transactional_id or f"spark-write:{self.options.stream}"
-        with connect(self.options.broker) as client:
+        with connect_patiently(self.options.broker) as client:
             for attempt in range(3):
                 try:
                     owner = client.transaction(transactional_id, timeout=self.options.timeout_s)

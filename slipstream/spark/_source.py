@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from .._errors import InvalidArgument
+from .._errors import BrokerUnavailable, InvalidArgument
 from ..client import Client, connect
 from ..protocol import StreamInfo
 from ..streams import StreamCut
@@ -51,8 +52,30 @@ from ._plan import (
 #: (profiled: the copy was a fifth of a worker's time at 64Ki rows per Spark batch)
 MIN_ROWS_PER_SPARK_BATCH = 8_192
 
+#: how long a Spark read or write waits for a broker that does not answer (one restarting)
+BROKER_PATIENCE_S = 30.0
+
 _clients: dict[str, Client] = {}
 _clients_lock = threading.Lock()
+
+
+def connect_patiently(broker: str) -> Client:
+    """Connect, dialling again for up to BROKER_PATIENCE_S while nothing answers: a broker
+    restart should cost a query a pause, not a failure (a lost connection is redialled by
+    the client itself for as long)."""
+    deadline = time.monotonic() + BROKER_PATIENCE_S
+    delay = 0.1
+    while True:
+        try:
+            return connect(broker, reconnect_timeout=BROKER_PATIENCE_S)
+        except BrokerUnavailable as exc:
+            if time.monotonic() + delay > deadline:
+                raise BrokerUnavailable(
+                    f"{exc} (tried for {BROKER_PATIENCE_S:.0f} s); is the broker running? "
+                    'Name it with .option("broker", "host:port")'
+                ) from exc
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
 
 def shared_client(broker: str) -> Client:
@@ -61,7 +84,7 @@ def shared_client(broker: str) -> Client:
     with _clients_lock:
         client = _clients.get(broker)
         if client is None:
-            client = _clients[broker] = connect(broker)
+            client = _clients[broker] = connect_patiently(broker)
         return client
 
 
@@ -145,7 +168,7 @@ class _Reading:
     @property
     def client(self) -> Client:
         if self._client is None:
-            self._client = connect(self.options.broker)
+            self._client = connect_patiently(self.options.broker)
         return self._client
 
     def describe(self) -> StreamInfo:
