@@ -248,7 +248,7 @@ def live(
     summary = {
         "seconds": round(time.monotonic() - board.started, 1),
         "bids": board.sent[0],
-        **board.counts,
+        **{name: board.counts[name] for name in ("windows", "window_bids", "moves", "alerts")},
         "jobs": jobs,
         "checkpoints": str(checkpoints),
     }
