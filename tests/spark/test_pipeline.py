@@ -28,6 +28,19 @@ def read_all(client: slipstream.Client, stream: str) -> list[dict]:
         return [json.loads(e.value) for e in reader]
 
 
+def recompute_windows(spark: SparkSession, broker: BrokerProcess) -> dict[tuple[str, str], dict]:
+    """Job 1's windows computed in one batch query over the whole bids history."""
+    history = (
+        spark.read.format("slipstream")
+        .option("broker", broker.address)
+        .option("stream", pipeline.BIDS)
+        .option("schema", pipeline.BID_SCHEMA)
+        .load()
+    )
+    rows = pipeline.window_stats(history).select("value").collect()
+    return {(w["auction"], w["start"]): w for w in (json.loads(r.value) for r in rows)}
+
+
 def run_windows(
     spark: SparkSession, broker: BrokerProcess, tmp_path: Path, per_batch: int
 ) -> list[int]:
@@ -93,19 +106,7 @@ def test_streaming_windows_equal_a_batch_recomputation_and_chain_into_price_move
     streamed = {(w["auction"], w["start"]): w for w in read_all(client, pipeline.WINDOWS)}
     assert len(streamed) >= 6 * 2
 
-    history = (
-        spark.read.format("slipstream")
-        .option("broker", broker.address)
-        .option("stream", pipeline.BIDS)
-        .option("schema", pipeline.BID_SCHEMA)
-        .load()
-    )
-    recomputed = {
-        (w["auction"], w["start"]): w
-        for w in (
-            json.loads(r.value) for r in pipeline.window_stats(history).select("value").collect()
-        )
-    }
+    recomputed = recompute_windows(spark, broker)
     last_end = max(w["end"] for w in streamed.values())
     closed = {k: w for k, w in recomputed.items() if w["end"] <= last_end}
     assert streamed == closed
@@ -154,17 +155,7 @@ def test_replaying_a_new_version_over_history_recovers_the_bids_version_one_drop
     v2 = pipeline.WindowJob(watermark="15 seconds", output="auctions/windows-v2")
     result = replay_job(spark, broker.address, client, v2, tmp_path / "v2")
 
-    history = (
-        spark.read.format("slipstream")
-        .option("broker", broker.address)
-        .option("stream", pipeline.BIDS)
-        .option("schema", pipeline.BID_SCHEMA)
-        .load()
-    )
-    everything = {
-        (w["auction"], w["start"]): w
-        for w in (json.loads(r.value) for r in pipeline.window_stats(history).collect())
-    }
+    everything = recompute_windows(spark, broker)
     old, new = windows_of(client, pipeline.WINDOWS), windows_of(client, v2.output)
     # version 2 drops nothing (no bid is 15 s late): every window it closed is the full truth
     assert result.horizon == max(w["end"] for w in new.values())
