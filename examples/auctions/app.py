@@ -65,6 +65,11 @@ def platform(broker: str | None, data_dir: Path) -> Iterator[tuple[str, slipstre
             embedded.stop()
 
 
+def checkpoints_of(data_dir: Path) -> Path:
+    """Where the Spark jobs keep their checkpoints: next to the broker's data directory."""
+    return data_dir.with_name(data_dir.name + "-checkpoints")
+
+
 def reset_checkpoints_if_new(client: slipstream.Client, checkpoints: Path) -> None:
     """Checkpoints hold offsets into the bids stream: worthless, and harmful, without it."""
     if pipeline.BIDS not in {s.name for s in client.list_streams("auctions")}:
@@ -201,7 +206,7 @@ def live(
     as_json: AsJson = False,
 ) -> None:
     """The live auctions pipeline: broker, bid generator, both Spark jobs, a live view."""
-    checkpoints = data_dir.with_name(data_dir.name + "-checkpoints")
+    checkpoints = checkpoints_of(data_dir)
     with platform(broker, data_dir) as (address, client):
         reset_checkpoints_if_new(client, checkpoints)
         board, stop = Board(), threading.Event()
@@ -338,7 +343,7 @@ def replay(
 ) -> None:
     """Replay the bids history through version 2 of job 1 and compare with version 1."""
     job = pipeline.WindowJob(window=window, watermark=watermark, output=output)
-    checkpoint = data_dir.with_name(data_dir.name + "-checkpoints") / output.replace("/", "-")
+    checkpoint = checkpoints_of(data_dir) / output.replace("/", "-")
     with platform(broker, data_dir) as (address, client):
         console.print(f"[dim]replaying {pipeline.BIDS} from earliest through {job} ...")
         spark = session("auctions-replay", log_level="ERROR")
