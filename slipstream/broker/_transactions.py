@@ -185,8 +185,12 @@ class Coordinator:
         for commit in pending.values():  # the owner's batches first, then each merged one's
             batches = [b for txn_id in (commit.txn_id, *commit.merged) for b in staged[txn_id]]
             self._pending.append((commit, batches))
-        if aborted:
-            log.info("aborted %d transactions left open by the last run", len(aborted))
+        if aborted:  # the staging journal does not say which of them had committed
+            log.info(
+                "ignored the staged entries of %d transactions: left open by the last run "
+                "(now aborted) or committed and applied before it stopped",
+                len(aborted),
+            )
         return {"identities": len(self.identities), "commits": len(self._pending)}
 
     async def apply_pending(self) -> None:
