@@ -11,12 +11,27 @@ highest id is the active file, the rest are sealed. Each file is a sequence of e
 Recovery reads entries in file order and stops at the first one that is short, zero-length or
 fails its CRC: that entry and everything after it in the journal is a torn or corrupt tail. It is
 cut off (the file truncated, later files removed) and logged, so nothing half-written is served.
+The one exception is *padding*: fewer than ``BLOCK`` zero bytes that end a file whose size is a
+multiple of ``BLOCK``, which a direct write leaves after the last entry; it is dropped quietly.
+
+Direct IO: a journal that syncs (``fsync=True``) writes with ``O_DIRECT`` where the filesystem
+allows it. Each append copies its entries into a reused, page-aligned 4 MiB buffer behind the
+file's last partial block and writes whole blocks at block-aligned offsets, zero-padded at the
+end; the next append rewrites that last block with the same bytes plus its own. The data goes
+from that buffer to the device without passing through the page cache, which is what the
+broker's writes cost most: on the development VM a buffered write ran at 350 MB/s of kernel
+CPU into memory the VM had not touched recently, a direct one at 1.5 GB/s with almost none.
+A torn rewrite of the last block cannot damage earlier entries (their bytes are rewritten
+unchanged). Readers use ordinary buffered reads, which Linux keeps coherent with direct
+writes. Where ``O_DIRECT`` is refused (``EINVAL``), the journal falls back to buffered writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import mmap
 import os
 import struct
 import threading
@@ -33,6 +48,10 @@ log = logging.getLogger("slipstream.journal")
 
 _ENTRY = struct.Struct("<II")
 ENTRY_OVERHEAD = _ENTRY.size
+#: alignment of direct writes (file offset, length, memory); covers 512 B and 4 KiB devices
+BLOCK = 4096
+_DIRECT_BUFFER_BYTES = 4 * 1024 * 1024
+_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 Buffer = bytes | bytearray | memoryview
 
 
@@ -145,6 +164,8 @@ def _parse_entries(
             return found, pos, f"torn entry header at byte {pos}"
         length, crc = _ENTRY.unpack_from(data, pos)
         end = pos + ENTRY_OVERHEAD + length
+        if length == 0 and _is_padding(data, pos):
+            return found, pos, None
         if length == 0 or end > size:
             return found, pos, f"torn or zero-length entry at byte {pos} (length {length})"
         payload = data[pos + ENTRY_OVERHEAD : end]
@@ -153,6 +174,12 @@ def _parse_entries(
         found.append((JournalAddress(file_id, pos + ENTRY_OVERHEAD, length), payload))
         pos = end
     return found, pos, None
+
+
+def _is_padding(data: memoryview, pos: int) -> bool:
+    """Whether ``data[pos:]`` is a direct write's zero padding (see the module docstring)."""
+    size = len(data)
+    return size % BLOCK == 0 and size - pos < BLOCK and not bytes(data[pos:]).strip(b"\0")
 
 
 def _entry_buffers(entry: Sequence[Buffer]) -> list[Buffer]:
@@ -164,18 +191,24 @@ def _entry_buffers(entry: Sequence[Buffer]) -> list[Buffer]:
 
 
 class FileJournal(Journal):
-    """The journal on local files: one ``os.writev`` per group, one ``fdatasync`` per sync."""
+    """The journal on local files: one write per group (direct where possible, see the module
+    docstring), one ``fdatasync`` per sync. ``direct`` defaults to ``fsync``."""
 
     def __init__(
         self,
         directory: Path,
         *,
         fsync: bool = True,
+        direct: bool | None = None,
         fault: Callable[[str], None] | None = None,
     ) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
+        self._want_direct = (fsync if direct is None else direct) and _O_DIRECT != 0
+        self._direct = False  # whether the active file's fd is open with O_DIRECT
+        self._tail = b""  # the active file's last partial block (direct writes rewrite it)
+        self._buffer: mmap.mmap | None = None  # page-aligned staging for direct writes
         self._fault = fault  # deterministic fault injection: called with "write" / "sync"
         self._files: dict[int, int] = {}  # file id -> size in bytes
         self._active_id = 0
@@ -183,6 +216,11 @@ class FileJournal(Journal):
         self._synced_size = 0
         self._lock = threading.Lock()  # guards the fd against a concurrent close
         self.report = RecoveryReport()
+
+    @property
+    def direct(self) -> bool:
+        """Whether appends go to the active file with ``O_DIRECT``."""
+        return self._direct
 
     def _path(self, file_id: int) -> Path:
         return self.directory / f"{file_id:016d}.journal"
@@ -214,6 +252,8 @@ class FileJournal(Journal):
                 with open(path, "r+b") as f:
                     f.truncate(valid)
                     os.fsync(f.fileno())
+            elif valid < len(data):  # a direct write's padding: nothing to report or sync
+                os.truncate(path, valid)
             self._files[file_id] = valid
             yield from entries
         if cut or moved_through >= 0:
@@ -225,10 +265,34 @@ class FileJournal(Journal):
 
     def _open_active(self) -> None:
         path = self._path(self._active_id)
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._synced_size = self._files[self._active_id]
-        if self._synced_size == 0:
+        size = self._files[self._active_id]
+        self._fd = self._open_for_append(path)
+        self._tail = b""
+        if self._direct and size % BLOCK:
+            with open(path, "rb") as f:
+                f.seek(size - size % BLOCK)
+                self._tail = f.read(size % BLOCK)
+        self._synced_size = size
+        if size == 0:
             fsync_dir(self.directory)
+
+    def _open_for_append(self, path: Path) -> int:
+        """Open (creating) a journal file for appends: with O_DIRECT if wanted and allowed."""
+        if self._want_direct:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | _O_DIRECT, 0o644)
+                self._direct = True
+                return fd
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct_refused(exc)
+        self._direct = False
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def _direct_refused(self, exc: OSError) -> None:
+        self._want_direct = False
+        log.info("journal %s: no direct IO (%s), writing buffered", self.directory, exc)
 
     def append(self, entries: Sequence[Sequence[Buffer]]) -> list[JournalAddress]:
         buffers: list[Buffer] = []
@@ -242,15 +306,56 @@ class FileJournal(Journal):
             addresses.append(JournalAddress(self._active_id, position + ENTRY_OVERHEAD, length))
             position += ENTRY_OVERHEAD + length
             buffers.extend(framed)
+        start = self._files[self._active_id]
         try:
             if self._fault:
                 self._fault("write")
-            _writev_all(self._fd, buffers)
+            self._write(buffers, start)
         except OSError as exc:
-            self._truncate_active(self._files[self._active_id])  # nothing of a failed append stays
-            raise storage_error(exc, "writing the journal") from exc
+            self._truncate_active(start)  # nothing of a failed append stays
+            if not (exc.errno == errno.EINVAL and self._direct):
+                raise storage_error(exc, "writing the journal") from exc
+            self._direct_refused(exc)  # a device with coarser alignment: write buffered
+            self._reopen()
+            try:
+                _writev_all(self._fd, buffers)
+            except OSError as retry:
+                self._truncate_active(start)
+                raise storage_error(retry, "writing the journal") from retry
         self._files[self._active_id] = position
         return addresses
+
+    def _write(self, buffers: list[Buffer], start: int) -> None:
+        if not self._direct:
+            _writev_all(self._fd, buffers)
+            return
+        if self._buffer is None:
+            self._buffer = mmap.mmap(-1, _DIRECT_BUFFER_BYTES)  # page-aligned, reused
+        out = memoryview(self._buffer)
+        at = start - len(self._tail)  # block-aligned: the last partial block is written again
+        fill = len(self._tail)
+        out[:fill] = self._tail
+        for buffer in buffers:
+            data = memoryview(buffer).cast("B")
+            while data:
+                n = min(len(data), len(out) - fill)
+                out[fill : fill + n] = data[:n]
+                fill += n
+                data = data[n:]
+                if fill == len(out):
+                    _pwrite_all(self._fd, out, at)
+                    at += fill
+                    fill = 0
+        if fill:
+            end = -(-fill // BLOCK) * BLOCK
+            out[fill:end] = bytes(end - fill)  # zero padding, never stale bytes
+            _pwrite_all(self._fd, out[:end], at)
+        self._tail = bytes(out[fill - fill % BLOCK : fill])
+
+    def _reopen(self) -> None:
+        with self._lock:
+            os.close(self._fd)
+            self._open_active()
 
     def sync(self) -> None:
         try:
@@ -299,7 +404,8 @@ class FileJournal(Journal):
         sealed = self._active_id
         with self._lock:
             try:
-                fd = os.open(self._path(sealed + 1), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                self._cut_padding()
+                fd = self._open_for_append(self._path(sealed + 1))
                 fsync_dir(self.directory)  # the new file's name must survive a power cut
             except OSError as exc:
                 raise storage_error(exc, "starting a new journal file") from exc
@@ -308,7 +414,14 @@ class FileJournal(Journal):
             self._active_id = sealed + 1
             self._files[self._active_id] = 0
             self._synced_size = 0
+            self._tail = b""
         return sealed
+
+    def _cut_padding(self) -> None:
+        """Trim a direct write's padding off the active file (tidiness: recovery and readers
+        skip it anyway, so the trim need not be synced)."""
+        if self._direct and self._tail:
+            os.ftruncate(self._fd, self._files[self._active_id])
 
     def sealed_files(self) -> list[int]:
         ids = list(self._files)  # one C-level copy: the IO thread may add a file meanwhile
@@ -341,6 +454,8 @@ class FileJournal(Journal):
     def close(self) -> None:
         with self._lock:
             if self._fd >= 0:
+                with contextlib.suppress(OSError):
+                    self._cut_padding()
                 os.close(self._fd)
                 self._fd = -1
 
@@ -429,6 +544,12 @@ class MemoryJournal(Journal):
     @property
     def total_bytes(self) -> int:
         return sum(sum(map(len, f)) for f in self._files.values())
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
 
 
 def _writev_all(fd: int, buffers: list[Buffer]) -> None:
