@@ -32,7 +32,7 @@ from .._errors import (
     StorageError,
     StreamNotFound,
 )
-from ..format import BatchHeader, decode_header, set_base_offset, verify
+from ..format import HEADER_LENGTH, BatchHeader, decode_header, set_base_offset, verify
 from ..protocol import Payload
 from ..storage import (
     ChunkRecord,
@@ -459,8 +459,14 @@ class Container:
 
         def write_chunks() -> list[tuple[Segment, ChunkRecord]]:
             # (payload position, header) of each live segment's batches, in offset order
-            by_segment: dict[int, list[tuple[int, BatchHeader, memoryview]]] = {}
-            for address, payload in self.journal.entries(file_id):
+            by_segment: dict[int, list[tuple[int, BatchHeader, Payload | bytes]]] = {}
+            # a file that becomes chunks as it is needs only its batch headers read back
+            found = (
+                self.journal.entries(file_id)
+                if source is None
+                else self.journal.heads(file_id, _SEGMENT_ID.size + HEADER_LENGTH)
+            )
+            for address, payload in found:
                 (global_id,) = _SEGMENT_ID.unpack_from(payload)
                 if global_id in live:
                     batch = payload[_SEGMENT_ID.size :]

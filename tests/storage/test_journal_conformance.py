@@ -213,6 +213,7 @@ def test_roll_entries_and_delete_file(kit: Kit) -> None:
 
     assert entries_of(sealed) == list(zip(first_addresses, first, strict=True))
     assert entries_of(sealed_again) == list(zip(second_addresses, second, strict=True))
+    assert list(journal.heads(sealed, 7)) == [(a, p[:7]) for a, p in entries_of(sealed)]
 
     active = append_synced(journal, [b"active"])
     total = journal.total_bytes
@@ -596,6 +597,32 @@ def test_entries_of_a_corrupt_sealed_file_raise_corrupt_data(tmp_path: Path) -> 
         path.write_bytes(bytes(damaged))
         with pytest.raises(CorruptData):
             list(journal.entries(sealed))
+    finally:
+        journal.close()
+
+
+def test_heads_skip_payloads_and_stop_at_padding_but_not_at_damage(tmp_path: Path) -> None:
+    journal = FileJournal(tmp_path / "journal")
+    recover(journal)
+    try:
+        items = [b"a" * 10, b"b" * 100_000, b"c" * 3]
+        addresses = append_synced(journal, items)
+        sealed = journal.roll()
+        assert sealed is not None
+        path = journal.file_path(sealed)
+        assert path is not None
+        expected = [(a, p[:20]) for a, p in zip(addresses, items, strict=True)]
+        assert list(journal.heads(sealed, 20)) == expected
+        size = path.stat().st_size
+        with open(path, "ab") as f:
+            f.write(bytes(-size % BLOCK))  # padding a crash left behind
+        assert list(journal.heads(sealed, 20)) == expected
+        with open(path, "r+b") as f:
+            f.truncate(size)
+            f.seek(size)
+            f.write(b"\x40\x00\x00\x00junk")  # an entry running past the end
+        with pytest.raises(CorruptData, match="torn entry"):
+            list(journal.heads(sealed, 20))
     finally:
         journal.close()
 
