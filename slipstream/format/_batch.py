@@ -194,7 +194,12 @@ _PRODUCER_ID = struct.Struct("<qi")  # producer_id, sequence at byte 48
 
 
 def restamp(
-    batch: bytearray, *, flags: int, producer_id: int, producer_epoch: int, sequence: int
+    batch: bytearray | memoryview,
+    *,
+    flags: int,
+    producer_id: int,
+    producer_epoch: int,
+    sequence: int,
 ) -> None:
     """Rewrite a whole batch's producer fields and flags in place and recompute its CRC (the
     broker does this when it moves a committed transaction's staged batches into segments)."""
