@@ -166,12 +166,12 @@ def _parse_entries(
     found: list[tuple[JournalAddress, memoryview]] = []
     pos, size = 0, len(data)
     while pos < size:
+        if _is_padding(data, pos):
+            return found, pos, None
         if size - pos < ENTRY_OVERHEAD:
             return found, pos, f"torn entry header at byte {pos}"
         length, crc = _ENTRY.unpack_from(data, pos)
         end = pos + ENTRY_OVERHEAD + length
-        if length == 0 and _is_padding(data, pos):
-            return found, pos, None
         if length == 0 or end > size:
             return found, pos, f"torn or zero-length entry at byte {pos} (length {length})"
         payload = data[pos + ENTRY_OVERHEAD : end]
@@ -185,7 +185,12 @@ def _parse_entries(
 def _is_padding(data: memoryview, pos: int) -> bool:
     """Whether ``data[pos:]`` is a direct write's zero padding (see the module docstring)."""
     size = len(data)
-    return size % BLOCK == 0 and size - pos < BLOCK and not bytes(data[pos:]).strip(b"\0")
+    return (
+        size % BLOCK == 0
+        and size - pos < BLOCK
+        and data[pos] == 0  # cheap first: most calls are for an entry's first byte
+        and not bytes(data[pos:]).strip(b"\0")
+    )
 
 
 def _entry_buffers(entry: Sequence[Buffer]) -> list[Buffer]:
