@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .._errors import InvalidArgument, SegmentNotFound, StreamNotFound
-from ..format import read_body
+from ..format import int64_values, read_body
 from ..protocol import SegmentInfo, StreamInfo
 from ..storage import ChunkRecord, LongTermStore, MetaStore, SegmentRecord
 from ..streams import (
@@ -246,7 +246,7 @@ class Controller:
                 continue
             for batch in await container.read(segment, base, 1):
                 body = read_body(batch)
-                timestamps = body.column(2).view("int64").to_numpy()
+                timestamps = int64_values(body.column(2))
                 hits = np.flatnonzero(timestamps >= timestamp_ms)
                 if len(hits):
                     return base + int(hits[0])

@@ -44,7 +44,9 @@ from ..format import (
     encode_body_parts,
     encode_header,
     headers_array,
+    int64_values,
     make_record_batch,
+    numpy_array,
     timestamp_array,
 )
 from ..protocol import Append, AppendAck
@@ -410,7 +412,7 @@ class ProducerCore:
                     self._sticky += 1
                     part = [c.slice(int(chunk_rows[0]), len(chunk_rows)) for c in columns]
                 else:
-                    indices = pa.array(chunk_rows)
+                    indices = numpy_array(chunk_rows)
                     part = [c.take(indices) for c in columns]
                 # Each batch gets its own headers column: a slice of one big null list array
                 # would drag the whole array's offsets into the IPC body.
@@ -501,10 +503,7 @@ class ProducerCore:
         else:
             record, segment, future = item
             size = record.nbytes
-            column = record.column(2)  # not to_numpy(): its first call imports pandas (0.2 s)
-            timestamps = np.frombuffer(
-                column.buffers()[1], np.int64, len(column), column.offset * 8
-            )
+            timestamps = int64_values(record.column(2))
             min_ts, max_ts = int(timestamps.min()), int(timestamps.max())
         body = encode_body_parts(record, self.compression)
         count = record.num_rows

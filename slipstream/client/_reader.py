@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from .._errors import InvalidArgument, SlipstreamError, error_from_wire
-from ..format import check_event_schema, iter_batches, read_body
+from ..format import check_event_schema, iter_batches, numpy_array, read_body
 from ..protocol import (
     Credit,
     Data,
@@ -185,8 +185,8 @@ def with_position(segment: int, base: int, record: pa.RecordBatch) -> pa.RecordB
     """Add ``segment`` and ``offset`` columns to a batch of events."""
     count = record.num_rows
     return record.append_column(
-        "segment", pa.array(np.full(count, segment, dtype=np.int32))
-    ).append_column("offset", pa.array(np.arange(base, base + count, dtype=np.int64)))
+        "segment", numpy_array(np.full(count, segment, dtype=np.int32))
+    ).append_column("offset", numpy_array(np.arange(base, base + count, dtype=np.int64)))
 
 
 async def cut_at(connection: Connection, stream: str, at: Start) -> StreamCut:

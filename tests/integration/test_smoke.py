@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
+from conftest import BrokerProcess
+
 import slipstream
 
 
@@ -18,3 +24,30 @@ def test_produce_then_read_back_in_order(client: slipstream.Client) -> None:
         event = by_position[(position.segment, position.offset)]
         assert event.value == f"v{i}".encode()
         assert event.key == f"user-{i % 7}".encode()
+
+
+def test_the_client_never_imports_pandas(broker: BrokerProcess) -> None:
+    # pyarrow imports pandas (0.2 s and tens of MB) the first time some numpy paths run; a
+    # client that touched them paid it in the middle of its first bulk send or read
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import numpy as np
+        import slipstream
+        with slipstream.connect("{broker.address}") as client:
+            client.create_stream("smoke/np", segments=2)
+            with client.producer("smoke/np") as producer:
+                producer.send(b"one", key="k")
+                producer.send_many([b"x"] * 100)
+                producer.send_many([b"y"] * 100, keys=[str(i) for i in range(100)])
+                producer.send_many([b"z"] * 10, timestamps=np.arange(10, dtype=np.int64))
+            end = client.tail("smoke/np")
+            events = list(client.reader("smoke/np", end=end))
+            rows = sum(b.num_rows for b in client.reader("smoke/np", end=end).batches())
+            client.cut("smoke/np", "2020-01-01T00:00:00Z")
+        assert len(events) == rows == 211, (len(events), rows)
+        assert "pandas" not in sys.modules, "the client imported pandas"
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode()
