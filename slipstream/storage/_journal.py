@@ -166,7 +166,7 @@ def _parse_entries(
     found: list[tuple[JournalAddress, memoryview]] = []
     pos, size = 0, len(data)
     while pos < size:
-        if _is_padding(data, pos):
+        if size - pos < BLOCK and _is_padding(data[pos:], size):
             return found, pos, None
         if size - pos < ENTRY_OVERHEAD:
             return found, pos, f"torn entry header at byte {pos}"
@@ -182,15 +182,10 @@ def _parse_entries(
     return found, pos, None
 
 
-def _is_padding(data: memoryview, pos: int) -> bool:
-    """Whether ``data[pos:]`` is a direct write's zero padding (see the module docstring)."""
-    size = len(data)
-    return (
-        size % BLOCK == 0
-        and size - pos < BLOCK
-        and data[pos] == 0  # cheap first: most calls are for an entry's first byte
-        and not bytes(data[pos:]).strip(b"\0")
-    )
+def _is_padding(rest: Buffer, file_size: int) -> bool:
+    """Whether ``rest``, the bytes that end a file, is a direct write's zero padding (see the
+    module docstring)."""
+    return file_size % BLOCK == 0 and len(rest) < BLOCK and not bytes(rest).strip(b"\0")
 
 
 def _entry_buffers(entry: Sequence[Buffer]) -> list[Buffer]:
@@ -458,9 +453,8 @@ class FileJournal(Journal):
                 length = _ENTRY.unpack(header)[0] if len(header) == ENTRY_OVERHEAD else 0
                 if length == 0 or pos + ENTRY_OVERHEAD + length > end:
                     f.seek(pos)
-                    rest = f.read()
-                    if end % BLOCK == 0 and len(rest) < BLOCK and not rest.strip(b"\0"):
-                        return  # a direct write's padding
+                    if _is_padding(f.read(), end):
+                        return
                     raise CorruptData(
                         f"sealed journal file {file_id}: torn entry at byte {pos}", file=file_id
                     )
