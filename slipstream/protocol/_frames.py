@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import msgspec
 
 from .._errors import ProtocolError
+from .._memory import fresh
 from ._messages import KIND_OF, KINDS, Message
 
 _PREFIX = struct.Struct("<IHHII")
@@ -99,7 +100,7 @@ class FrameDecoder:
         self._skip = 0  # bytes of an oversized frame still to discard
         # A large frame is assembled in a buffer of its own, sized once: its bytes are copied
         # once on arrival and its payload is a view of that buffer, not a second copy.
-        self._big: bytearray | None = None
+        self._big: memoryview | None = None
         self._big_filled = 0
         self._scratch = bytearray(_READ_BYTES)
 
@@ -108,7 +109,7 @@ class FrameDecoder:
         straight into a large frame's own buffer when one is being assembled, else a scratch
         buffer; report how many arrived with :meth:`buffer_updated`."""
         if self._big is not None and not self._skip and self._big_filled < len(self._big):
-            return memoryview(self._big)[self._big_filled :]
+            return self._big[self._big_filled :]
         return memoryview(self._scratch)
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -165,7 +166,7 @@ class FrameDecoder:
         available = len(self._buf) - pos
         if available < total:
             if total >= _BIG_FRAME_BYTES:
-                self._big = bytearray(total)
+                self._big = fresh(total)  # warm, uninitialised memory: see _memory
                 self._big[:available] = memoryview(self._buf)[pos:]
                 self._big_filled = available
                 self._pos = len(self._buf)  # everything buffered belongs to this frame
@@ -181,7 +182,7 @@ class FrameDecoder:
             return None
         self._big = None
         _, kind, _flags, correlation_id, meta_length = _PREFIX.unpack_from(big)
-        return self._decode(memoryview(big), kind, correlation_id, meta_length, False)
+        return self._decode(big, kind, correlation_id, meta_length, False)
 
     @staticmethod
     def _decode(
