@@ -106,6 +106,7 @@ def run_jetstream(root: Path, s: dict, only: set[str], args: argparse.Namespace)
             attempt(out, "produce_100b", peer.produce, "P100", 100, s["js_p100"])
         if "replay" in only:
             attempt(out, "replay_1k", peer.replay, "P1K", 1024, s["p1k"])
+            attempt(out, "replay_1k_again", peer.replay, "P1K", 1024, s["p1k"])
             attempt(out, "replay_100b", peer.replay, "P100", 100, s["js_p100"])
         if "latency" in only:
             lat = (s["lat_rate"], s["lat_seconds"])
@@ -148,6 +149,7 @@ def run_slipstream(root: Path, s: dict, only: set[str], args: argparse.Namespace
             attempt(out, "produce_100b_bulk", peer.produce_bulk, *bulk)
         if "replay" in only:
             attempt(out, "replay_1k", peer.replay_batches, "bench/p1k", 1024, s["p1k"])
+            attempt(out, "replay_1k_again", peer.replay_batches, "bench/p1k", 1024, s["p1k"])
             attempt(out, "replay_100b", peer.replay_events, "bench/p100bulk", 100, s["bulk_p100"])
         if "latency" in only:
             lat = (s["lat_rate"], s["lat_seconds"])
@@ -186,6 +188,7 @@ def build_rows(r: dict, only: set[str]) -> list[dict]:
     """One row per metric: slipstream, JetStream, ratio (slipstream / JetStream), target."""
     ss, js, mach = r["slipstream"], r["jetstream"], r.get("machine", {})
     disk = (mach.get("seq_write") or {}).get("mb_s")
+    disk_read = (mach.get("seq_read") or {}).get("mb_s")
     rows: list[dict] = []
 
     def row(workload, metric, ss_key, field, js_key=None, target=None, check=None, unit=""):
@@ -275,6 +278,29 @@ def build_rows(r: dict, only: set[str]) -> list[dict]:
             "replay_1k",
             "≥ 5x JetStream",
             at_least(5, on_ratio=True),
+        )
+        a = get(ss, "replay_1k", "mb_s")
+        rows.append(
+            {
+                "workload": "replay 1 KiB, batches()",
+                "metric": "% of disk read",
+                "unit": "%",
+                "slipstream": 100 * a / disk_read if a and disk_read else None,
+                "jetstream": None,
+                "ratio": None,
+                "target": "report",
+                "result": None,
+                "slipstream_error": None,
+                "jetstream_error": None,
+            }
+        )
+        row(
+            "replay 1 KiB again, batches()",
+            "MB/s",
+            "replay_1k_again",
+            "mb_s",
+            "replay_1k_again",
+            "report",
         )
         row(
             "replay 100 B, per event",
@@ -372,6 +398,14 @@ def print_report(r: dict, rows: list[dict]) -> None:
             f"{w['mb_s']:,.0f} MB/s (median of {w['runs']}: {w['min_mb_s']:,.0f} to "
             f"{w['max_mb_s']:,.0f})",
         )
+        if "seq_read" in mach:
+            rd = mach["seq_read"]
+            how = "O_DIRECT" if rd["direct"] else "page cache dropped"
+            limits.add_row(
+                f"seq read {rd['bytes'] >> 20} MiB, {rd['block'] >> 20} MiB reads, {how}",
+                f"{rd['mb_s']:,.0f} MB/s (median of {rd['runs']}: {rd['min_mb_s']:,.0f} to "
+                f"{rd['max_mb_s']:,.0f})",
+            )
         limits.add_row(
             f"append {f['size'] >> 10} KiB + fdatasync, p50 / p99 / max",
             f"{f['p50_ms']:.2f} / {f['p99_ms']:.2f} / {f['max_ms']:.2f} ms",
