@@ -23,12 +23,11 @@ stream; then ``next_item`` raises :class:`ProtocolError` and the connection must
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 
 from .._errors import ProtocolError
-from .._memory import fresh
 from ._messages import KIND_OF, KINDS, Message
 
 _PREFIX = struct.Struct("<IHHII")
@@ -93,8 +92,13 @@ def frame_bytes(
 class FrameDecoder:
     """Incremental decoder: ``feed(bytes)`` then ``next_item()`` until it returns None."""
 
-    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+    def __init__(
+        self,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        allocate: Callable[[int], bytearray | memoryview] = bytearray,
+    ) -> None:
         self.max_frame_bytes = max_frame_bytes
+        self._allocate = allocate  # where a large frame's own buffer comes from
         self._buf = bytearray()
         self._pos = 0  # start of the first undecoded byte; compacted on feed
         self._skip = 0  # bytes of an oversized frame still to discard
@@ -166,7 +170,7 @@ class FrameDecoder:
         available = len(self._buf) - pos
         if available < total:
             if total >= _BIG_FRAME_BYTES:
-                self._big = fresh(total)  # warm, uninitialised memory: see _memory
+                self._big = memoryview(self._allocate(total))
                 self._big[:available] = memoryview(self._buf)[pos:]
                 self._big_filled = available
                 self._pos = len(self._buf)  # everything buffered belongs to this frame

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .._errors import CorruptData
-from .._memory import pread_fresh
 from ._journal import Buffer, _writev_all, fsync_dir, storage_error
 
 
@@ -36,9 +35,7 @@ class LongTermStore(ABC):
         """Store the concatenated buffers under ``name``, durably and atomically."""
 
     @abstractmethod
-    def read_chunk(
-        self, name: str, start: int = 0, length: int | None = None
-    ) -> bytes | memoryview:
+    def read_chunk(self, name: str, start: int = 0, length: int | None = None) -> bytes:
         """Bytes ``[start, start + length)`` of a chunk (to its end when ``length`` is None)."""
 
     @abstractmethod
@@ -120,22 +117,16 @@ class LocalChunkStore(LongTermStore):
             raise storage_error(exc, f"linking chunk {name}") from exc
         return [position for position, _ in ranges]
 
-    def read_chunk(
-        self, name: str, start: int = 0, length: int | None = None
-    ) -> bytes | memoryview:
+    def read_chunk(self, name: str, start: int = 0, length: int | None = None) -> bytes:
         try:
-            fd = os.open(self._path(name), os.O_RDONLY)
+            with open(self._path(name), "rb") as f:
+                f.seek(start)
+                data = f.read() if length is None else f.read(length)
         except FileNotFoundError as exc:
             raise CorruptData(
                 f"chunk {name} is missing from long-term storage", chunk=name
             ) from exc
-        try:
-            if length is None:
-                length = max(0, os.fstat(fd).st_size - start)
-            data = pread_fresh(fd, length, start)  # warm memory, not a new bytes object
-        finally:
-            os.close(fd)
-        if len(data) != length:
+        if length is not None and len(data) != length:
             raise CorruptData(
                 f"chunk {name} is shorter than its catalog entry", chunk=name, position=start
             )
