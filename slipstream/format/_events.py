@@ -7,6 +7,7 @@ Python work on this path beyond what the caller's own lists already cost.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from types import MappingProxyType
@@ -123,15 +124,69 @@ def encode_body(batch: pa.RecordBatch, compression: str | None = None) -> pa.Buf
 
 _EVENT_SCHEMA_MESSAGE = EVENT_SCHEMA.serialize()
 _END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+#: From this size on, a batch's Arrow buffers are sent by reference instead of copied into one
+#: serialised message (below it, the copy is cheaper than the writer's Python calls).
+_BY_REFERENCE_BYTES = 64 * 1024
+
+
+class _Parts:
+    """A write-only file for Arrow's IPC stream writer that keeps what it is handed: the body
+    buffers arrive as ``pa.Buffer`` views of the batch's own memory, metadata and padding as
+    small ``bytes``. Joined, they are exactly ``batch.serialize()`` (a test checks it)."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.parts: list[pa.Buffer | bytes] = []
+        self._position = 0
+
+    def write(self, data: pa.Buffer | bytes) -> int:
+        self.parts.append(data)
+        self._position += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self._position
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+_writers = threading.local()  # one event-schema stream writer per thread, schema written once
+
+
+def _message_parts(batch: pa.RecordBatch) -> list[pa.Buffer | bytes]:
+    """One event batch's IPC message as buffers, its body by reference (no copy)."""
+    state: tuple[_Parts, pa.ipc.RecordBatchStreamWriter] | None = getattr(_writers, "state", None)
+    if state is None:
+        sink = _Parts()
+        writer = pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), EVENT_SCHEMA)
+        empty = make_record_batch(binary_array([]), binary_array([]), timestamp_array([]))
+        writer.write_batch(empty)  # the schema message, once (from_pylist would import pandas)
+        state = _writers.state = (sink, writer)
+    sink, writer = state
+    sink.parts = []
+    try:
+        writer.write_batch(batch)
+    except BaseException:
+        del _writers.state  # a half-written message: start the next one on a new writer
+        raise
+    return sink.parts
 
 
 def encode_body_parts(
     batch: pa.RecordBatch, compression: str | None = None
 ) -> list[pa.Buffer | bytes]:
-    """The same bytes as :func:`encode_body`, as buffers to send back to back: uncompressed
-    event batches reuse one serialised schema message instead of opening a stream writer,
-    which is most of the cost of a small batch."""
+    """The same bytes as :func:`encode_body`, as buffers to send back to back. Uncompressed
+    event batches reuse one serialised schema message instead of opening a stream writer
+    (most of the cost of a small batch), and a large one's Arrow buffers go out by reference,
+    not copied into a message first (a fifth of the client's CPU in a bulk produce)."""
     if compression is None and batch.schema.equals(EVENT_SCHEMA):
+        if batch.nbytes >= _BY_REFERENCE_BYTES:
+            return [_EVENT_SCHEMA_MESSAGE, *_message_parts(batch), _END_OF_STREAM]
         return [_EVENT_SCHEMA_MESSAGE, batch.serialize(), _END_OF_STREAM]
     return [encode_body(batch, compression)]
 

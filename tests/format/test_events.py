@@ -68,6 +68,28 @@ def record_batch_of(events: list[Sent]) -> pa.RecordBatch:
     )
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    events=st.lists(sent_events, min_size=1, max_size=12),
+    big=st.integers(64 * 1024, 300 * 1024),
+    start=st.integers(0, 3),
+)
+def test_a_large_batch_goes_out_by_reference_with_the_bytes_of_encode_body(
+    events: list[Sent], big: int, start: int
+) -> None:
+    """From 64 KiB on, the body's Arrow buffers are handed over as they are, not copied into
+    one message first: the joined parts must still be exactly ``encode_body``'s bytes, for a
+    sliced batch (as ``send_many`` makes) too."""
+    large = [*events, Sent(b"k", b"v" * big, {}, 0)]
+    whole = record_batch_of(large)
+    for record in (whole, whole.slice(min(start, len(events)))):
+        parts = encode_body_parts(record)
+        assert b"".join(memoryview(p) for p in parts) == encode_body(record).to_pybytes()
+    data = whole.column(1).buffers()[2]
+    parts = encode_body_parts(whole)
+    assert any(isinstance(p, pa.Buffer) and p.address == data.address for p in parts)
+
+
 def encode_batch(events: list[Sent], compression: str | None, in_parts: bool = False) -> bytearray:
     """A whole batch; ``in_parts`` builds the body as buffers sent back to back, as the
     producer does."""

@@ -41,11 +41,12 @@ def test_the_client_never_imports_pandas(broker: BrokerProcess) -> None:
                 producer.send_many([b"x"] * 100)
                 producer.send_many([b"y"] * 100, keys=[str(i) for i in range(100)])
                 producer.send_many([b"z"] * 10, timestamps=np.arange(10, dtype=np.int64))
+                producer.send_many([b"w" * 1024] * 200)  # sent by reference (>= 64 KiB)
             end = client.tail("smoke/np")
             events = list(client.reader("smoke/np", end=end))
             rows = sum(b.num_rows for b in client.reader("smoke/np", end=end).batches())
             client.cut("smoke/np", "2020-01-01T00:00:00Z")
-        assert len(events) == rows == 211, (len(events), rows)
+        assert len(events) == rows == 411, (len(events), rows)
         assert "pandas" not in sys.modules, "the client imported pandas"
         """
     )
