@@ -24,7 +24,7 @@ class SlipstreamPeer:
         data_dir: Path,
         fsync: str = "always",
         linger_ms: float = 5,
-        batch_bytes: int = 1 << 20,
+        batch_bytes: int = 2 << 20,  # the client's default
     ) -> None:
         import slipstream  # fails here, with a clear message, if the package is not importable
 

