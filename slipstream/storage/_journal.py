@@ -453,7 +453,7 @@ class FileJournal(Journal):
                 length = _ENTRY.unpack(header)[0] if len(header) == ENTRY_OVERHEAD else 0
                 if length == 0 or pos + ENTRY_OVERHEAD + length > end:
                     f.seek(pos)
-                    if _is_padding(f.read(), end):
+                    if end - pos < BLOCK and _is_padding(f.read(), end):
                         return
                     raise CorruptData(
                         f"sealed journal file {file_id}: torn entry at byte {pos}", file=file_id
