@@ -465,7 +465,7 @@ class AsyncReader:
                 if delivery.payload is None:
                     remaining.discard(delivery.segment)
                     continue
-                for item in decode_delivery(delivery, self.core.starts, self.core.ends):
+                for item in decode_delivery(delivery, self.core):
                     yield item
                 self.core.grant(delivery.segment, len(delivery.payload))
         finally:
@@ -859,7 +859,7 @@ class Reader:
                 if delivery.payload is None:
                     remaining.discard(delivery.segment)
                     continue
-                yield from decode_delivery(delivery, self.core.starts, self.core.ends)
+                yield from decode_delivery(delivery, self.core)
                 self._loop.call(self.core.grant, delivery.segment, len(delivery.payload))
         finally:
             self.close()

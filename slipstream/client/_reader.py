@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from .._errors import InvalidArgument, SlipstreamError, error_from_wire
+from .._errors import CorruptBatch, CorruptData, InvalidArgument, SlipstreamError, error_from_wire
 from ..format import check_event_schema, iter_batches, numpy_array, read_body
 from ..protocol import (
     Credit,
@@ -92,6 +92,8 @@ class ReaderCore:
         self.starts: dict[int, int] = {}
         self.ends: dict[int, int | None] = {}
         self.sub_ids: dict[int, int] = {}
+        #: per segment, the offset the next delivered batch must hold
+        self.positions: dict[int, int] = {}
 
     async def _cut(self, at: str, timestamp_ms: int | None = None) -> dict[int, int]:
         reply, _ = await self.connection.request(GetCut(self.stream, at, timestamp_ms))
@@ -160,25 +162,43 @@ class ReaderCore:
 
 
 def decode_delivery(
-    delivery: Delivery, starts: dict[int, int], ends: dict[int, int | None]
+    delivery: Delivery, core: ReaderCore
 ) -> Iterator[tuple[int, int, pa.RecordBatch]]:
     """The record batches of one payload as ``(segment, base offset, batch)``, trimmed to the
-    reader's start and end. Raises CorruptBatch if a batch fails its checks."""
+    reader's start and end.
+
+    Raises CorruptData naming segment and offset if a batch fails its CRC32C or its Arrow body
+    does not decode, or if it is not the batch that comes next in the segment: the broker
+    sends large stored batches straight from its files without checking them again, so this is
+    where damage on its disk is found.
+    """
     assert delivery.payload is not None
     segment = delivery.segment
-    low = starts.get(segment, 0)
-    high = ends.get(segment)
-    for header, view in iter_batches(delivery.payload):
-        record = read_body(view)
-        check_event_schema(record)
-        base = header.base_offset
-        first = max(0, low - base)
-        last = record.num_rows if high is None else min(record.num_rows, high - base)
-        if last <= first:
-            continue
-        if first or last < record.num_rows:
-            record = record.slice(first, last - first)
-        yield segment, base + first, record
+    low = core.starts.get(segment, 0)
+    high = core.ends.get(segment)
+    expected = core.positions.get(segment, low)
+    try:
+        for header, view in iter_batches(delivery.payload):
+            base = header.base_offset
+            if not base <= expected < header.next_offset:
+                raise CorruptBatch(f"the batch holds offsets {base} to {header.next_offset - 1}")
+            record = read_body(view)
+            check_event_schema(record)
+            expected = core.positions[segment] = header.next_offset
+            first = max(0, low - base)
+            last = record.num_rows if high is None else min(record.num_rows, high - base)
+            if last <= first:
+                continue
+            if first or last < record.num_rows:
+                record = record.slice(first, last - first)
+            yield segment, base + first, record
+    except CorruptBatch as exc:
+        raise CorruptData(
+            f"corrupt data in segment {segment} of {core.stream!r} at offset {expected}: "
+            f"{exc.message}",
+            segment=segment,
+            offset=expected,
+        ) from exc
 
 
 def with_position(segment: int, base: int, record: pa.RecordBatch) -> pa.RecordBatch:

@@ -124,3 +124,40 @@ def test_journal_bytes_corrupted_while_running_are_reported_not_served(
         with pytest.raises(slipstream.CorruptData) as raised:
             next(reader)
     assert raised.value.details == {"segment": 0, "offset": positions[5].offset}
+
+
+def test_corrupt_large_batch_sent_from_a_chunk_file_is_reported_by_the_client(
+    broker_factory: type[BrokerProcess],
+) -> None:
+    # large batches go from chunk files to the socket with sendfile, unchecked by the broker:
+    # the client's CRC32C check must find the damage and name segment and offset
+    broker = broker_factory("--roll", "256KiB", "--roll-seconds", "0.2").start()
+    with broker.client() as client:
+        client.create_stream("faults/big", segments=1)
+        with client.producer("faults/big") as producer:
+            for b in range(6):  # six batches of 100 events of 1 KiB
+                producer.send_many([f"b{b}-{i:04d}".encode().ljust(1024, b".") for i in range(100)])
+                producer.flush()
+        chunk_dir = broker.data_dir / "chunks"
+        for _ in range(100):
+            chunks = sorted(chunk_dir.rglob("*.chunk"))
+            if chunks:
+                break
+            time.sleep(0.1)
+        assert chunks, "the mover never wrote a chunk"
+    broker.stop()
+    data = chunks[0].read_bytes()
+    at = data.index(b"b1-0050")  # inside the second batch's Arrow body
+    with open(chunks[0], "r+b") as f:
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0x01]))
+    broker.start()
+    with broker.client() as client:
+        reader = iter(client.reader("faults/big", start="earliest", end=client.tail("faults/big")))
+        assert [next(reader).value[:7] for _ in range(100)] == [
+            f"b0-{i:04d}".encode() for i in range(100)
+        ]
+        with pytest.raises(slipstream.CorruptData) as raised:
+            next(reader)
+    assert raised.value.details == {"segment": 0, "offset": 100}
+    assert "corrupt data in segment 0 of 'faults/big' at offset 100" in raised.value.message
