@@ -15,6 +15,8 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
+
 from .. import __version__
 from .._errors import (
     BatchTooLarge,
@@ -105,6 +107,15 @@ def send_file_frame(
             transport.write(rest)
 
 
+def _unzeroed(size: int) -> memoryview:
+    """Memory for one large received frame: from malloc, like ``bytearray(size)``, but not
+    zero-filled first, since the socket overwrites all of it. ``perf`` put 11% of a bulk
+    produce's broker samples in that ``memset``. (Arrow's pool, as the client uses, made the
+    broker's first produce run slower: it keeps what it receives, so the pool grew into new
+    pages; malloc hands back the heap the previous frames freed.)"""
+    return np.empty(size, np.uint8).data
+
+
 @dataclass(eq=False)
 class _Follow:
     sub_id: int
@@ -120,7 +131,7 @@ class Session(asyncio.BufferedProtocol):
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
         self.controller = broker.controller
-        self.decoder = FrameDecoder(broker.config.max_batch_bytes + 64 * 1024)
+        self.decoder = FrameDecoder(broker.config.max_batch_bytes + 64 * 1024, allocate=_unzeroed)
         self.transport: asyncio.Transport | None = None
         self.socket_fd: int | None = None  # for sendfile; None when the transport has no socket
         self.peer = "?"

@@ -51,10 +51,11 @@ def _pooled(size: int) -> memoryview:
     kernel zero-fills on first touch (and on a VM that hands idle memory back to its host, that
     touch costs about ten times a warm one). The pool (mimalloc or jemalloc) hands the memory of
     frames the application has dropped out again, warm: a replay of 1 KiB events took 0.07
-    instead of 0.10 s of client CPU per 200 MB. The broker keeps ``bytearray``: it holds the
-    batches it receives (tail cache, transactions), so a pool would have to grow, and its new
-    pages cost more than glibc's reused heap (a first produce run: broker CPU 0.21 -> 0.26-0.42
-    s). The memory is freed when the last view of it (payload, record batch) is gone.
+    instead of 0.10 s of client CPU per 200 MB. The broker takes plain malloc memory instead
+    (``broker/_session.py::_unzeroed``): it holds the batches it receives (tail cache,
+    transactions), so a pool would have to grow, and its new pages cost more than glibc's
+    reused heap (a first produce run: broker CPU 0.21 -> 0.26-0.42 s). The memory is freed
+    when the last view of it (payload, record batch) is gone.
     """
     return memoryview(pa.allocate_buffer(size)).cast("B")
 
