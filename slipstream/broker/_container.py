@@ -14,17 +14,13 @@ Journal entry payload: ``u64 segment global id`` (little-endian) followed by the
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import mmap
-import os
 import struct
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import overload
 
 import numpy as np
 
@@ -53,9 +49,6 @@ log = logging.getLogger("slipstream.container")
 
 _SEGMENT_ID = struct.Struct("<Q")
 FSYNC_MODES = ("always", "interval", "never")
-#: reads whose batches average at least this go out with sendfile (see FileSpans)
-FILE_SPAN_MIN_BATCH_BYTES = 64 * 1024
-_MADV_POPULATE_READ = 22  # Linux 5.14+; Python's mmap module has no name for it yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,40 +66,6 @@ class _Append:
     batch: Payload
     header: BatchHeader
     future: asyncio.Future[int]
-
-
-@dataclass(slots=True, eq=False)
-class FileSpans:
-    """Whole batches of a read, left in their file for the socket to take with ``sendfile``.
-
-    A large read from a chunk file comes back as this instead of bytes: the broker neither
-    copies the batches through Python nor checks their CRC32C again (a third of its CPU on a
-    replay); the client checks every batch's CRC32C end to end and reports a mismatch with
-    segment and offset, as the broker does for the reads it copies. The caller owns ``fd`` and
-    must ``close`` it.
-    """
-
-    fd: int
-    spans: list[tuple[int, int]]  # (position in the file, length) of each batch
-    base_offsets: list[int]
-    next_offset: int
-
-    @property
-    def length(self) -> int:
-        return sum(length for _, length in self.spans)
-
-    def trim(self, end_offset: int) -> None:
-        """Drop the batches from ``end_offset`` on (the first batch always stays)."""
-        keep = max(1, sum(1 for base in self.base_offsets if base < end_offset))
-        if keep < len(self.spans):
-            self.next_offset = self.base_offsets[keep]
-            del self.spans[keep:], self.base_offsets[keep:]
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-Read = list[bytes | bytearray | memoryview] | FileSpans
 
 
 class Container:
@@ -346,22 +305,11 @@ class Container:
 
     # --- reads -----------------------------------------------------------------------------
 
-    @overload
     async def read(
         self, segment: Segment, offset: int, max_bytes: int
-    ) -> list[bytes | bytearray | memoryview]: ...
-
-    @overload
-    async def read(
-        self, segment: Segment, offset: int, max_bytes: int, *, file_spans: bool
-    ) -> Read: ...
-
-    async def read(
-        self, segment: Segment, offset: int, max_bytes: int, *, file_spans: bool = False
-    ) -> Read:
+    ) -> list[bytes | bytearray | memoryview]:
         """Whole batches from the one holding ``offset``, about ``max_bytes`` (at least one
-        batch), never past the durable end. Empty when ``offset`` is at the end. With
-        ``file_spans``, large batches in local chunk files may come back as FileSpans.
+        batch), never past the durable end. Empty when ``offset`` is at the end.
 
         Raises OffsetOutOfRange below the oldest retained offset, StreamNotFound after delete,
         CorruptData (naming segment and offset) if stored bytes fail their CRC32C.
@@ -391,8 +339,8 @@ class Container:
             try:
                 if segment.chunks and offset < segment.chunks[-1].record.next_offset:
                     chunk = segment.chunks[segment.chunk_index(offset)]
-                    return await self._in_reader(
-                        self._read_chunk, segment, chunk, offset, max_bytes, file_spans
+                    return await asyncio.get_running_loop().run_in_executor(
+                        self._read_pool, self._read_chunk, segment, chunk, offset, max_bytes
                     )
                 return await self._read_journal(segment, offset, max_bytes)
             except FileNotFoundError:
@@ -447,30 +395,14 @@ class Container:
                 break
         return loaded
 
-    async def _in_reader(self, fn: Callable[..., Read], *args: object) -> Read:
-        """``fn(*args)`` on a reader thread; FileSpans it returns after we were cancelled are
-        closed, not leaked."""
-        future = asyncio.get_running_loop().run_in_executor(self._read_pool, fn, *args)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            future.add_done_callback(_close_spans)
-            raise
-
     def _read_chunk(
-        self, segment: Segment, chunk: Chunk, offset: int, max_bytes: int, file_spans: bool
-    ) -> Read:
+        self, segment: Segment, chunk: Chunk, offset: int, max_bytes: int
+    ) -> list[bytes | bytearray | memoryview]:
         first = chunk.batch_containing(offset)
         sizes = np.cumsum(chunk.lengths[first:])
         last = first + max(1, int(np.searchsorted(sizes, max_bytes, side="right")))
         start = int(chunk.positions[first])
         end = int(chunk.positions[last - 1] + chunk.lengths[last - 1])
-        if file_spans and int(sizes[last - first - 1]) >= FILE_SPAN_MIN_BATCH_BYTES * (
-            last - first
-        ):
-            spans = self._chunk_spans(chunk, first, last, start, end)
-            if spans is not None:
-                return spans
         data = memoryview(self.long_term.read_chunk(chunk.record.name, start, end - start))
         out: list[bytes | bytearray | memoryview] = []
         for i in range(first, last):
@@ -496,33 +428,6 @@ class Container:
                 ) from exc
             out.append(data[at : at + header.batch_length])
         return out
-
-    def _chunk_spans(
-        self, chunk: Chunk, first: int, last: int, start: int, end: int
-    ) -> FileSpans | None:
-        """Batches ``first:last`` of a chunk as FileSpans, with their bytes in the page cache;
-        None when the store has no local file or the file looks wrong (the copying read then
-        reports what is wrong, with segment and offset)."""
-        path = self.long_term.local_path(chunk.record.name)
-        if path is None:
-            return None
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # FileNotFoundError: read() retries
-        try:
-            if os.fstat(fd).st_size < end:
-                os.close(fd)
-                return None
-            _populate(fd, start, end - start)
-            os.posix_fadvise(fd, end, 8 << 20, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            os.close(fd)
-            return None
-        next_offset = (
-            int(chunk.offsets[last]) if last < len(chunk.offsets) else chunk.record.next_offset
-        )
-        positions = chunk.positions[first:last].tolist()
-        lengths = chunk.lengths[first:last].tolist()
-        spans = list(zip(positions, lengths, strict=True))
-        return FileSpans(fd, spans, chunk.offsets[first:last].tolist(), next_offset)
 
     # --- moving journal files to long-term chunks ------------------------------------------
 
@@ -633,27 +538,6 @@ class Container:
         await loop.run_in_executor(self._io, self.journal.close)
         self._io.shutdown(wait=True)
         self._mover.shutdown(wait=True)
-
-
-def _populate(fd: int, start: int, length: int) -> None:
-    """Bring a file range into the page cache and wait for it, without copying it out, so the
-    event loop's ``sendfile`` of it does not wait for the disk. A device error is an OSError
-    here, not a SIGBUS (the pages are never touched through the mapping)."""
-    base = start - start % mmap.ALLOCATIONGRANULARITY
-    with mmap.mmap(fd, start + length - base, offset=base, access=mmap.ACCESS_READ) as mapped:
-        try:
-            mapped.madvise(_MADV_POPULATE_READ)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:  # EINVAL: a kernel before 5.14; start reading ahead
-                raise
-            mapped.madvise(mmap.MADV_WILLNEED)
-
-
-def _close_spans(future: asyncio.Future[Read]) -> None:
-    if not future.cancelled() and future.exception() is None:
-        result = future.result()
-        if isinstance(result, FileSpans):
-            result.close()
 
 
 def _fail(future: asyncio.Future[int], exc: BaseException) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -64,7 +63,6 @@ from ..protocol import (
     Welcome,
     encode_frame,
 )
-from ._container import FileSpans
 
 if TYPE_CHECKING:
     from ._broker import Broker
@@ -74,37 +72,6 @@ log = logging.getLogger("slipstream.session")
 
 MAX_PENDING_APPEND_BYTES = 32 * 1024 * 1024
 MAX_DATA_FRAME_BYTES = 4 * 1024 * 1024
-
-
-def send_file_frame(
-    transport: asyncio.Transport, socket_fd: int | None, head: bytes | bytearray, spans: FileSpans
-) -> None:
-    """Write ``head`` then the file spans to the transport's socket, in order.
-
-    While the transport has nothing queued, the spans go to the socket with ``sendfile``: from
-    the page cache to the socket with no copy through Python. What the socket does not take at
-    once is read and queued on the transport like any other payload, so the bytes leave in
-    order whatever the socket accepts. Raises OSError, or EOFError if the file is shorter than
-    its spans; part of the frame may be out then.
-    """
-    transport.write(head)
-    direct = socket_fd is not None and transport.get_write_buffer_size() == 0
-    for position, length in spans.spans:
-        sent = 0
-        while direct and sent < length:
-            try:
-                count = os.sendfile(socket_fd, spans.fd, position + sent, length - sent)  # type: ignore[arg-type]
-            except BlockingIOError:
-                break
-            if count == 0:
-                raise EOFError(f"file ends before byte {position + length}")
-            sent += count
-        direct = direct and sent == length
-        if sent < length:
-            rest = os.pread(spans.fd, length - sent, position + sent)
-            if len(rest) < length - sent:
-                raise EOFError(f"file ends before byte {position + length}")
-            transport.write(rest)
 
 
 def _unzeroed(size: int) -> memoryview:
@@ -133,7 +100,6 @@ class Session(asyncio.BufferedProtocol):
         self.controller = broker.controller
         self.decoder = FrameDecoder(broker.config.max_batch_bytes + 64 * 1024, allocate=_unzeroed)
         self.transport: asyncio.Transport | None = None
-        self.socket_fd: int | None = None  # for sendfile; None when the transport has no socket
         self.peer = "?"
         self.greeted = False
         self.pending_bytes = 0
@@ -150,7 +116,6 @@ class Session(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.socket_fd = sock.fileno()
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         transport.set_write_buffer_limits(high=8 * 1024 * 1024)
@@ -192,21 +157,6 @@ class Session(asyncio.BufferedProtocol):
             transport.writelines([encode_frame(message, correlation_id, length), *payload])
         else:
             transport.write(encode_frame(message, correlation_id))
-
-    def send_spans(self, message: Message, spans: FileSpans) -> None:
-        """Push a frame whose payload lies in a file (see ``send_file_frame``)."""
-        transport = self.transport
-        try:
-            if transport is not None and not transport.is_closing():
-                head = encode_frame(message, 0, spans.length)
-                send_file_frame(transport, self.socket_fd, head, spans)
-        except (OSError, EOFError) as exc:
-            # part of the frame may be out: the stream cannot go on, the client reconnects
-            log.error("closing connection from %s: sending stored data failed: %s", self.peer, exc)
-            if transport is not None:
-                transport.abort()
-        finally:
-            spans.close()
 
     def send_error(self, correlation_id: int, exc: SlipstreamError) -> None:
         self.send(Error(exc.code, exc.message, exc.details), correlation_id)
@@ -404,18 +354,8 @@ class Session(asyncio.BufferedProtocol):
                     await follow.credited.wait()
                 await self.writable.wait()
                 batches = await container.read(
-                    segment,
-                    follow.offset,
-                    min(follow.credit, MAX_DATA_FRAME_BYTES),
-                    file_spans=self.socket_fd is not None,
+                    segment, follow.offset, min(follow.credit, MAX_DATA_FRAME_BYTES)
                 )
-                if isinstance(batches, FileSpans):
-                    if follow.end_offset is not None:
-                        batches.trim(follow.end_offset)
-                    follow.offset = batches.next_offset
-                    follow.credit -= batches.length
-                    self.send_spans(Data(follow.sub_id), batches)
-                    continue
                 if not batches:
                     if follow.offset >= segment.next_offset and not segment.deleted:
                         await segment.wait_for_change()

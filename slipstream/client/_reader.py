@@ -168,9 +168,8 @@ def decode_delivery(
     reader's start and end.
 
     Raises CorruptData naming segment and offset if a batch fails its CRC32C or its Arrow body
-    does not decode, or if it is not the batch that comes next in the segment: the broker
-    sends large stored batches straight from its files without checking them again, so this is
-    where damage on its disk is found.
+    does not decode, or if it is not the batch that comes next in the segment: the end-to-end
+    check, for what the broker serves from memory and for damage on the way.
     """
     assert delivery.payload is not None
     segment = delivery.segment

@@ -46,11 +46,6 @@ class LongTermStore(ABC):
     def list_chunks(self, prefix: str = "") -> list[str]:
         """Names of stored chunks that start with ``prefix``, sorted."""
 
-    def local_path(self, name: str) -> Path | None:
-        """The local file holding chunk ``name``, if the store keeps chunks as files (so the
-        broker can send them with ``sendfile``); None for stores without local files."""
-        return None
-
     def adopt_ranges(self, name: str, source: Path, ranges: Sequence[tuple[int, int]]) -> list[int]:
         """Store byte ranges ``(position, length)`` of a durable local file as chunk ``name``;
         returns where each range starts inside the stored chunk.
@@ -78,9 +73,6 @@ class LocalChunkStore(LongTermStore):
 
     def _path(self, name: str) -> Path:
         return self.directory / f"{name}.chunk"
-
-    def local_path(self, name: str) -> Path | None:
-        return self._path(name)
 
     def write_chunk(self, name: str, buffers: Sequence[Buffer]) -> None:
         path = self._path(name)

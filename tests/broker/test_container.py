@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import os
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -22,7 +21,7 @@ from typing import Any, TypeVar
 import pytest
 
 from slipstream import OffsetOutOfRange, StorageError, StorageFull
-from slipstream.broker._container import Container, ContainerConfig, FileSpans
+from slipstream.broker._container import Container, ContainerConfig
 from slipstream.broker._controller import Controller
 from slipstream.broker._segment import Segment
 from slipstream.format import (
@@ -517,103 +516,6 @@ def test_mover_turns_a_sealed_file_into_chunks_with_identical_reads(
         assert [c.record.base_offset for c in seg0.chunks] == [0, 10]
         assert await node.read_all("t/move", 0) == after
         assert await node.read_all("t/move", 0, 11) == after[-1:]
-
-    run(closing(node, body))
-
-
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def test_large_batches_in_local_chunks_are_read_as_file_spans(tmp_path: Path) -> None:
-    # the broker sends these with sendfile: the spans must hold exactly the copying read's bytes
-    journal = FileJournal(tmp_path / "journal", fsync=False)
-    node = Node([journal], SqliteMetaStore(":memory:"), LocalChunkStore(tmp_path / "chunks"))
-
-    async def body(node: Node) -> None:
-        node.controller.create_stream("t/spans", 1, None, None)
-        node.start()
-        for i in range(5):
-            await node.append("t/spans", 0, make_batch(2000, f"big{i}"))  # ~150 KB each
-        await node.append("t/spans", 0, make_batch(2, "small"))
-        expected = await node.read_all("t/spans")
-        container = node.containers[0]
-        await node.roll_and_move(container)
-        segment = node.segment("t/spans")
-
-        def pread(spans: FileSpans) -> list[bytes]:
-            return [os.pread(spans.fd, length, at) for at, length in spans.spans]
-
-        three = sum(len(b) for b in expected[1:4])
-        spans = await container.read(segment, 2500, three, file_spans=True)
-        assert isinstance(spans, FileSpans)
-        try:
-            assert spans.base_offsets == [2000, 4000, 6000]  # whole batches, from 2500's
-            assert spans.next_offset == 8000
-            assert spans.length == three
-            assert pread(spans) == expected[1:4]
-            spans.trim(6000)  # a bounded read's end: batches from offset 6000 on go
-            assert (spans.base_offsets, spans.next_offset) == ([2000, 4000], 6000)
-            assert pread(spans) == expected[1:3]
-        finally:
-            spans.close()
-
-        last = await container.read(segment, 8000, 1 << 20, file_spans=True)
-        assert isinstance(last, FileSpans)  # the small batch rides along: the mean is large
-        last.trim(0)  # the first batch always stays
-        assert (last.base_offsets, last.next_offset) == ([8000], 10000)
-        last.close()
-        small = await container.read(segment, 10_000, 1 << 20, file_spans=True)
-        assert isinstance(small, list)  # a read of small batches is copied and checked
-        assert [bytes(b) for b in small] == expected[5:]
-        assert [bytes(b) for b in await container.read(segment, 0, 1 << 20)] == expected
-
-    run(closing(node, body))
-
-
-def test_chunks_without_a_local_file_are_always_copied(kit: Kit) -> None:
-    async def body(node: Node) -> None:
-        node.controller.create_stream("t/mem", 1, None, None)
-        node.start()
-        await node.append("t/mem", 0, make_batch(2000, "big"))
-        expected = await node.read_all("t/mem")
-        container = node.containers[0]
-        await node.roll_and_move(container)
-        segment = node.segment("t/mem")
-        got = await container.read(segment, 0, 1 << 20, file_spans=True)
-        assert isinstance(got, list) and [bytes(b) for b in got] == expected
-
-    run(closing(kit.node(), body))
-
-
-def test_a_cancelled_file_span_read_closes_its_file(tmp_path: Path) -> None:
-    journal = FileJournal(tmp_path / "journal", fsync=False)
-    node = Node([journal], SqliteMetaStore(":memory:"), LocalChunkStore(tmp_path / "chunks"))
-
-    async def body(node: Node) -> None:
-        node.controller.create_stream("t/cancel", 1, None, None)
-        node.start()
-        await node.append("t/cancel", 0, make_batch(2000, "big"))
-        container = node.containers[0]
-        await node.roll_and_move(container)
-        segment = node.segment("t/cancel")
-        # both reader threads busy: the read is queued when it is cancelled, runs afterwards
-        release = threading.Event()
-        busy = [node.read_pool.submit(release.wait, 5) for _ in range(2)]
-        before = _open_fds()
-        reader = asyncio.create_task(container.read(segment, 0, 1 << 20, file_spans=True))
-        await asyncio.sleep(0.01)
-        reader.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await reader
-        release.set()
-        for job in busy:
-            job.result(5)
-        await until(lambda: _open_fds() == before)
-        # and the chunk file was opened at all: a read that is not cancelled holds one
-        spans = await container.read(segment, 0, 1 << 20, file_spans=True)
-        assert isinstance(spans, FileSpans) and _open_fds() == before + 1
-        spans.close()
 
     run(closing(node, body))
 

@@ -126,11 +126,11 @@ def test_journal_bytes_corrupted_while_running_are_reported_not_served(
     assert raised.value.details == {"segment": 0, "offset": positions[5].offset}
 
 
-def test_corrupt_large_batch_sent_from_a_chunk_file_is_reported_by_the_client(
+def test_corrupt_batch_among_large_ones_in_a_chunk_is_reported_after_the_good_ones(
     broker_factory: type[BrokerProcess],
 ) -> None:
-    # large batches go from chunk files to the socket with sendfile, unchecked by the broker:
-    # the client's CRC32C check must find the damage and name segment and offset
+    # one read takes several large batches from the chunk: the good one before the damage is
+    # served, then the damaged one is reported with its segment and offset
     broker = broker_factory("--roll", "256KiB", "--roll-seconds", "0.2").start()
     with broker.client() as client:
         client.create_stream("faults/big", segments=1)

@@ -58,8 +58,8 @@ def test_the_client_never_imports_pandas(broker: BrokerProcess) -> None:
 def test_large_batches_read_back_from_chunk_files_whole_and_bounded(
     broker_factory: type[BrokerProcess],
 ) -> None:
-    # large stored batches leave the broker by sendfile; a consumer that falls behind fills
-    # the socket, so the rest of a frame goes through the transport: both must give the bytes
+    # several large batches per read from chunk files, a consumer that falls behind (a full
+    # socket), and cuts in the middle of a batch
     broker = broker_factory("--roll", "1MiB", "--roll-seconds", "0.2").start()
     expected = [f"{i:06d}".encode().ljust(1024, b"~") for i in range(8000)]
     with broker.client() as client:
