@@ -27,7 +27,7 @@ import msgspec
 
 from .._errors import DataDirLocked, InvalidArgument
 from ..storage import FileJournal, LocalChunkStore, SqliteMetaStore
-from ._container import FSYNC_MODES, Container, ContainerConfig
+from ._container import FSYNC_MODES, Container, ContainerConfig, batch_checks_out
 from ._controller import Controller
 from ._transactions import Coordinator
 
@@ -122,7 +122,7 @@ class Broker:
         self.long_term = LocalChunkStore(data_dir / "chunks", fsync=do_sync)
         self.read_pool = ThreadPoolExecutor(4, thread_name_prefix="reader")
         self.journals = [
-            FileJournal(data_dir / "journal" / str(cid), fsync=do_sync)
+            FileJournal(data_dir / "journal" / str(cid), fsync=do_sync, check=batch_checks_out)
             for cid in range(layout.containers)
         ]
         self.containers = [

@@ -35,12 +35,14 @@ from .._errors import (
 from ..format import HEADER_LENGTH, BatchHeader, decode_header, set_base_offset, verify
 from ..protocol import Payload
 from ..storage import (
+    BLOCK,
     ChunkRecord,
     Journal,
     JournalAddress,
     LongTermStore,
     MetaStore,
     chunk_name,
+    payload_alignment,
 )
 from ..streams import ProducerState, ProducerTable
 from ._segment import Chunk, JournalBatch, Segment
@@ -49,6 +51,18 @@ log = logging.getLogger("slipstream.container")
 
 _SEGMENT_ID = struct.Struct("<Q")
 FSYNC_MODES = ("always", "interval", "never")
+#: where in its 4 KiB block a received batch must start for the journal to write it in place
+BATCH_ALIGNMENT = (BLOCK, payload_alignment(_SEGMENT_ID.size))
+
+
+def batch_checks_out(payload: memoryview) -> bool:
+    """The journal's check of a self-checked entry (segment id, then a batch): the batch's own
+    header and CRC32C, and its length against the entry's."""
+    try:
+        header = verify(payload, _SEGMENT_ID.size)
+    except CorruptBatch:
+        return False
+    return header.batch_length == len(payload) - _SEGMENT_ID.size
 
 
 @dataclass(frozen=True, slots=True)

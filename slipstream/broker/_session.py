@@ -63,6 +63,7 @@ from ..protocol import (
     Welcome,
     encode_frame,
 )
+from ._container import BATCH_ALIGNMENT
 
 if TYPE_CHECKING:
     from ._broker import Broker
@@ -98,7 +99,11 @@ class Session(asyncio.BufferedProtocol):
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
         self.controller = broker.controller
-        self.decoder = FrameDecoder(broker.config.max_batch_bytes + 64 * 1024, allocate=_unzeroed)
+        self.decoder = FrameDecoder(
+            broker.config.max_batch_bytes + 64 * 1024,
+            allocate=_unzeroed,
+            align_payload=BATCH_ALIGNMENT,  # so the journal writes large batches in place
+        )
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.greeted = False

@@ -22,6 +22,7 @@ stream; then ``next_item`` raises :class:`ProtocolError` and the connection must
 
 from __future__ import annotations
 
+import ctypes
 import struct
 from collections.abc import Callable, Sequence
 
@@ -96,9 +97,13 @@ class FrameDecoder:
         self,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         allocate: Callable[[int], bytearray | memoryview] = bytearray,
+        align_payload: tuple[int, int] | None = None,
     ) -> None:
         self.max_frame_bytes = max_frame_bytes
         self._allocate = allocate  # where a large frame's own buffer comes from
+        # (modulus, remainder): place a large frame's payload at an address that leaves this
+        # remainder, so that it can go from there to a direct write (the broker's journal)
+        self._align = align_payload
         self._buf = bytearray()
         self._pos = 0  # start of the first undecoded byte; compacted on feed
         self._skip = 0  # bytes of an oversized frame still to discard
@@ -170,7 +175,7 @@ class FrameDecoder:
         available = len(self._buf) - pos
         if available < total:
             if total >= _BIG_FRAME_BYTES:
-                self._big = memoryview(self._allocate(total))
+                self._big = self._allocate_big(total, PREFIX_LENGTH + meta_length)
                 self._big[:available] = memoryview(self._buf)[pos:]
                 self._big_filled = available
                 self._pos = len(self._buf)  # everything buffered belongs to this frame
@@ -178,6 +183,15 @@ class FrameDecoder:
         self._pos += total
         with memoryview(self._buf) as view:
             return self._decode(view[pos : pos + total], kind, correlation_id, meta_length, True)
+
+    def _allocate_big(self, total: int, payload_at: int) -> memoryview:
+        if self._align is None:
+            return memoryview(self._allocate(total))
+        modulus, remainder = self._align
+        raw = memoryview(self._allocate(total + modulus)).cast("B")
+        address = ctypes.addressof(ctypes.c_char.from_buffer(raw))
+        skew = (remainder - address - payload_at) % modulus
+        return raw[skew : skew + total]
 
     def _next_big(self) -> Frame | Malformed | None:
         big = self._big

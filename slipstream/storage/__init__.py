@@ -2,6 +2,7 @@
 
 from ._chunks import LocalChunkStore, LongTermStore, MemoryChunkStore, chunk_name
 from ._journal import (
+    BLOCK,
     ENTRY_OVERHEAD,
     FileJournal,
     Journal,
@@ -9,6 +10,7 @@ from ._journal import (
     MemoryJournal,
     RecoveryReport,
     fsync_dir,
+    payload_alignment,
     storage_error,
 )
 from ._meta import (
@@ -23,6 +25,7 @@ from ._meta import (
 )
 
 __all__ = [
+    "BLOCK",
     "ENTRY_OVERHEAD",
     "ChunkRecord",
     "CommitPart",
@@ -42,5 +45,6 @@ __all__ = [
     "TxnCommit",
     "chunk_name",
     "fsync_dir",
+    "payload_alignment",
     "storage_error",
 ]

@@ -14,6 +14,9 @@ import slipstream
 
 PRODUCERS = 4
 KEYS = 6
+#: (batch_bytes, linger_ms, value size): small batches, and batches of several hundred KiB,
+#: which the broker's journal writes straight from the memory they arrived in
+LOADS = {"small": (64 * 1024, 2, 0), "large": (1024 * 1024, 20, 2048)}
 
 
 def _produce(
@@ -22,7 +25,9 @@ def _produce(
     acknowledged: dict[bytes, slipstream.Position],
     lock: threading.Lock,
     stop: threading.Event,
+    load: str,
 ) -> None:
+    batch_bytes, linger_ms, size = LOADS[load]
     try:
         # give up soon after the kill: this test is about what was acknowledged before it
         # (test_exactly_once_faults.py covers producers that ride through restarts)
@@ -30,13 +35,13 @@ def _produce(
     except slipstream.BrokerUnavailable:
         return
     try:
-        producer = client.producer("faults/kill", linger_ms=2, batch_bytes=64 * 1024)
+        producer = client.producer("faults/kill", linger_ms=linger_ms, batch_bytes=batch_bytes)
         seq = 0
         pending: list[tuple[bytes, slipstream.Receipt]] = []
         while not stop.is_set():
             for _ in range(50):
                 key = f"p{producer_id}-k{seq % KEYS}"
-                value = encode(Sent(producer_id, key, seq))
+                value = encode(Sent(producer_id, key, seq)).ljust(size)  # JSON allows spaces
                 pending.append((value, producer.send(value, key=key)))
                 seq += 1
             done = [(v, r) for v, r in pending if r.done()]
@@ -56,8 +61,9 @@ def _produce(
 
 
 @pytest.mark.parametrize("round_", range(3))
+@pytest.mark.parametrize("load", list(LOADS))
 def test_kill_9_during_writes_loses_nothing_acknowledged(
-    broker_factory: type[BrokerProcess], round_: int
+    broker_factory: type[BrokerProcess], round_: int, load: str
 ) -> None:
     # Small journal files and fast rolls so that kills also land while data moves to chunks.
     broker = broker_factory("--roll", "256KiB", "--roll-seconds", "0.5").start()
@@ -69,7 +75,8 @@ def test_kill_9_during_writes_loses_nothing_acknowledged(
         stop = threading.Event()
         threads = [
             threading.Thread(
-                target=_produce, args=(broker.address, life * 100 + p, acknowledged, lock, stop)
+                target=_produce,
+                args=(broker.address, life * 100 + p, acknowledged, lock, stop, load),
             )
             for p in range(PRODUCERS)
         ]

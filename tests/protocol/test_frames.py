@@ -17,6 +17,7 @@ from itertools import pairwise
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -537,10 +538,11 @@ def decode_as_a_socket(
     reads: list[int],
     max_frame_bytes: int,
     allocate: Callable[[int], bytearray | memoryview] = bytearray,
+    align_payload: tuple[int, int] | None = None,
 ) -> tuple[list[Item], bool]:
     """Deliver ``stream`` the way asyncio's BufferedProtocol does: into ``get_buffer`` views,
     at most the given read sizes at a time, then ``buffer_updated``."""
-    decoder = FrameDecoder(max_frame_bytes, allocate)
+    decoder = FrameDecoder(max_frame_bytes, allocate, align_payload)
     items: list[Item] = []
     at, sizes = 0, iter(reads)
     while at < len(stream):
@@ -581,6 +583,17 @@ def test_large_frames_decode_the_same_through_feed_and_buffers(
         assert (items, failed) == (expected, False)
         for item in items:  # payloads stay writable, as the broker patches offsets in place
             assert isinstance(item, Frame) and not memoryview(item.payload).readonly
+    # the broker asks for large payloads at a given place in a 4 KiB block (for its journal)
+    items, failed = decode_as_a_socket(stream, reads, DEFAULT_MAX_FRAME_BYTES, _dirty, (4096, 16))
+    assert (items, failed) == (expected, False)
+    for item, size in zip(items, payload_sizes, strict=True):
+        assert isinstance(item, Frame)
+        if size >= 300_000:  # larger than a socket read: assembled in a buffer of its own
+            assert _address(item.payload) % 4096 == 16
+
+
+def _address(buffer: bytearray | memoryview) -> int:
+    return int(np.frombuffer(buffer, np.uint8).ctypes.data)
 
 
 def _dirty(size: int) -> bytearray:

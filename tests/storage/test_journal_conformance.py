@@ -644,15 +644,15 @@ def test_write_torn_at_byte_17_is_cut_before_append_returns(
             os.write(fd, b"".join(bytes(b) for b in buffers)[:17])
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
-        def torn_pwrite(fd: int, data: Buffer, offset: int) -> int:
+        def torn_pwritev(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
             with open(path, "r+b") as f:  # a direct fd takes whole blocks only
                 f.seek(offset)
-                f.write(bytes(data)[:17])
+                f.write(b"".join(bytes(b) for b in buffers)[:17])
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
         with monkeypatch.context() as patch:
             patch.setattr(os, "writev", torn_writev)
-            patch.setattr(os, "pwrite", torn_pwrite)
+            patch.setattr(os, "pwritev", torn_pwritev)
             with pytest.raises(StorageFull):
                 journal.append([[b"x" * 40], [b"y" * 40]])
         assert path.stat().st_size == size == journal.active_bytes, "the torn bytes are gone"
