@@ -487,9 +487,6 @@ class FileJournal(Journal):
             middle = (len(item.body) - head) // BLOCK * BLOCK
             pieces += [out[staged:fill], item.body[head : head + middle]]
             staged = fill
-            if len(pieces) > 1000:  # IOV_MAX is 1024
-                at = _pwritev_all(self._fd, pieces, at)
-                pieces.clear()
             stage(item.body[head + middle :])
         end = -(-fill // BLOCK) * BLOCK
         out[fill:end] = bytes(end - fill)  # zero padding, never stale bytes
@@ -722,18 +719,16 @@ class MemoryJournal(Journal):
         return sum(sum(map(len, f)) for f in self._files.values())
 
 
+_IOV_MAX = 1024
+
+
 def _pwritev_all(fd: int, pieces: list[memoryview], offset: int) -> int:
     """Write ``pieces`` at ``offset`` (fewer bytes may go per call); returns the end offset."""
     pending = [p for p in pieces if len(p)]
     while pending:
-        written = os.pwritev(fd, pending, offset)
+        written = os.pwritev(fd, pending[:_IOV_MAX], offset)
         offset += written
-        while written and pending:
-            if written >= len(pending[0]):
-                written -= len(pending.pop(0))
-            else:
-                pending[0] = pending[0][written:]
-                written = 0
+        _drop_written(pending, written)
     return offset
 
 
@@ -741,13 +736,17 @@ def _writev_all(fd: int, buffers: list[Buffer]) -> None:
     # os.writev may write less than asked (and takes at most IOV_MAX buffers); loop until done.
     pending = [memoryview(b) for b in buffers if len(b)]
     while pending:
-        written = os.writev(fd, pending[:1024])
-        while written and pending:
-            if written >= len(pending[0]):
-                written -= len(pending.pop(0))
-            else:
-                pending[0] = pending[0][written:]
-                written = 0
+        _drop_written(pending, os.writev(fd, pending[:_IOV_MAX]))
+
+
+def _drop_written(pending: list[memoryview], written: int) -> None:
+    """Remove the first ``written`` bytes from the front of ``pending``."""
+    while written and pending:
+        if written >= len(pending[0]):
+            written -= len(pending.pop(0))
+        else:
+            pending[0] = pending[0][written:]
+            written = 0
 
 
 def fsync_dir(directory: Path) -> None:

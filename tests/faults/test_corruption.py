@@ -35,6 +35,16 @@ def _fill(
         return [producer.send(f"event-{i}".encode(), key="k").result() for i in range(count)]
 
 
+def _wait_for_chunks(broker: BrokerProcess) -> list[Path]:
+    """The chunk files, once the mover has written at least one (fails after 10 s)."""
+    for _ in range(100):
+        chunks = sorted((broker.data_dir / "chunks").rglob("*.chunk"))
+        if chunks:
+            return chunks
+        time.sleep(0.1)
+    raise AssertionError("the mover never wrote a chunk")
+
+
 def _read_all(client: slipstream.Client, stream: str = "faults/torn") -> list[slipstream.Event]:
     return list(client.reader(stream, start="earliest", end=client.tail(stream)))
 
@@ -80,13 +90,7 @@ def test_corrupt_chunk_is_reported_with_segment_and_offset(
     with broker.client() as client:
         client.create_stream("faults/torn", segments=1)
         _fill(client, 200)
-        chunk_dir = broker.data_dir / "chunks"
-        for _ in range(100):
-            chunks = sorted(chunk_dir.rglob("*.chunk"))
-            if chunks:
-                break
-            time.sleep(0.1)
-        assert chunks, "the mover never wrote a chunk"
+        chunks = _wait_for_chunks(broker)
     broker.stop()
     with open(chunks[0], "r+b") as f:
         f.seek(100)  # inside the first batch's Arrow body
@@ -138,13 +142,7 @@ def test_corrupt_batch_among_large_ones_in_a_chunk_is_reported_after_the_good_on
             for b in range(6):  # six batches of 100 events of 1 KiB
                 producer.send_many([f"b{b}-{i:04d}".encode().ljust(1024, b".") for i in range(100)])
                 producer.flush()
-        chunk_dir = broker.data_dir / "chunks"
-        for _ in range(100):
-            chunks = sorted(chunk_dir.rglob("*.chunk"))
-            if chunks:
-                break
-            time.sleep(0.1)
-        assert chunks, "the mover never wrote a chunk"
+        chunks = _wait_for_chunks(broker)
     broker.stop()
     data = chunks[0].read_bytes()
     at = data.index(b"b1-0050")  # inside the second batch's Arrow body
