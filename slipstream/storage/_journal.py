@@ -193,7 +193,7 @@ def _parse_entries(
     while pos < size:
         if size - pos < BLOCK and _is_padding(data[pos:], size):
             return found, pos, None
-        aligned = _skip_alignment(data, pos, check)
+        aligned = _skip_alignment(data, pos, check)  # the entry there is checked already
         if aligned is not None:
             pos = aligned
         if size - pos < ENTRY_OVERHEAD:
@@ -204,7 +204,7 @@ def _parse_entries(
         if length == 0 or end > size:
             return found, pos, f"torn or zero-length entry at byte {pos} (length {length})"
         payload = data[pos + ENTRY_OVERHEAD : end]
-        if not _checks_out(field, crc, payload, check):
+        if aligned is None and not _checks_out(field, crc, payload, check):
             return found, pos, f"CRC32C mismatch in entry at byte {pos}"
         found.append((JournalAddress(file_id, pos + ENTRY_OVERHEAD, length), payload))
         pos = end
