@@ -6,20 +6,43 @@ batches at the positions its catalog index records: back to back when copied, or
 inside a hard-linked sealed journal file (``LocalChunkStore.adopt_ranges``). Names look like
 object keys (``<stream id>/<segment>/<base offset>``) so an S3-compatible store can implement
 the same interface later.
+
+LocalChunkStore serves reads from memory maps of its files, not copies. Why: a replay through
+``pread`` spent a quarter of the broker's CPU copying page cache into user memory, plus the page
+faults of fresh buffers; with maps, the broker's CPU per 205 MB replayed fell from 0.11-0.13 s
+to 0.07-0.09 s and the replay rate rose by a third (bench/README.md). Chunk files never change
+once written (written whole and renamed, or a sealed journal file that is never truncated), so
+a map stays valid; a file replaced or deleted through this store drops its map.
+
+A map's page that cannot be read raises SIGBUS, not an error, when touched. So every range is
+loaded with ``MADV_POPULATE_READ`` in the reader thread first, which reports a failed device read
+as an ``OSError`` (a typed ``StorageError`` here) instead. The trade-off we accept: if memory
+pressure evicts a loaded page before the broker has sent it, and the device then fails to read
+it back, the broker dies of SIGBUS. That is a crash like any other: recovery loses nothing
+acknowledged. Kernels older than 5.14 lack the advice; the store then reads with ``pread``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import mmap
 import os
 import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from .._errors import CorruptData
 from ._journal import Buffer, _writev_all, fsync_dir, storage_error
+
+MADV_POPULATE_READ = 22  # Linux 5.14; not in Python 3.11's mmap module
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def chunk_name(stream_id: int, segment: int, base_offset: int) -> str:
@@ -35,8 +58,10 @@ class LongTermStore(ABC):
         """Store the concatenated buffers under ``name``, durably and atomically."""
 
     @abstractmethod
-    def read_chunk(self, name: str, start: int = 0, length: int | None = None) -> bytes:
-        """Bytes ``[start, start + length)`` of a chunk (to its end when ``length`` is None)."""
+    def read_chunk(self, name: str, start: int = 0, length: int | None = None) -> Buffer:
+        """Bytes ``[start, start + length)`` of a chunk (to its end when ``length`` is None).
+
+        Read-only; may be a view of memory the store shares (LocalChunkStore's maps)."""
 
     @abstractmethod
     def delete_chunk(self, name: str) -> None:
@@ -64,11 +89,19 @@ class LongTermStore(ABC):
 
 
 class LocalChunkStore(LongTermStore):
-    """Chunks as files under a directory: written to a temporary name, fsynced, renamed."""
+    """Chunks as files under a directory: written to a temporary name, fsynced, renamed; read
+    through memory maps (see the module docstring), or with ``pread`` where ``map_reads`` is
+    false or the kernel cannot load a map's pages safely."""
 
-    def __init__(self, directory: Path, *, fsync: bool = True) -> None:
+    #: Open maps kept; a map costs address space and page tables, not memory of its own.
+    MAX_MAPS = 128
+
+    def __init__(self, directory: Path, *, fsync: bool = True, map_reads: bool = True) -> None:
         self.directory = directory
         self._fsync = fsync
+        self._map_reads = map_reads
+        self._maps: OrderedDict[str, memoryview] = OrderedDict()
+        self._maps_lock = threading.Lock()
         directory.mkdir(parents=True, exist_ok=True)
 
     def _path(self, name: str) -> Path:
@@ -87,6 +120,7 @@ class LocalChunkStore(LongTermStore):
             finally:
                 os.close(fd)
             os.replace(tmp, path)
+            self._unmap(name)
             if self._fsync:
                 fsync_dir(path.parent)
         except OSError as exc:
@@ -107,6 +141,7 @@ class LocalChunkStore(LongTermStore):
                 return [position for position, _ in ranges]  # adopted before a retry or crash
             os.link(source, tmp)
             os.replace(tmp, path)
+            self._unmap(name)
             if self._fsync:
                 fsync_dir(path.parent)
         except OSError as exc:
@@ -117,7 +152,19 @@ class LocalChunkStore(LongTermStore):
             raise storage_error(exc, f"linking chunk {name}") from exc
         return [position for position, _ in ranges]
 
-    def read_chunk(self, name: str, start: int = 0, length: int | None = None) -> bytes:
+    def read_chunk(self, name: str, start: int = 0, length: int | None = None) -> Buffer:
+        data = self._mapped(name) if self._map_reads else None
+        if data is None:
+            return self._pread(name, start, length)
+        end = len(data) if length is None else start + length
+        if end > start and (end > len(data) or not self._populate(data, start, end)):
+            # the file changed under its map, the device failed, or the kernel is too old:
+            # ``pread`` says which, with the typed error (CorruptData, StorageError)
+            self._unmap(name)
+            return self._pread(name, start, length)
+        return data[start:end]
+
+    def _pread(self, name: str, start: int, length: int | None) -> bytes:
         try:
             with open(self._path(name), "rb") as f:
                 f.seek(start)
@@ -126,13 +173,61 @@ class LocalChunkStore(LongTermStore):
             raise CorruptData(
                 f"chunk {name} is missing from long-term storage", chunk=name
             ) from exc
+        except OSError as exc:
+            raise storage_error(exc, f"reading chunk {name}") from exc
         if length is not None and len(data) != length:
             raise CorruptData(
                 f"chunk {name} is shorter than its catalog entry", chunk=name, position=start
             )
         return data
 
+    def _mapped(self, name: str) -> memoryview | None:
+        """A read-only view of the whole chunk file, mapped once and kept (LRU)."""
+        with self._maps_lock:
+            data = self._maps.get(name)
+            if data is not None:
+                self._maps.move_to_end(name)
+                return data
+        try:
+            with open(self._path(name), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    return memoryview(b"")  # mmap refuses empty files
+                data = memoryview(mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ))
+        except FileNotFoundError as exc:
+            raise CorruptData(
+                f"chunk {name} is missing from long-term storage", chunk=name
+            ) from exc
+        except OSError as exc:
+            raise storage_error(exc, f"mapping chunk {name}") from exc
+        with self._maps_lock:
+            self._maps[name] = data
+            while len(self._maps) > self.MAX_MAPS:
+                self._maps.popitem(last=False)  # views still sent keep their map alive
+        return data
+
+    def _populate(self, data: memoryview, start: int, end: int) -> bool:
+        """Load ``[start, end)`` of a map into memory, so that touching it cannot raise SIGBUS;
+        False if that failed (``MADV_POPULATE_READ`` fails where the touch would raise).
+
+        No ``MADV_WILLNEED`` read-ahead: on the development VM it made a cold read slower (1.4
+        vs 2.1 GB/s for 4 MiB ranges in order; ``pread`` of the same ranges: 0.5-0.7 GB/s).
+        """
+        address = np.frombuffer(data, np.uint8).ctypes.data  # a map's pages: page-aligned
+        low = start - start % mmap.PAGESIZE
+        # through ctypes, which lets go of the GIL while the disk reads; mmap.madvise keeps it
+        if _libc.madvise(ctypes.c_void_p(address + low), end - low, MADV_POPULATE_READ) == 0:
+            return True
+        if ctypes.get_errno() == errno.EINVAL:
+            self._map_reads = False  # before Linux 5.14: read with pread from now on
+        return False
+
+    def _unmap(self, name: str) -> None:
+        with self._maps_lock:
+            self._maps.pop(name, None)
+
     def delete_chunk(self, name: str) -> None:
+        self._unmap(name)
         self._path(name).unlink(missing_ok=True)
 
     def list_chunks(self, prefix: str = "") -> list[str]:

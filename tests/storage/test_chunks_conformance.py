@@ -8,6 +8,7 @@ byte ranges, listed by name prefix and deleted whole; a missing chunk or a range
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,12 +19,15 @@ from hypothesis import strategies as st
 
 from slipstream import CorruptData, StorageError, StorageFull
 from slipstream.storage import LocalChunkStore, LongTermStore, MemoryChunkStore, chunk_name
+from slipstream.storage import _chunks as chunks_module
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "local-pread", "memory"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LongTermStore]:
     if request.param == "local":
         yield LocalChunkStore(tmp_path / "chunks")
+    elif request.param == "local-pread":  # what a kernel before 5.14 gets
+        yield LocalChunkStore(tmp_path / "chunks", map_reads=False)
     else:
         yield MemoryChunkStore()
 
@@ -76,6 +80,7 @@ def test_empty_chunk(store: LongTermStore) -> None:
 
 def test_overwrite_replaces_the_whole_chunk(store: LongTermStore) -> None:
     store.write_chunk("o/0/0", [b"a much longer first version"])
+    assert store.read_chunk("o/0/0", 2, 4) == b"much"
     store.write_chunk("o/0/0", [b"second"])
     assert store.read_chunk("o/0/0") == b"second"
     assert store.list_chunks() == ["o/0/0"]
@@ -240,3 +245,66 @@ def test_local_adopt_retried_leaves_no_temporary_file(tmp_path: Path) -> None:
     assert store.adopt_ranges("1/0/0", source, [(5, 10)]) == [5]
     assert leftovers(tmp_path / "chunks") == []
     assert store.read_chunk("1/0/0", 5, 10) == DATA[5:15]
+
+
+# --- LocalChunkStore reads through memory maps ---------------------------------------------------
+
+PAGE = mmap.PAGESIZE
+
+
+def test_local_read_views_outlive_delete_and_overwrite(tmp_path: Path) -> None:
+    """The broker may still be sending a view when retention deletes its chunk."""
+    store = LocalChunkStore(tmp_path / "chunks")
+    store.write_chunk("v/0/0", [DATA])
+    view = store.read_chunk("v/0/0", 10, 500)
+    assert isinstance(view, memoryview) and view.readonly
+    store.delete_chunk("v/0/0")
+    assert view == DATA[10:510]
+    store.write_chunk("v/0/0", [b"other bytes"])
+    assert store.read_chunk("v/0/0") == b"other bytes", "the old map is not used again"
+    assert view == DATA[10:510]
+
+
+def test_local_evicted_maps_stay_valid_while_viewed(tmp_path: Path) -> None:
+    store = LocalChunkStore(tmp_path / "chunks")
+    store.MAX_MAPS = 2
+    names = [chunk_name(1, 0, i) for i in range(6)]
+    for name in names:
+        store.write_chunk(name, [name.encode() * 100])
+    views = [store.read_chunk(name, 0, 50) for name in names]  # maps 0-3 are dropped
+    for _ in range(2):
+        for name, view in zip(names, views, strict=True):
+            assert view == (name.encode() * 100)[:50]
+            assert store.read_chunk(name, 50, 10) == (name.encode() * 100)[50:60]
+
+
+def test_local_file_cut_under_its_map_is_corrupt_data_not_sigbus(tmp_path: Path) -> None:
+    """Touching a mapped page past the end of its file raises SIGBUS; the store loads every
+    range with MADV_POPULATE_READ first, which fails instead, and then says what is wrong."""
+    store = LocalChunkStore(tmp_path / "chunks")
+    data = os.urandom(3 * PAGE)
+    store.write_chunk("t/0/0", [data])
+    assert store.read_chunk("t/0/0", 0, 100) == data[:100]  # mapped, all three pages
+    os.truncate(tmp_path / "chunks" / "t" / "0" / "0.chunk", PAGE)  # damage behind its back
+    with pytest.raises(CorruptData, match="shorter"):
+        store.read_chunk("t/0/0", 2 * PAGE, 100)
+    assert store.read_chunk("t/0/0", 10, 100) == data[10:110]
+
+
+def test_local_unreadable_chunk_is_storage_error(tmp_path: Path) -> None:
+    store = LocalChunkStore(tmp_path / "chunks")
+    (tmp_path / "chunks" / "u" / "0" / "0.chunk").mkdir(parents=True)  # not a file
+    with pytest.raises(StorageError, match="u/0/0"):
+        store.read_chunk("u/0/0", 0, 10)
+
+
+def test_local_reads_with_pread_where_the_kernel_cannot_populate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalChunkStore(tmp_path / "chunks")
+    store.write_chunk("k/0/0", [DATA])
+    monkeypatch.setattr(chunks_module, "MADV_POPULATE_READ", 0x7FFF)  # EINVAL, as before 5.14
+    for _ in range(2):
+        data = store.read_chunk("k/0/0", 5, 200)
+        assert data == DATA[5:205]
+        assert isinstance(data, bytes), "read with pread, not through a map"
