@@ -417,7 +417,16 @@ class Container:
         last = first + max(1, int(np.searchsorted(sizes, max_bytes, side="right")))
         start = int(chunk.positions[first])
         end = int(chunk.positions[last - 1] + chunk.lengths[last - 1])
-        data = memoryview(self.long_term.read_chunk(chunk.record.name, start, end - start))
+        try:
+            data = memoryview(self.long_term.read_chunk(chunk.record.name, start, end - start))
+        except CorruptData as exc:  # missing or cut short: name the position the reader knows
+            raise CorruptData(
+                f"corrupt data in segment {segment.number} of {segment.stream_name!r} at "
+                f"offset {int(chunk.offsets[first])}: {exc.message}",
+                segment=segment.number,
+                offset=int(chunk.offsets[first]),
+                chunk=chunk.record.name,
+            ) from exc
         out: list[bytes | bytearray | memoryview] = []
         for i in range(first, last):
             at = int(chunk.positions[i]) - start

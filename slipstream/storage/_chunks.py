@@ -10,9 +10,9 @@ the same interface later.
 LocalChunkStore serves reads from memory maps of its files, not copies. Why: a replay through
 ``pread`` spent a quarter of the broker's CPU copying page cache into user memory, plus the page
 faults of fresh buffers; with maps, the broker's CPU per 205 MB replayed fell from 0.09-0.14 s
-to 0.07-0.11 s and the replay rate rose by a fifth to a third (bench/README.md). Chunk files never change
-once written (written whole and renamed, or a sealed journal file that is never truncated), so
-a map stays valid; a file replaced or deleted through this store drops its map.
+to 0.07-0.11 s and the replay rate rose by a fifth to a third (bench/README.md). Chunk files
+never change once written (written whole and renamed, or a sealed journal file that is never
+truncated), so a map stays valid; a file replaced or deleted through this store drops its map.
 
 A map's page that cannot be read raises SIGBUS, not an error, when touched. So every range is
 loaded with ``MADV_POPULATE_READ`` in the reader thread first, which reports a failed device read

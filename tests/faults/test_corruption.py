@@ -159,3 +159,36 @@ def test_corrupt_batch_among_large_ones_in_a_chunk_is_reported_after_the_good_on
             next(reader)
     assert raised.value.details == {"segment": 0, "offset": 100}
     assert "corrupt data in segment 0 of 'faults/big' at offset 100" in raised.value.message
+
+
+def test_chunk_cut_short_under_a_running_broker_is_reported_not_a_crash(
+    broker_factory: type[BrokerProcess],
+) -> None:
+    # The broker reads chunks through memory maps; touching a mapped page past the end of its
+    # file would kill it with SIGBUS. It loads each range first, which fails instead.
+    broker = broker_factory("--roll", "4KiB", "--roll-seconds", "0.2").start()
+    with broker.client() as client:
+        client.create_stream("faults/torn", segments=1)
+        _fill(client, 200)
+        chunks = _wait_for_chunks(broker)
+        assert len(_read_all(client)) == 200  # every chunk read, so mapped, once
+        os.truncate(chunks[0], 0)
+        with pytest.raises(slipstream.CorruptData) as raised:
+            _read_all(client)
+        assert raised.value.details["segment"] == 0
+        assert raised.value.details["offset"] == 0
+        assert "shorter than its catalog entry" in raised.value.message
+        # the broker is alive and serves the rest, and takes appends
+        later = client.reader("faults/torn", start=client.tail("faults/torn"))
+        tail = client.tail("faults/torn")
+        assert broker.proc is not None and broker.proc.poll() is None
+        rest = list(
+            client.reader(
+                "faults/torn",
+                start=slipstream.StreamCut("faults/torn", {0: 150}),
+                end=tail,
+            )
+        )
+        assert [e.value for e in rest] == [f"event-{i}".encode() for i in range(150, 200)]
+        _fill(client, 1)
+        assert next(iter(later)).value == b"event-0"
