@@ -27,7 +27,13 @@ import msgspec
 
 from .._errors import DataDirLocked, InvalidArgument
 from ..storage import FileJournal, LocalChunkStore, SqliteMetaStore
-from ._container import FSYNC_MODES, Container, ContainerConfig, batch_checks_out
+from ._container import (
+    FSYNC_MODES,
+    JOURNAL_RESYNC,
+    Container,
+    ContainerConfig,
+    batch_checks_out,
+)
 from ._controller import Controller
 from ._transactions import Coordinator
 
@@ -122,7 +128,12 @@ class Broker:
         self.long_term = LocalChunkStore(data_dir / "chunks", fsync=do_sync)
         self.read_pool = ThreadPoolExecutor(4, thread_name_prefix="reader")
         self.journals = [
-            FileJournal(data_dir / "journal" / str(cid), fsync=do_sync, check=batch_checks_out)
+            FileJournal(
+                data_dir / "journal" / str(cid),
+                fsync=do_sync,
+                check=batch_checks_out,
+                resync=JOURNAL_RESYNC,
+            )
             for cid in range(layout.containers)
         ]
         self.containers = [
@@ -137,6 +148,9 @@ class Broker:
         totals = self.controller.recover()
         totals.update(self.coordinator.recover())
         totals["cut_bytes"] = sum(j.report.cut_bytes for j in self.journals)
+        totals["damaged_bytes"] = sum(
+            d.end - d.start for j in self.journals for d in j.report.damaged
+        )
         totals["ms"] = int((time.monotonic() - started) * 1000)
         for journal in self.journals:
             if journal.report.cut_reason:
@@ -145,8 +159,9 @@ class Broker:
                 )
         log.info(
             "recovered %(streams)d streams, %(batches)d journal batches in %(ms)d ms "
-            "(%(cut_bytes)d torn bytes cut; %(skipped)d entries skipped: deleted streams, or gaps "
-            "logged above); %(identities)d transactional ids, %(commits)d commits to finish",
+            "(%(cut_bytes)d torn bytes cut, %(damaged_bytes)d damaged bytes skipped; "
+            "%(skipped)d entries skipped: deleted streams, or logged above); "
+            "%(identities)d transactional ids, %(commits)d commits to finish",
             totals,
         )
         return totals

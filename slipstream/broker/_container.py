@@ -32,7 +32,7 @@ from .._errors import (
     StorageError,
     StreamNotFound,
 )
-from ..format import HEADER_LENGTH, BatchHeader, decode_header, set_base_offset, verify
+from ..format import HEADER_LENGTH, MAGIC, BatchHeader, decode_header, set_base_offset, verify
 from ..protocol import Payload
 from ..storage import (
     BLOCK,
@@ -53,6 +53,8 @@ _SEGMENT_ID = struct.Struct("<Q")
 FSYNC_MODES = ("always", "interval", "never")
 #: where in its 4 KiB block a received batch must start for the journal to write it in place
 BATCH_ALIGNMENT = (BLOCK, payload_alignment(_SEGMENT_ID.size))
+#: what every journal payload carries where: lets recovery find entries after damage
+JOURNAL_RESYNC = (MAGIC, _SEGMENT_ID.size)
 
 
 def batch_checks_out(payload: memoryview) -> bool:
@@ -106,6 +108,8 @@ class Container:
         self._cached_bytes = 0
         self._roll_started = time.monotonic()
         self._sealed = asyncio.Event()
+        #: sealed journal file -> (segment global id, first, next offset) of each hole in it
+        self._holes: dict[int, list[tuple[int, int, int]]] = {}
         self.appended_batches = 0
         #: live segments of this container by global id; the controller keeps it current
         self.segments: dict[int, Segment] = {}
@@ -116,6 +120,15 @@ class Container:
         """Rebuild segment indexes from the journal (before serving), after the controller
         registered the live segments with their chunks. Entries of unknown (deleted) segments
         are skipped, as are entries already moved to chunks.
+
+        Batches in damaged ranges of sealed journal files (``Journal.recover``) are lost. Each
+        lost range becomes a *hole* in its segment: reads there raise CorruptData naming the
+        range, later batches stay readable, and its offsets are never handed out again. A hole
+        is found as a gap before the segment's next batch, or, where no batch of the segment
+        follows, from the damaged entry's own header if that is plausible (a live segment of
+        this container, continuing exactly where the segment ends). A damaged entry whose
+        header is unreadable and that ends its segment cannot be told from nothing; it is
+        logged, and that segment's next appends take its offsets.
         """
         segments = self.segments
         moved = self.meta.moved_file(self.id)
@@ -135,17 +148,7 @@ class Container:
             if header.base_offset < segment.next_offset:
                 continue
             if header.base_offset > segment.next_offset:
-                log.error(
-                    "container %d: segment %s/%d has a gap at offset %d (next batch at %d); "
-                    "skipping the rest of it",
-                    self.id,
-                    segment.stream_name,
-                    segment.number,
-                    segment.next_offset,
-                    header.base_offset,
-                )
-                skipped += 1
-                continue
+                self._lose(segment, header.base_offset, address.file_id, header.min_timestamp)
             segment.journal.append(
                 JournalBatch(
                     header.base_offset,
@@ -160,7 +163,57 @@ class Container:
             segment.next_offset = segment.pending_offset = header.next_offset
             segment.note_batch(header.batch_length, header.min_timestamp, header.max_timestamp)
             kept += 1
+        unnamed = 0
+        for damage in self.journal.report.damaged:
+            for head in damage.heads:
+                if not self._lose_damaged(head, damage.file_id):
+                    unnamed += 1
+                    break  # the outline after an unreadable head is not worth trusting
+        if unnamed:
+            log.error(
+                "container %d: %d damaged journal entries could not be attributed to a "
+                "segment; a segment whose last batches they held continues at its last "
+                "readable offset",
+                self.id,
+                unnamed,
+            )
         return {"batches": kept, "skipped": skipped}
+
+    def _lose_damaged(self, head: bytes, file_id: int) -> bool:
+        """Make a hole for a damaged entry that ends its segment, if its head is plausible;
+        whether it could be attributed (also: to a range that is a hole already)."""
+        if len(head) < _SEGMENT_ID.size + HEADER_LENGTH:
+            return False
+        segment = self.segments.get(_SEGMENT_ID.unpack_from(head)[0])
+        try:
+            header = decode_header(head, _SEGMENT_ID.size)
+        except CorruptBatch:
+            return False
+        if segment is None or header.base_offset > segment.next_offset:
+            return False
+        if header.base_offset == segment.next_offset:
+            self._lose(segment, header.next_offset, file_id, segment.last_timestamp or 0)
+        return True
+
+    def _lose(self, segment: Segment, until: int, file_id: int, timestamp: int) -> None:
+        """Record offsets ``[segment.next_offset, until)`` as lost (a hole) and move past."""
+        lost = segment.next_offset
+        log.error(
+            "container %d: segment %s/%d lost offsets %d to %d to damaged journal file %d; "
+            "readers get CorruptData there and can read on from offset %d",
+            self.id,
+            segment.stream_name,
+            segment.number,
+            lost,
+            until - 1,
+            file_id,
+            until,
+        )
+        segment.journal.append(
+            JournalBatch(lost, until, JournalAddress(file_id, -1, 0), timestamp, timestamp, None)
+        )
+        segment.next_offset = segment.pending_offset = until
+        self._holes.setdefault(file_id, []).append((segment.global_id, lost, until))
 
     # --- appends ---------------------------------------------------------------------------
 
@@ -368,9 +421,14 @@ class Container:
     async def _read_journal(
         self, segment: Segment, offset: int, max_bytes: int
     ) -> list[bytes | bytearray | memoryview]:
-        journal, planned, total = segment.journal, [], 0
+        journal, total = segment.journal, 0
+        planned: list[JournalBatch] = []
         index = segment.journal_index(offset)
         while index < len(journal) and total < max_bytes:
+            if journal[index].lost:
+                if not planned:
+                    raise _lost(segment, offset, journal[index].next_offset)
+                break  # serve the batches before the hole; the next read reports it
             planned.append(journal[index])
             total += journal[index].address.length - _SEGMENT_ID.size
             index += 1
@@ -412,6 +470,9 @@ class Container:
     def _read_chunk(
         self, segment: Segment, chunk: Chunk, offset: int, max_bytes: int
     ) -> list[bytes | bytearray | memoryview]:
+        if not len(chunk.offsets) or offset < chunk.offsets[0]:  # a hole begins the chunk
+            after = chunk.offsets[0] if len(chunk.offsets) else chunk.record.next_offset
+            raise _lost(segment, offset, int(after))
         first = chunk.batch_containing(offset)
         sizes = np.cumsum(chunk.lengths[first:])
         last = first + max(1, int(np.searchsorted(sizes, max_bytes, side="right")))
@@ -428,7 +489,10 @@ class Container:
                 chunk=chunk.record.name,
             ) from exc
         out: list[bytes | bytearray | memoryview] = []
+        expected = offset
         for i in range(first, last):
+            if out and chunk.offsets[i] != expected:
+                break  # a hole follows: serve what is before it; the next read reports it
             at = int(chunk.positions[i]) - start
             try:
                 header = verify(data, at)
@@ -449,7 +513,11 @@ class Container:
                     segment=segment.number,
                     offset=int(chunk.offsets[i]),
                 ) from exc
+            if header.next_offset <= offset:  # ``offset`` lies in a hole after this batch
+                after = int(chunk.offsets[i + 1]) if i + 1 < len(chunk.offsets) else None
+                raise _lost(segment, offset, after or chunk.record.next_offset)
             out.append(data[at : at + header.batch_length])
+            expected = header.next_offset
         return out
 
     # --- moving journal files to long-term chunks ------------------------------------------
@@ -479,10 +547,18 @@ class Container:
         loop = asyncio.get_running_loop()
         source = self.journal.file_path(file_id)
         live = self.segments
+        # the offsets each segment lost in this file: its chunk covers them, as a gap in the
+        # batch index, so the hole outlives the journal file (and a restart)
+        holes: dict[int, tuple[int, int]] = {}
+        for global_id, lost, until in self._holes.get(file_id, ()):
+            first, end = holes.get(global_id, (lost, until))
+            holes[global_id] = (min(first, lost), max(end, until))
 
         def write_chunks() -> list[tuple[Segment, ChunkRecord]]:
             # (payload position, header) of each live segment's batches, in offset order
-            by_segment: dict[int, list[tuple[int, BatchHeader, Payload | bytes]]] = {}
+            by_segment: dict[int, list[tuple[int, BatchHeader, Payload | bytes]]] = {
+                global_id: [] for global_id in holes if global_id in live
+            }
             # a file that becomes chunks as it is needs only its batch headers read back
             found = (
                 self.journal.entries(file_id)
@@ -505,8 +581,14 @@ class Container:
                 )
                 for h in headers:
                     _remember(producers, h)
-                name = chunk_name(segment.stream_id, segment.number, headers[0].base_offset)
-                if source is not None:
+                lost, until = holes.get(global_id, (headers[0].base_offset, 0))
+                base = min(lost, headers[0].base_offset) if headers else lost
+                end = max(until, headers[-1].next_offset) if headers else until
+                name = chunk_name(segment.stream_id, segment.number, base)
+                if not batches:  # nothing but a hole: an empty chunk keeps its offsets taken
+                    self.long_term.write_chunk(name, [])
+                    positions = []
+                elif source is not None:
                     ranges = [(at, h.batch_length) for at, h, _ in batches]
                     positions = self.long_term.adopt_ranges(name, source, ranges)
                 else:
@@ -522,11 +604,11 @@ class Container:
                 record = ChunkRecord(
                     segment.stream_id,
                     segment.number,
-                    headers[0].base_offset,
-                    headers[-1].next_offset,
+                    base,
+                    end,
                     sum(h.batch_length for h in headers),
-                    min(h.min_timestamp for h in headers),
-                    max(h.max_timestamp for h in headers),
+                    min((h.min_timestamp for h in headers), default=segment.last_timestamp or 0),
+                    max((h.max_timestamp for h in headers), default=segment.last_timestamp or 0),
                     name,
                     index.tobytes(),
                     producers.snapshot() if len(producers) else b"",
@@ -549,6 +631,7 @@ class Container:
             del segment.journal[:moved]
             segment.add_chunk(record)
         self._cached = deque(b for b in self._cached if b.data is not None)
+        self._holes.pop(file_id, None)
         await loop.run_in_executor(self._io, self.journal.delete_file, file_id)
 
     async def close(self) -> None:
@@ -561,6 +644,18 @@ class Container:
         await loop.run_in_executor(self._io, self.journal.close)
         self._io.shutdown(wait=True)
         self._mover.shutdown(wait=True)
+
+
+def _lost(segment: Segment, offset: int, resume: int) -> CorruptData:
+    """The error for a read in a hole: offsets lost to damaged storage (Container.recover)."""
+    return CorruptData(
+        f"corrupt data in segment {segment.number} of {segment.stream_name!r} at offset "
+        f"{offset}: lost to damaged storage up to offset {resume - 1} (see the broker log); "
+        f"read on from offset {resume}",
+        segment=segment.number,
+        offset=offset,
+        resume=resume,
+    )
 
 
 def _fail(future: asyncio.Future[int], exc: BaseException) -> None:

@@ -30,6 +30,11 @@ class JournalBatch:
     max_timestamp: int
     data: bytes | bytearray | memoryview | None
 
+    @property
+    def lost(self) -> bool:
+        """A hole: offsets whose batch was in damaged journal bytes (see Container.recover)."""
+        return self.address.position < 0
+
 
 @dataclass(slots=True, eq=False)
 class Chunk:

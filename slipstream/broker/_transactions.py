@@ -49,7 +49,7 @@ from .._errors import (
     TransactionAborted,
     TransactionNotFound,
 )
-from ..format import FLAG_TRANSACTIONAL, BatchHeader, decode_header, restamp
+from ..format import FLAG_TRANSACTIONAL, MAGIC, BatchHeader, decode_header, restamp
 from ..protocol import IdentityInfo, Payload, TxnEnded, TxnInfo, TxnRange
 from ..storage import (
     CommitPart,
@@ -157,7 +157,8 @@ class Coordinator:
     def __init__(
         self, data_dir: Path, meta: MetaStore, controller: Controller, *, fsync: bool = True
     ) -> None:
-        self.staging = FileJournal(data_dir / "txns", fsync=fsync)
+        # damage in a sealed staging file loses only the damaged entries (see FileJournal)
+        self.staging = FileJournal(data_dir / "txns", fsync=fsync, resync=(MAGIC, _STAGED.size))
         self.meta = meta
         self.controller = controller
         self._io = ThreadPoolExecutor(1, thread_name_prefix="txn-io")

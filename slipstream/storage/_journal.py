@@ -9,11 +9,23 @@ highest id is the active file, the rest are sealed. Each file is a sequence of e
                           SELF_CHECKED)
     8      ...   payload  ``length`` bytes
 
-Recovery reads entries in file order and stops at the first one that is short, zero-length or
-fails its CRC: that entry and everything after it in the journal is a torn or corrupt tail. It is
-cut off (the file truncated, later files removed) and logged, so nothing half-written is served.
-The one exception is *padding*: fewer than ``BLOCK`` zero bytes that end a file whose size is a
-multiple of ``BLOCK``, which a direct write leaves after the last entry; it is dropped quietly.
+Recovery reads entries in file order. In the active (last) file, the first entry that is
+short, zero-length or fails its CRC starts a torn or corrupt tail: it is cut off (the file
+truncated) and logged, so nothing half-written is served. The one exception is *padding*: fewer
+than ``BLOCK`` zero bytes that end a file whose size is a multiple of ``BLOCK``, which a direct
+write leaves after the last entry; it is dropped quietly.
+
+Damage in a *sealed* file is not a torn write: a file is synced before it is sealed, so every
+entry in it was durable and later files hold acknowledged entries too. A journal given a
+``resync`` marker (bytes every payload carries at a fixed position: the broker's batch magic)
+skips such damage instead of cutting there: it searches for the marker, takes the first
+candidate after the damaged entry whose length and CRC check out as the next entry, and records
+the bytes in between as a ``DamagedRange`` (with the unverified heads of the entries their
+length fields outline, for the owner to name what was lost). Sealed-file damage without a
+marker, or with no valid entry after it in its file, is recorded the same way up to the file's
+end; nothing is truncated and no later file is removed. We chose this over cutting the rest of
+the container's journal (as a torn tail is cut) because that lost every acknowledged entry of
+every segment after one flipped bit, and offsets were then handed out a second time.
 
 Self-checked entries (a journal given a ``check``, writing directly): a large entry whose last
 part lies in memory at ``payload_alignment`` within its block is written from that memory, not
@@ -88,13 +100,26 @@ class JournalAddress(msgspec.Struct, frozen=True, gc=False):
     length: int
 
 
+class DamagedRange(msgspec.Struct, frozen=True):
+    """Bytes ``[start, end)`` of sealed file ``file_id`` that hold no valid entry; ``heads``
+    are the first ``CHECKED_PREFIX`` bytes of each entry their length fields outline, in order,
+    unverified (they may be damaged too)."""
+
+    file_id: int
+    start: int
+    end: int
+    heads: tuple[bytes, ...] = ()
+
+
 class RecoveryReport(msgspec.Struct):
-    """What recovery found: entries kept, and bytes cut off as torn or corrupt."""
+    """What recovery found: entries kept, bytes cut off as a torn or corrupt tail, and damaged
+    ranges skipped in sealed files (in journal order)."""
 
     entries: int = 0
     files: int = 0
     cut_bytes: int = 0
     cut_reason: str | None = None
+    damaged: list[DamagedRange] = msgspec.field(default_factory=list)
 
 
 def storage_error(exc: OSError, action: str) -> StorageFull | StorageError:
@@ -125,7 +150,9 @@ class Journal(ABC):
         """Yield every valid entry in order, cutting off a torn or corrupt tail first.
 
         Files with ids up to ``moved_through`` are already in long-term storage (their chunks
-        may be hard links to them): they are removed unread, never cut or truncated.
+        may be hard links to them): they are removed unread, never cut or truncated. Damage in
+        a sealed file is skipped, not cut (see the module docstring): ``report.damaged`` lists
+        it, and has each file's ranges before that file's first entry is yielded.
         """
 
     @abstractmethod
@@ -184,12 +211,73 @@ class Journal(ABC):
         """Release files; appends after close fail."""
 
 
+Resync = tuple[bytes, int]
+_Entries = list[tuple[JournalAddress, memoryview]]
+
+
+def _parse_sealed(
+    file_id: int, data: bytes, check: Check | None, resync: Resync | None
+) -> tuple[_Entries, list[DamagedRange]]:
+    """Valid entries of a sealed file, skipping damaged ranges (found through ``resync``)."""
+    view = memoryview(data)
+    found: _Entries = []
+    damaged: list[DamagedRange] = []
+    pos = 0
+    while True:
+        entries, valid, reason = _parse_entries(file_id, view, check, start=pos)
+        found += entries
+        if reason is None:
+            return found, damaged
+        after = len(data) if resync is None else _next_entry(data, valid, check, resync)
+        damaged.append(DamagedRange(file_id, valid, after, _outline(view, valid, after)))
+        if after == len(data):
+            return found, damaged
+        pos = after
+
+
+def _next_entry(data: bytes, bad: int, check: Check | None, resync: Resync) -> int:
+    """Where the first valid entry after the bad one at ``bad`` starts (``len(data)`` if
+    none): a payload whose ``marker`` sits ``at`` bytes in, with a length and CRC that check
+    out."""
+    marker, at = resync
+    lead = ENTRY_OVERHEAD + at
+    found = data.find(marker, bad + 1 + lead)
+    while found >= 0:
+        start = found - lead
+        field, crc = _ENTRY.unpack_from(data, start)
+        end = start + ENTRY_OVERHEAD + (field & ~SELF_CHECKED)
+        if field & ~SELF_CHECKED and end <= len(data):
+            payload = memoryview(data)[start + ENTRY_OVERHEAD : end]
+            if _checks_out(field, crc, payload, check):
+                return start
+        found = data.find(marker, found + 1)
+    return len(data)
+
+
+def _outline(data: memoryview, pos: int, end: int) -> tuple[bytes, ...]:
+    """The heads of the entries that the length fields in ``data[pos:end]`` outline (past
+    alignment padding), unverified."""
+    heads = []
+    while pos + ENTRY_OVERHEAD < end:
+        length = _ENTRY.unpack_from(data, pos)[0] & ~SELF_CHECKED
+        if length == 0 and pos < _padded_to(pos) < end:
+            pos = _padded_to(pos)  # zeros before an aligned entry
+            continue
+        if length == 0 or pos + ENTRY_OVERHEAD + length > end:
+            break
+        start = pos + ENTRY_OVERHEAD
+        heads.append(bytes(data[start : start + min(length, CHECKED_PREFIX)]))
+        pos = start + length
+    return tuple(heads)
+
+
 def _parse_entries(
-    file_id: int, data: memoryview, check: Check | None = None
-) -> tuple[list[tuple[JournalAddress, memoryview]], int, str | None]:
-    """Valid entries of one file's bytes, the length of the valid prefix, and why it stops."""
-    found: list[tuple[JournalAddress, memoryview]] = []
-    pos, size = 0, len(data)
+    file_id: int, data: memoryview, check: Check | None = None, start: int = 0
+) -> tuple[_Entries, int, str | None]:
+    """Valid entries of one file's bytes from ``start``, where they end, and why they stop
+    there (None: at the end of the file, or at padding that ends it)."""
+    found: _Entries = []
+    pos, size = start, len(data)
     while pos < size:
         if size - pos < BLOCK and _is_padding(data[pos:], size):
             return found, pos, None
@@ -292,9 +380,12 @@ class FileJournal(Journal):
         direct: bool | None = None,
         fault: Callable[[str], None] | None = None,
         check: Check | None = None,
+        resync: Resync | None = None,
     ) -> None:
         self.directory = directory
         self._check = check  # verifies self-checked payloads; None: write none, accept none
+        self._resync = resync  # (marker, position in payload): finds entries after damage
+        self._damaged: dict[int, list[tuple[int, int]]] = {}  # sealed file -> skipped ranges
         directory.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
         self._want_direct = (fsync if direct is None else direct) and _O_DIRECT != 0
@@ -320,22 +411,33 @@ class FileJournal(Journal):
     def recover(self, moved_through: int = -1) -> Iterator[tuple[JournalAddress, memoryview]]:
         ids = sorted(int(p.stem) for p in self.directory.glob("*.journal"))
         report = self.report
-        cut = False
         for file_id in ids:
             path = self._path(file_id)
             if file_id <= moved_through:
                 path.unlink()
                 continue
-            if cut:
-                report.cut_bytes += path.stat().st_size
-                path.unlink()
-                continue
-            data = memoryview(path.read_bytes())
-            entries, valid, reason = _parse_entries(file_id, data, self._check)
+            data = path.read_bytes()
             report.files += 1
+            if file_id != ids[-1]:
+                entries, damaged = _parse_sealed(file_id, data, self._check, self._resync)
+                for damage in damaged:
+                    log.error(
+                        "journal %s: bytes %d to %d are damaged (%d entries outlined); "
+                        "skipped, the entries after them are kept",
+                        path.name,
+                        damage.start,
+                        damage.end,
+                        len(damage.heads),
+                    )
+                report.damaged += damaged
+                self._damaged[file_id] = [(d.start, d.end) for d in damaged]
+                self._files[file_id] = len(data)
+                report.entries += len(entries)
+                yield from entries
+                continue
+            entries, valid, reason = _parse_entries(file_id, memoryview(data), self._check)
             report.entries += len(entries)
             if reason is not None:
-                cut = True
                 report.cut_bytes += len(data) - valid
                 report.cut_reason = f"{path.name}: {reason}"
                 log.warning(
@@ -348,7 +450,7 @@ class FileJournal(Journal):
                 os.truncate(path, valid)
             self._files[file_id] = valid
             yield from entries
-        if cut or moved_through >= 0:
+        if report.cut_reason is not None or moved_through >= 0:
             fsync_dir(self.directory)  # make the removals and the cut durable
         self._active_id = max(self._files, default=0)
         if not self._files:
@@ -572,8 +674,10 @@ class FileJournal(Journal):
         return sorted(i for i in ids if i != self._active_id)
 
     def entries(self, file_id: int) -> Iterator[tuple[JournalAddress, memoryview]]:
-        data = memoryview(self._path(file_id).read_bytes())
-        found, _, reason = _parse_entries(file_id, data, self._check)
+        data = self._path(file_id).read_bytes()
+        if file_id in self._damaged:  # damaged in recovery: skip what recovery skipped
+            return iter(_parse_sealed(file_id, data, self._check, self._resync)[0])
+        found, _, reason = _parse_entries(file_id, memoryview(data), self._check)
         if reason is not None:
             raise CorruptData(f"sealed journal file {file_id}: {reason}", file=file_id)
         return iter(found)
@@ -583,10 +687,15 @@ class FileJournal(Journal):
         # the mover needs only batch headers, and reading whole files back would pull every
         # byte written (directly, past the page cache) into memory once more.
         path = self._path(file_id)
+        skips = dict(self._damaged.get(file_id, ()))  # start -> end of ranges recovery skipped
         with open(path, "rb", buffering=64 * 1024) as f:
             end = os.fstat(f.fileno()).st_size
             pos = 0
             while pos < end:
+                if pos in skips:
+                    pos = skips[pos]
+                    f.seek(pos)
+                    continue
                 header = f.read(ENTRY_OVERHEAD)
                 field = _ENTRY.unpack(header)[0] if len(header) == ENTRY_OVERHEAD else 0
                 length = field & ~SELF_CHECKED
@@ -615,6 +724,7 @@ class FileJournal(Journal):
             raise ValueError("the active journal file cannot be deleted")
         self._path(file_id).unlink(missing_ok=True)
         del self._files[file_id]
+        self._damaged.pop(file_id, None)
 
     @property
     def active_bytes(self) -> int:

@@ -516,34 +516,113 @@ def test_torn_tail_anywhere_keeps_the_longest_whole_prefix(items: list[bytes], c
         assert_clean_second_recovery(directory, expected)
 
 
-def test_corrupt_entry_in_a_sealed_file_cuts_the_rest_of_the_journal(tmp_path: Path) -> None:
+def flip(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_damage_in_a_sealed_file_is_skipped_to_its_end_and_later_files_are_kept(
+    tmp_path: Path,
+) -> None:
+    # Without a resync marker the journal cannot find the next entry in a damaged file, but a
+    # sealed file was synced before it was sealed: later files hold acknowledged entries.
     directory = tmp_path / "journal"
     files = build_journal(directory, [payloads(3, tag=b"f0"), payloads(3, tag=b"f1"), [b"f2"]])
     paths = journal_files(directory)
-    assert len(paths) == 3
     sizes = [p.stat().st_size for p in paths]
     bad = files[0][1][0]  # the second entry of the first (sealed) file
-    with open(paths[0], "r+b") as f:
-        f.seek(bad.position)
-        byte = f.read(1)
-        f.seek(bad.position)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip(paths[0], bad.position)
 
     journal, recovered = reopen_file_journal(directory)
     try:
-        assert recovered == files[0][:1]
-        cut_in_first = sizes[0] - (bad.position - ENTRY_OVERHEAD)
-        assert journal.report.cut_bytes == cut_in_first + sizes[1] + sizes[2]
-        assert journal.report.cut_reason is not None
-        assert paths[0].name in journal.report.cut_reason
-        assert journal_files(directory) == paths[:1], "later files are removed"
-        assert journal.sealed_files() == []
-        # the cut file is the active one again: appends continue right after the cut
+        assert recovered == [files[0][0], *files[1], *files[2]]
+        start = bad.position - ENTRY_OVERHEAD
+        (damage,) = journal.report.damaged
+        assert (damage.file_id, damage.start, damage.end) == (0, start, sizes[0])
+        flipped = bytes([files[0][1][1][0] ^ 0xFF]) + files[0][1][1][1:]
+        assert damage.heads == (flipped, files[0][2][1])  # unverified, as the bytes are
+        assert journal.report.cut_bytes == 0 and journal.report.cut_reason is None
+        assert journal_files(directory) == paths, "no file is cut or removed"
+        assert [p.stat().st_size for p in paths] == sizes
+        assert journal.sealed_files() == [0, 1]
+        assert list(journal.entries(0)) == files[0][:1]
+        assert list(journal.heads(0, 2)) == [(files[0][0][0], files[0][0][1][:2])]
         (address,) = append_synced(journal, [b"new"])
-        assert address == JournalAddress(0, bad.position, 3)
+        assert address.file_id == 2
     finally:
         journal.close()
-    assert_clean_second_recovery(directory, [*files[0][:1], (address, b"new")])
+    assert_clean_second_recovery(directory, [*recovered, (address, b"new")])
+
+
+MARK = b"MARK"
+
+
+def marked(count: int, tag: bytes) -> list[bytes]:
+    """Payloads that carry MARK two bytes in, as the broker's carry their batch magic."""
+    return [
+        tag[:2].ljust(2, b"_") + MARK + f"{tag.decode()}-{i}".encode() * 3 for i in range(count)
+    ]
+
+
+def resync_journal(directory: Path) -> FileJournal:
+    return FileJournal(directory, resync=(MARK, 2))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    sizes=st.lists(st.integers(min_value=1, max_value=6), min_size=2, max_size=4),
+    where=st.floats(min_value=0.0, max_value=1.0, exclude_max=True),
+)
+def test_a_flipped_byte_anywhere_in_a_sealed_file_loses_only_its_own_entry(
+    sizes: list[int], where: float
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp) / "journal"
+        groups = [marked(n, f"g{i}".encode()) for i, n in enumerate(sizes)]
+        files = build_journal(directory, groups)
+        paths = journal_files(directory)
+        file = min(int(where * (len(paths) - 1)), len(paths) - 2)  # a sealed file
+        size = paths[file].stat().st_size
+        at = int((where * 7919) % 1 * size)
+        flip(paths[file], at)
+        hit = next(
+            i for i, (a, _) in enumerate(files[file]) if a.position + a.length > at
+        )  # the entry whose header or payload holds byte ``at``
+        journal = resync_journal(directory)
+        try:
+            recovered = recover(journal)
+            expected = [e for f in files for e in f]
+            expected.remove(files[file][hit])
+            assert recovered == expected
+            (damage,) = journal.report.damaged
+            address = files[file][hit][0]
+            assert (damage.file_id, damage.start) == (file, address.position - ENTRY_OVERHEAD)
+            assert damage.end == address.position + address.length
+            assert journal.report.cut_reason is None
+            kept = [e for e in files[file] if e != files[file][hit]]
+            assert list(journal.entries(file)) == kept
+            assert list(journal.heads(file, 6)) == [(a, p[:6]) for a, p in kept]
+        finally:
+            journal.close()
+
+
+def test_damage_in_the_active_file_is_still_cut_as_a_torn_tail(tmp_path: Path) -> None:
+    # The active file's last entries may never have been synced: a write torn in the middle
+    # and a later block that reached the disk look alike, so nothing after damage is trusted.
+    directory = tmp_path / "journal"
+    files = build_journal(directory, [marked(2, b"f0"), marked(3, b"f1")])
+    paths = journal_files(directory)
+    flip(paths[1], files[1][1][0].position + 3)
+    journal = resync_journal(directory)
+    try:
+        assert recover(journal) == [*files[0], files[1][0]]
+        assert journal.report.damaged == []
+        assert journal.report.cut_reason is not None
+    finally:
+        journal.close()
 
 
 def test_read_of_flipped_bytes_raises_corrupt_data(tmp_path: Path) -> None:
