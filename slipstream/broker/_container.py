@@ -571,6 +571,17 @@ class Container:
                     batch = payload[_SEGMENT_ID.size :]
                     at = address.position + _SEGMENT_ID.size
                     by_segment.setdefault(global_id, []).append((at, decode_header(batch), batch))
+            # One segment at most, owning at least half of the file, gets the file itself (a
+            # hard link in a local store); the others get copies of their batches. So no two
+            # segments' chunks share space: retention and deletion free each one's bytes, and
+            # a linked chunk holds no more bytes of others than of its own.
+            owned = {
+                global_id: sum(h.batch_length for _, h, _ in batches)
+                for global_id, batches in by_segment.items()
+            }
+            adopter = max(owned, key=owned.__getitem__, default=None)
+            if source is None or adopter is None or owned[adopter] * 2 < source.stat().st_size:
+                adopter = None
             plans = []
             for global_id, batches in by_segment.items():
                 segment = live[global_id]
@@ -590,7 +601,9 @@ class Container:
                     positions = []
                 elif source is not None:
                     ranges = [(at, h.batch_length) for at, h, _ in batches]
-                    positions = self.long_term.adopt_ranges(name, source, ranges)
+                    store = self.long_term
+                    keep = store.adopt_ranges if global_id == adopter else store.copy_ranges
+                    positions = keep(name, source, ranges)
                 else:
                     self.long_term.write_chunk(name, [b for _, _, b in batches])
                     positions = np.cumsum([0] + [h.batch_length for h in headers[:-1]]).tolist()

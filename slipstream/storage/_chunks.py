@@ -75,9 +75,15 @@ class LongTermStore(ABC):
         """Store byte ranges ``(position, length)`` of a durable local file as chunk ``name``;
         returns where each range starts inside the stored chunk.
 
-        The default copies the ranges back to back. A store on the same filesystem may keep
-        the file as it is instead (see LocalChunkStore), so journal data is written once.
+        The default copies them (``copy_ranges``). A store on the same filesystem may keep the
+        file as it is instead (see LocalChunkStore), so journal data is written once; the
+        chunk then holds the whole file, and the file's space lives as long as the chunk.
         """
+        return self.copy_ranges(name, source, ranges)
+
+    def copy_ranges(self, name: str, source: Path, ranges: Sequence[tuple[int, int]]) -> list[int]:
+        """Store byte ranges ``(position, length)`` of a local file, copied back to back, as
+        chunk ``name``; returns where each range starts inside it."""
         with open(source, "rb") as f:
             parts = [os.pread(f.fileno(), length, position) for position, length in ranges]
         self.write_chunk(name, parts)

@@ -520,6 +520,48 @@ def test_mover_turns_a_sealed_file_into_chunks_with_identical_reads(
     run(closing(node, body))
 
 
+@pytest.mark.parametrize(
+    ("counts", "linked"),
+    [((12, 3, 2), "t/a"), ((4, 4, 4), None)],
+    ids=["one-owns-most", "none-owns-half"],
+)
+def test_mover_links_a_file_only_to_a_segment_owning_half_of_it(
+    tmp_path: Path, counts: tuple[int, ...], linked: str | None
+) -> None:
+    # A hard link keeps the whole journal file alive as long as that one chunk lives; other
+    # segments get copies, so their retention or deletion frees their bytes.
+    store = LocalChunkStore(tmp_path / "chunks", fsync=False)
+    node = Node(
+        [FileJournal(tmp_path / "journal", fsync=False)], SqliteMetaStore(":memory:"), store
+    )
+    names = ["t/a", "t/b", "t/c"]
+
+    async def body(node: Node) -> None:
+        for name in names:
+            node.controller.create_stream(name, 1, None, None)
+        node.start()
+        for name, count in zip(names, counts, strict=True):
+            for i in range(count):
+                await node.append(name, 0, make_batch(20, f"{name}-{i}"))
+        before = {name: await node.read_all(name) for name in names}
+        container = node.containers[0]
+        file_size = container.journal.active_bytes
+        await node.roll_and_move(container)
+        files = {name: store._path(node.segment(name).chunks[0].record.name) for name in names}
+        for name in names:
+            own = sum(len(b) for b in before[name])
+            size = files[name].stat().st_size
+            assert size == (file_size if name == linked else own), name
+            assert await node.read_all(name) == before[name]
+        inodes = {files[name].stat().st_ino for name in names}
+        assert len(inodes) == len(names), "no two chunks share a file"
+        await node.controller.delete_stream("t/b")
+        assert not files["t/b"].exists()
+        assert await node.read_all("t/a") == before["t/a"]
+
+    run(closing(node, body))
+
+
 def test_mover_skips_batches_of_deleted_streams(kit: Kit) -> None:
     async def body(node: Node) -> None:
         node.controller.create_stream("t/keep", 1, None, None)
