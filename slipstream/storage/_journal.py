@@ -429,8 +429,9 @@ class FileJournal(Journal):
                         damage.end,
                         len(damage.heads),
                     )
-                report.damaged += damaged
-                self._damaged[file_id] = [(d.start, d.end) for d in damaged]
+                if damaged:
+                    report.damaged += damaged
+                    self._damaged[file_id] = [(d.start, d.end) for d in damaged]
                 self._files[file_id] = len(data)
                 report.entries += len(entries)
                 yield from entries
