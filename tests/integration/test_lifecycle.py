@@ -145,6 +145,51 @@ def test_retention_removes_old_chunks_and_names_the_oldest_position(
         assert events[-1].offset == 299
 
 
+def _chunk_disk_bytes(broker: BrokerProcess) -> int:
+    """Bytes the chunk files take, each file (inode) counted once however many names it has."""
+    inodes = {}
+    for path in (broker.data_dir / "chunks").rglob("*.chunk"):
+        stat = path.stat()
+        inodes[stat.st_ino] = stat.st_size
+    return sum(inodes.values())
+
+
+def test_deleting_a_stream_frees_its_disk_space_while_others_share_its_journal(
+    broker_factory: type[BrokerProcess],
+) -> None:
+    # One journal, so the two streams' batches interleave in every journal file; the one that
+    # owns most of a file gets it as its chunk, the other a copy of its own batches.
+    broker = broker_factory(
+        "--containers", "1", "--roll", "256KiB", "--roll-seconds", "0.2"
+    ).start()
+    with broker.client() as client:
+        client.create_stream("disk/big", segments=1)
+        client.create_stream("disk/small", segments=1)
+        with (
+            client.producer("disk/big", linger_ms=0) as big,
+            client.producer("disk/small", linger_ms=0) as small,
+        ):
+            for i in range(300):
+                big.send_many([b"b" * 1000] * 3)
+                small.send(f"small-{i}".encode().ljust(1000, b"s"))
+                big.flush()
+                small.flush()
+        deadline = time.monotonic() + 20
+        journals = list((broker.data_dir / "journal").rglob("*.journal"))
+        while time.monotonic() < deadline and any(p.stat().st_size for p in journals):
+            time.sleep(0.1)  # until every journal file has become chunks
+            journals = list((broker.data_dir / "journal").rglob("*.journal"))
+        assert not any(p.stat().st_size for p in journals), "the mover did not catch up"
+        small_bytes = client.describe_stream("disk/small").segments[0].bytes
+        before = _chunk_disk_bytes(broker)
+        client.delete_stream("disk/small")
+        freed = before - _chunk_disk_bytes(broker)
+        assert freed >= small_bytes, (freed, small_bytes)
+        assert before - freed <= 2 * client.describe_stream("disk/big").segments[0].bytes
+        events = list(client.reader("disk/big", end=client.tail("disk/big")))
+        assert len(events) == 900 and {e.value for e in events} == {b"b" * 1000}
+
+
 def test_asyncio_api(broker: BrokerProcess) -> None:
     async def main() -> list[bytes]:
         async with await slipstream.connect_async(broker.address) as client:
