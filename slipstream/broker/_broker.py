@@ -6,6 +6,7 @@ Data directory layout (docs/operations.md says the same):
     <data-dir>/broker.json                format version and container count (fixed at creation)
     <data-dir>/meta.db                    the catalog (SQLite, WAL)
     <data-dir>/journal/<container>/*.journal   tier 1: group-committed journals
+    <data-dir>/journal/<container>/synced.checkpoint   how much of the active file is synced
     <data-dir>/chunks/<stream>/<segment>/<base offset>.chunk   tier 2: long-term chunks
     <data-dir>/txns/*.journal             staged events of open (and committing) transactions
 """
@@ -29,6 +30,7 @@ from .._errors import DataDirLocked, InvalidArgument
 from ..storage import FileJournal, LocalChunkStore, SqliteMetaStore
 from ._container import (
     FSYNC_MODES,
+    JOURNAL_CHECKPOINT_SECONDS,
     JOURNAL_RESYNC,
     Container,
     ContainerConfig,
@@ -133,6 +135,7 @@ class Broker:
                 fsync=do_sync,
                 check=batch_checks_out,
                 resync=JOURNAL_RESYNC,
+                checkpoint_seconds=JOURNAL_CHECKPOINT_SECONDS,
             )
             for cid in range(layout.containers)
         ]

@@ -55,6 +55,9 @@ FSYNC_MODES = ("always", "interval", "never")
 BATCH_ALIGNMENT = (BLOCK, payload_alignment(_SEGMENT_ID.size))
 #: what every journal payload carries where: lets recovery find entries after damage
 JOURNAL_RESYNC = (MAGIC, _SEGMENT_ID.size)
+#: how often a journal records how much of its active file is synced, so that recovery can
+#: tell damage there (skipped) from a torn write (cut): one extra fdatasync a second at most
+JOURNAL_CHECKPOINT_SECONDS = 1.0
 
 
 def batch_checks_out(payload: memoryview) -> bool:

@@ -60,6 +60,7 @@ from ..storage import (
     TxnCommit,
 )
 from ..streams import SEQUENCE_MODULUS, next_sequence
+from ._container import JOURNAL_CHECKPOINT_SECONDS
 from ._segment import Segment, segment_global_id, split_global_id
 
 if TYPE_CHECKING:
@@ -157,8 +158,13 @@ class Coordinator:
     def __init__(
         self, data_dir: Path, meta: MetaStore, controller: Controller, *, fsync: bool = True
     ) -> None:
-        # damage in a sealed staging file loses only the damaged entries (see FileJournal)
-        self.staging = FileJournal(data_dir / "txns", fsync=fsync, resync=(MAGIC, _STAGED.size))
+        # damage in synced staging data loses only the damaged entries (see FileJournal)
+        self.staging = FileJournal(
+            data_dir / "txns",
+            fsync=fsync,
+            resync=(MAGIC, _STAGED.size),
+            checkpoint_seconds=JOURNAL_CHECKPOINT_SECONDS,
+        )
         self.meta = meta
         self.controller = controller
         self._io = ThreadPoolExecutor(1, thread_name_prefix="txn-io")

@@ -27,6 +27,12 @@ end; nothing is truncated and no later file is removed. We chose this over cutti
 the container's journal (as a torn tail is cut) because that lost every acknowledged entry of
 every segment after one flipped bit, and offsets were then handed out a second time.
 
+The synced part of the active file is treated the same way when the journal keeps a *sync
+checkpoint* (``checkpoint_seconds``): after a sync, at most that often, it overwrites the file
+``synced.checkpoint`` with the active file's id and synced size (u64, u64, and a u32 CRC32C of
+those 16 bytes) and syncs it. Recovery skips damage before that size and cuts only from there
+on, where a torn write is possible. A checkpoint that fails its CRC is ignored.
+
 Self-checked entries (a journal given a ``check``, writing directly): a large entry whose last
 part lies in memory at ``payload_alignment`` within its block is written from that memory, not
 copied. It starts on a block boundary: zero bytes pad the file from the previous entry to the
@@ -62,6 +68,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -90,6 +97,10 @@ ZERO_COPY_MIN_BYTES = 256 * 1024
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 Buffer = bytes | bytearray | memoryview
 Check = Callable[[memoryview], bool]
+_CHECKPOINT_NAME = "synced.checkpoint"
+_CHECKPOINT_HEAD = struct.Struct("<QQ")  # active file id, its synced size
+_CRC = struct.Struct("<I")
+_CHECKPOINT = struct.Struct("<QQI")
 
 
 class JournalAddress(msgspec.Struct, frozen=True, gc=False):
@@ -151,8 +162,9 @@ class Journal(ABC):
 
         Files with ids up to ``moved_through`` are already in long-term storage (their chunks
         may be hard links to them): they are removed unread, never cut or truncated. Damage in
-        a sealed file is skipped, not cut (see the module docstring): ``report.damaged`` lists
-        it, and has each file's ranges before that file's first entry is yielded.
+        a sealed file, or in the synced part of the active one, is skipped, not cut (see the
+        module docstring): ``report.damaged`` lists it, and has each file's ranges before that
+        file's first entry is yielded.
         """
 
     @abstractmethod
@@ -215,10 +227,13 @@ Resync = tuple[bytes, int]
 _Entries = list[tuple[JournalAddress, memoryview]]
 
 
-def _parse_sealed(
-    file_id: int, data: bytes, check: Check | None, resync: Resync | None
-) -> tuple[_Entries, list[DamagedRange]]:
-    """Valid entries of a sealed file, skipping damaged ranges (found through ``resync``)."""
+def _parse_file(
+    file_id: int, data: bytes, check: Check | None, resync: Resync | None, durable: int
+) -> tuple[_Entries, list[DamagedRange], int, str | None]:
+    """Valid entries of one file's bytes. Damage that starts before byte ``durable`` (synced,
+    so not torn by a crash) is skipped, up to the next entry ``resync`` finds or to
+    ``durable``; damage from ``durable`` on ends the file's valid part. Returns the entries,
+    the damaged ranges, where the valid part ends and why (None: the file ends cleanly)."""
     view = memoryview(data)
     found: _Entries = []
     damaged: list[DamagedRange] = []
@@ -226,12 +241,13 @@ def _parse_sealed(
     while True:
         entries, valid, reason = _parse_entries(file_id, view, check, start=pos)
         found += entries
-        if reason is None:
-            return found, damaged
+        if reason is None or valid >= durable:
+            return found, damaged, valid, reason
         after = len(data) if resync is None else _next_entry(data, valid, check, resync)
+        after = min(after, durable)
         damaged.append(DamagedRange(file_id, valid, after, _outline(view, valid, after)))
         if after == len(data):
-            return found, damaged
+            return found, damaged, after, None
         pos = after
 
 
@@ -381,11 +397,15 @@ class FileJournal(Journal):
         fault: Callable[[str], None] | None = None,
         check: Check | None = None,
         resync: Resync | None = None,
+        checkpoint_seconds: float | None = None,
     ) -> None:
         self.directory = directory
         self._check = check  # verifies self-checked payloads; None: write none, accept none
         self._resync = resync  # (marker, position in payload): finds entries after damage
-        self._damaged: dict[int, list[tuple[int, int]]] = {}  # sealed file -> skipped ranges
+        self._damaged: dict[int, list[tuple[int, int]]] = {}  # file -> ranges recovery skipped
+        self._checkpoint_every = checkpoint_seconds  # None: no sync checkpoints
+        self._checkpointed = float("-inf")  # monotonic time of the last checkpoint
+        self._checkpoint_fd = -1
         directory.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
         self._want_direct = (fsync if direct is None else direct) and _O_DIRECT != 0
@@ -418,25 +438,22 @@ class FileJournal(Journal):
                 continue
             data = path.read_bytes()
             report.files += 1
-            if file_id != ids[-1]:
-                entries, damaged = _parse_sealed(file_id, data, self._check, self._resync)
-                for damage in damaged:
-                    log.error(
-                        "journal %s: bytes %d to %d are damaged (%d entries outlined); "
-                        "skipped, the entries after them are kept",
-                        path.name,
-                        damage.start,
-                        damage.end,
-                        len(damage.heads),
-                    )
-                if damaged:
-                    report.damaged += damaged
-                    self._damaged[file_id] = [(d.start, d.end) for d in damaged]
-                self._files[file_id] = len(data)
-                report.entries += len(entries)
-                yield from entries
-                continue
-            entries, valid, reason = _parse_entries(file_id, memoryview(data), self._check)
+            durable = len(data) if file_id != ids[-1] else self._durable_size(file_id, len(data))
+            entries, damaged, valid, reason = _parse_file(
+                file_id, data, self._check, self._resync, durable
+            )
+            for damage in damaged:
+                log.error(
+                    "journal %s: bytes %d to %d are damaged (%d entries outlined); "
+                    "skipped, the entries after them are kept",
+                    path.name,
+                    damage.start,
+                    damage.end,
+                    len(damage.heads),
+                )
+            if damaged:
+                report.damaged += damaged
+                self._damaged[file_id] = [(d.start, d.end) for d in damaged]
             report.entries += len(entries)
             if reason is not None:
                 report.cut_bytes += len(data) - valid
@@ -457,6 +474,39 @@ class FileJournal(Journal):
         if not self._files:
             self._files[0] = 0
         self._open_active()
+
+    def _durable_size(self, file_id: int, size: int) -> int:
+        """How much of the active file the last sync checkpoint says was synced."""
+        try:
+            record = (self.directory / _CHECKPOINT_NAME).read_bytes()
+        except FileNotFoundError:
+            return 0
+        if len(record) != _CHECKPOINT.size:
+            return 0
+        checkpoint_file, synced, crc = _CHECKPOINT.unpack(record)
+        if crc != crc32c.crc32c(record[: _CHECKPOINT_HEAD.size]) or checkpoint_file != file_id:
+            return 0
+        if synced > size:
+            log.error(
+                "journal %s: %d bytes synced before are missing (the file was cut short)",
+                self._path(file_id).name,
+                synced - size,
+            )
+        return min(int(synced), size)
+
+    def _write_checkpoint(self) -> None:
+        """Record the active file's synced size (see the module docstring). A failure only
+        costs recovery the ability to tell rot from a torn write; it is logged, not raised."""
+        head = _CHECKPOINT_HEAD.pack(self._active_id, self._synced_size)
+        try:
+            if self._checkpoint_fd < 0:
+                path = self.directory / _CHECKPOINT_NAME
+                self._checkpoint_fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+                fsync_dir(self.directory)
+            os.pwrite(self._checkpoint_fd, head + _CRC.pack(crc32c.crc32c(head)), 0)
+            os.fdatasync(self._checkpoint_fd)
+        except OSError as exc:
+            log.warning("journal %s: could not write the sync checkpoint: %s", self.directory, exc)
 
     def _open_active(self) -> None:
         path = self._path(self._active_id)
@@ -611,6 +661,11 @@ class FileJournal(Journal):
         except OSError as exc:
             raise storage_error(exc, "syncing the journal") from exc
         self._synced_size = self._files[self._active_id]
+        if self._fsync and self._checkpoint_every is not None and self._synced_size:
+            now = time.monotonic()
+            if now - self._checkpointed >= self._checkpoint_every:
+                self._checkpointed = now
+                self._write_checkpoint()
 
     def discard_unsynced(self) -> None:
         # After a failed fsync the page cache may be lying (the PostgreSQL "fsyncgate" lesson):
@@ -677,7 +732,7 @@ class FileJournal(Journal):
     def entries(self, file_id: int) -> Iterator[tuple[JournalAddress, memoryview]]:
         data = self._path(file_id).read_bytes()
         if file_id in self._damaged:  # damaged in recovery: skip what recovery skipped
-            return iter(_parse_sealed(file_id, data, self._check, self._resync)[0])
+            return iter(_parse_file(file_id, data, self._check, self._resync, len(data))[0])
         found, _, reason = _parse_entries(file_id, memoryview(data), self._check)
         if reason is not None:
             raise CorruptData(f"sealed journal file {file_id}: {reason}", file=file_id)
@@ -742,6 +797,9 @@ class FileJournal(Journal):
                     self._cut_padding()
                 os.close(self._fd)
                 self._fd = -1
+            if self._checkpoint_fd >= 0:
+                os.close(self._checkpoint_fd)
+                self._checkpoint_fd = -1
 
 
 class MemoryJournal(Journal):

@@ -1,10 +1,11 @@
-"""Damage inside a sealed journal file: only the damaged batches are lost, and readers are told.
+"""Damage in synced journal data: only the damaged batches are lost, and readers are told.
 
-A sealed journal file was synced before it was sealed, so damage there is bit rot, not a torn
-write: recovery skips the damaged entry, keeps every entry after it, and records the lost
-offsets as a hole in their segment. Reads of a hole raise CorruptData naming segment, offset
-and where to read on; offsets are never handed out twice; the mover moves the file anyway,
-and the hole survives as a gap in the chunk index (and another restart).
+A sealed journal file was synced before it was sealed, and the active file up to its sync
+checkpoint, so damage there is bit rot, not a torn write: recovery skips the damaged entry,
+keeps every entry after it, and records the lost offsets as a hole in their segment. Reads of
+a hole raise CorruptData naming segment, offset and where to read on; offsets are never handed
+out twice; the mover moves the file anyway, and the hole survives as a gap in the chunk index
+(and another restart).
 """
 
 from __future__ import annotations
@@ -135,3 +136,29 @@ def test_a_damaged_last_batch_keeps_its_offsets_taken(
     with broker.client() as client:
         assert client.tail(STREAM).positions == {0: end + 1}
         _assert_hole(client, good, lost, end)
+
+
+def test_rot_in_the_synced_part_of_the_active_file_is_a_hole(
+    broker_factory: type[BrokerProcess],
+) -> None:
+    broker = broker_factory().start()
+    with broker.client() as client:
+        client.create_stream(STREAM, segments=1)
+        positions = _fill(client, 6, 10)
+        time.sleep(1.2)  # the next sync writes a checkpoint covering all of it
+        positions += _fill(client, 1, 10)
+    broker.stop()
+    (journal,) = [p for p in (broker.data_dir / "journal").rglob("*.journal") if p.stat().st_size]
+    data = journal.read_bytes()
+    at = data.index(b"b03-0000") + 20
+    with open(journal, "r+b") as f:
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0x01]))
+
+    broker.start()
+    with broker.client() as client:
+        assert client.tail(STREAM).positions == {0: 70}
+        _assert_hole(client, _expected(range(3), 10), 30, 40)
+        after = slipstream.StreamCut(STREAM, {0: 40})
+        assert _values(client, after) == [*_expected(range(4, 6), 10), *_expected(range(1), 10)]
+        assert positions[6].offset == 60

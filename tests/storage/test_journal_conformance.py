@@ -625,6 +625,103 @@ def test_damage_in_the_active_file_is_still_cut_as_a_torn_tail(tmp_path: Path) -
         journal.close()
 
 
+def checkpointed_journal(directory: Path, items: list[bytes], later: list[bytes]) -> list[Entry]:
+    """One active file: ``items`` synced and checkpointed, then ``later`` synced without a
+    checkpoint (the next one is an hour away)."""
+    journal = FileJournal(directory, resync=(MARK, 2), checkpoint_seconds=3600)
+    recover(journal)
+    try:
+        first = list(zip(append_synced(journal, items), items, strict=True))
+        return first + list(zip(append_synced(journal, later), later, strict=True))
+    finally:
+        journal.close()
+
+
+@pytest.mark.parametrize("damaged", [0, 1, 2])
+def test_damage_in_the_checkpointed_part_of_the_active_file_is_skipped(
+    tmp_path: Path, damaged: int
+) -> None:
+    directory = tmp_path / "journal"
+    entries = checkpointed_journal(directory, marked(3, b"a0"), marked(2, b"a1"))
+    (path,) = journal_files(directory)
+    address = entries[damaged][0]
+    flip(path, address.position + 3)
+    kept = entries[:damaged] + entries[damaged + 1 :]
+    for _ in range(2):  # and again after an append, which moves the checkpoint on
+        journal = FileJournal(directory, resync=(MARK, 2), checkpoint_seconds=3600)
+        try:
+            recovered = recover(journal)
+            assert recovered[: len(kept)] == kept
+            (damage,) = journal.report.damaged
+            assert (damage.start, damage.end) == (
+                address.position - ENTRY_OVERHEAD,
+                address.position + address.length,
+            )
+            assert journal.report.cut_reason is None
+            (new,) = append_synced(journal, [b"new"])
+            kept = [*recovered, (new, b"new")]
+        finally:
+            journal.close()
+
+
+def test_damage_past_the_checkpoint_is_cut_as_a_torn_tail(tmp_path: Path) -> None:
+    directory = tmp_path / "journal"
+    entries = checkpointed_journal(directory, marked(3, b"a0"), marked(2, b"a1"))
+    (path,) = journal_files(directory)
+    flip(path, entries[3][0].position + 3)  # the first entry after the checkpoint
+    journal = FileJournal(directory, resync=(MARK, 2), checkpoint_seconds=3600)
+    try:
+        assert recover(journal) == entries[:3]
+        assert journal.report.damaged == []
+        assert journal.report.cut_reason is not None
+    finally:
+        journal.close()
+
+
+@pytest.mark.parametrize("how", ["flipped", "short", "missing"])
+def test_a_damaged_or_missing_checkpoint_leaves_the_active_file_to_be_cut(
+    tmp_path: Path, how: str
+) -> None:
+    directory = tmp_path / "journal"
+    entries = checkpointed_journal(directory, marked(3, b"a0"), [])
+    checkpoint = directory / "synced.checkpoint"
+    assert checkpoint.stat().st_size == 20
+    if how == "flipped":
+        flip(checkpoint, 9)
+    elif how == "short":
+        os.truncate(checkpoint, 12)
+    else:
+        checkpoint.unlink()
+    (path,) = journal_files(directory)
+    flip(path, entries[1][0].position + 3)
+    journal = FileJournal(directory, resync=(MARK, 2), checkpoint_seconds=3600)
+    try:
+        assert recover(journal) == entries[:1]
+        assert journal.report.cut_reason is not None
+    finally:
+        journal.close()
+
+
+def test_a_checkpoint_of_an_older_file_protects_nothing_in_the_active_one(tmp_path: Path) -> None:
+    directory = tmp_path / "journal"
+    journal = FileJournal(directory, resync=(MARK, 2), checkpoint_seconds=3600)
+    recover(journal)
+    try:
+        append_synced(journal, marked(2, b"f0"))  # checkpoints file 0
+        journal.roll()
+        items = marked(3, b"f1")
+        active = list(zip(append_synced(journal, items), items, strict=True))
+    finally:
+        journal.close()
+    flip(journal_files(directory)[1], active[1][0].position + 3)
+    again = FileJournal(directory, resync=(MARK, 2), checkpoint_seconds=3600)
+    try:
+        assert recover(again)[-1] == active[0]
+        assert again.report.cut_reason is not None
+    finally:
+        again.close()
+
+
 def test_read_of_flipped_bytes_raises_corrupt_data(tmp_path: Path) -> None:
     directory = tmp_path / "journal"
     (entries,) = build_journal(directory, [payloads(3)])
