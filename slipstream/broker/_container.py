@@ -595,9 +595,10 @@ class Container:
                 )
                 for h in headers:
                     _remember(producers, h)
-                lost, until = holes.get(global_id, (headers[0].base_offset, 0))
-                base = min(lost, headers[0].base_offset) if headers else lost
-                end = max(until, headers[-1].next_offset) if headers else until
+                spans = [(h.base_offset, h.next_offset) for h in headers[:1] + headers[-1:]]
+                if global_id in holes:
+                    spans.append(holes[global_id])
+                base, end = min(s for s, _ in spans), max(e for _, e in spans)
                 name = chunk_name(segment.stream_id, segment.number, base)
                 if not batches:  # nothing but a hole: an empty chunk keeps its offsets taken
                     self.long_term.write_chunk(name, [])
