@@ -154,6 +154,22 @@ def test_adopt_ranges_reads_back_each_range_where_it_says(
     assert store.list_chunks() == ["a/0/3"]
 
 
+def test_copy_ranges_stores_only_those_ranges_back_to_back(
+    store: LongTermStore, tmp_path: Path
+) -> None:
+    # the mover's copy for segments that do not get the journal file itself: the chunk holds
+    # their bytes and nothing else, so deleting it frees exactly them
+    source = tmp_path / "sealed.journal"
+    source.write_bytes(DATA)
+    ranges = [(3, 10), (41, 100), (700, 68)]
+    assert store.copy_ranges("c/0/3", source, ranges) == [0, 10, 110]
+    source.unlink()
+    whole = bytes(store.read_chunk("c/0/3"))
+    assert whole == b"".join(DATA[p : p + n] for p, n in ranges)
+    store.delete_chunk("c/0/3")
+    assert store.list_chunks() == []
+
+
 # --- LocalChunkStore: atomic writes leave no temporary file -------------------------------------
 
 
