@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import takewhile
 
 import numpy as np
 
@@ -111,8 +112,6 @@ class Container:
         self._cached_bytes = 0
         self._roll_started = time.monotonic()
         self._sealed = asyncio.Event()
-        #: sealed journal file -> (segment global id, first, next offset) of each hole in it
-        self._holes: dict[int, list[tuple[int, int, int]]] = {}
         self.appended_batches = 0
         #: live segments of this container by global id; the controller keeps it current
         self.segments: dict[int, Segment] = {}
@@ -216,7 +215,6 @@ class Container:
             JournalBatch(lost, until, JournalAddress(file_id, -1, 0), timestamp, timestamp, None)
         )
         segment.next_offset = segment.pending_offset = until
-        self._holes.setdefault(file_id, []).append((segment.global_id, lost, until))
 
     # --- appends ---------------------------------------------------------------------------
 
@@ -553,9 +551,11 @@ class Container:
         # the offsets each segment lost in this file: its chunk covers them, as a gap in the
         # batch index, so the hole outlives the journal file (and a restart)
         holes: dict[int, tuple[int, int]] = {}
-        for global_id, lost, until in self._holes.get(file_id, ()):
-            first, end = holes.get(global_id, (lost, until))
-            holes[global_id] = (min(first, lost), max(end, until))
+        for global_id, segment in live.items():
+            in_file = takewhile(lambda b: b.address.file_id == file_id, segment.journal)
+            lost = [batch for batch in in_file if batch.lost]  # in offset order
+            if lost:
+                holes[global_id] = (lost[0].base_offset, lost[-1].next_offset)
 
         def write_chunks() -> list[tuple[Segment, ChunkRecord]]:
             # (payload position, header) of each live segment's batches, in offset order
@@ -648,7 +648,6 @@ class Container:
             del segment.journal[:moved]
             segment.add_chunk(record)
         self._cached = deque(b for b in self._cached if b.data is not None)
-        self._holes.pop(file_id, None)
         await loop.run_in_executor(self._io, self.journal.delete_file, file_id)
 
     async def close(self) -> None:
