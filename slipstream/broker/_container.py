@@ -198,17 +198,18 @@ class Container:
         return True
 
     def _lose(self, segment: Segment, until: int, file_id: int, timestamp: int) -> None:
-        """Record offsets ``[segment.next_offset, until)`` as lost (a hole) and move past."""
+        """Record offsets ``[segment.next_offset, until)`` as lost (a hole) and move past. The
+        hole sits in the segment's index with journal file ``file_id``, and moves to chunks
+        with that file's batches."""
         lost = segment.next_offset
         log.error(
-            "container %d: segment %s/%d lost offsets %d to %d to damaged journal file %d; "
-            "readers get CorruptData there and can read on from offset %d",
+            "container %d: segment %s/%d lost offsets %d to %d to damaged journal data (see "
+            "above); readers get CorruptData there and can read on from offset %d",
             self.id,
             segment.stream_name,
             segment.number,
             lost,
             until - 1,
-            file_id,
             until,
         )
         segment.journal.append(
@@ -515,8 +516,9 @@ class Container:
                     offset=int(chunk.offsets[i]),
                 ) from exc
             if header.next_offset <= offset:  # ``offset`` lies in a hole after this batch
-                after = int(chunk.offsets[i + 1]) if i + 1 < len(chunk.offsets) else None
-                raise _lost(segment, offset, after or chunk.record.next_offset)
+                last_batch = i + 1 == len(chunk.offsets)
+                after = chunk.record.next_offset if last_batch else int(chunk.offsets[i + 1])
+                raise _lost(segment, offset, after)
             out.append(data[at : at + header.batch_length])
             expected = header.next_offset
         return out

@@ -99,8 +99,7 @@ Buffer = bytes | bytearray | memoryview
 Check = Callable[[memoryview], bool]
 _CHECKPOINT_NAME = "synced.checkpoint"
 _CHECKPOINT_HEAD = struct.Struct("<QQ")  # active file id, its synced size
-_CRC = struct.Struct("<I")
-_CHECKPOINT = struct.Struct("<QQI")
+_CRC = struct.Struct("<I")  # CRC32C of the head, after it
 
 
 class JournalAddress(msgspec.Struct, frozen=True, gc=False):
@@ -112,9 +111,9 @@ class JournalAddress(msgspec.Struct, frozen=True, gc=False):
 
 
 class DamagedRange(msgspec.Struct, frozen=True):
-    """Bytes ``[start, end)`` of sealed file ``file_id`` that hold no valid entry; ``heads``
-    are the first ``CHECKED_PREFIX`` bytes of each entry their length fields outline, in order,
-    unverified (they may be damaged too)."""
+    """Bytes ``[start, end)`` of synced data in file ``file_id`` that hold no valid entry;
+    ``heads`` are the first ``CHECKED_PREFIX`` bytes of each entry their length fields outline,
+    in order, unverified (they may be damaged too)."""
 
     file_id: int
     start: int
@@ -481,10 +480,13 @@ class FileJournal(Journal):
             record = (self.directory / _CHECKPOINT_NAME).read_bytes()
         except FileNotFoundError:
             return 0
-        if len(record) != _CHECKPOINT.size:
+        head = record[: _CHECKPOINT_HEAD.size]
+        if len(record) != len(head) + _CRC.size:
             return 0
-        checkpoint_file, synced, crc = _CHECKPOINT.unpack(record)
-        if crc != crc32c.crc32c(record[: _CHECKPOINT_HEAD.size]) or checkpoint_file != file_id:
+        checkpoint_file, synced = _CHECKPOINT_HEAD.unpack(head)
+        if _CRC.unpack_from(record, len(head))[0] != crc32c.crc32c(head):
+            return 0
+        if checkpoint_file != file_id:
             return 0
         if synced > size:
             log.error(
