@@ -7,6 +7,7 @@ readers hand work across with thread-safe queues, never one loop round trip per 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import datetime as dt
 import json
@@ -22,7 +23,14 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 import pyarrow as pa
 
-from .._errors import BrokerUnavailable, InvalidArgument, TransactionAborted, TransactionNotFound
+from .._errors import (
+    BrokerUnavailable,
+    InvalidArgument,
+    SlipstreamError,
+    StreamExists,
+    TransactionAborted,
+    TransactionNotFound,
+)
 from ..format import Event, events_of
 from ..protocol import (
     BeginTxn,
@@ -148,15 +156,24 @@ class AsyncClient:
         *,
         retention_time: str | int | dt.timedelta | None = None,
         retention_bytes: str | int | None = None,
+        exist_ok: bool = False,
     ) -> StreamInfo:
         """Create ``scope/name`` with a fixed number of segments. ``retention_time`` ("7d",
         milliseconds or a timedelta) and ``retention_bytes`` ("10GiB" or bytes) bound how much
-        history is kept; without them, everything is kept. Raises StreamExists, InvalidName."""
-        reply = await self._request(
-            CreateStream(
-                name, segments, _retention_ms(retention_time), _retention_bytes(retention_bytes)
-            )
+        history is kept; without them, everything is kept. Raises StreamExists, InvalidName.
+
+        ``exist_ok=True``: a stream of that name that exists already is returned as it is
+        (its segments and retention are not compared or changed), so a program that creates
+        its streams can run again."""
+        request = CreateStream(
+            name, segments, _retention_ms(retention_time), _retention_bytes(retention_bytes)
         )
+        try:
+            reply = await self._request(request)
+        except StreamExists:
+            if not exist_ok:
+                raise
+            reply = await self.describe_stream(name)
         assert isinstance(reply, StreamInfo)
         return reply
 
@@ -353,9 +370,15 @@ class AsyncTransaction:
         core.send_many(values, keys, timestamps, headers)
 
     async def flush(self) -> None:
-        """Wait until every event sent so far is staged on the broker (not visible yet)."""
-        futures = [f for core in self._cores.values() for f in core.flush_nowait()]
-        await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        """Wait until every event sent so far is staged on the broker (not visible yet).
+        Raises the error of a batch that failed (then ``commit`` aborts instead: a
+        transaction never commits with some of its events missing)."""
+        cores = list(self._cores.values())
+        await _wait_acknowledged([f for core in cores for f in core.flush_nowait()])
+        for core in cores:
+            failure = core.take_failure()
+            if failure is not None:
+                raise failure
 
     async def commit(self, metadata: Any = None, merge: Sequence[int] = ()) -> TxnEnded:
         """Make every event of the transaction visible at once, with ``metadata`` (any JSON
@@ -366,6 +389,13 @@ class AsyncTransaction:
             return self.result
         try:
             await self.flush()
+            failed = sum(core.failed for core in self._cores.values())
+            if failed:  # raised by an earlier flush, and the caller went on to commit
+                raise TransactionAborted(
+                    f"transaction {self.txn_id} aborted: {failed} of its events failed "
+                    "earlier, and a transaction commits all of its events or none",
+                    txn_id=self.txn_id,
+                )
         except BaseException:
             await self.abort()
             raise
@@ -426,13 +456,20 @@ class AsyncProducer:
         await self.core.space_available()
         return self.core.send_many(values, keys, timestamps, headers)
 
+    @property
+    def acknowledged(self) -> int:
+        """How many events the broker has acknowledged (made durable) so far."""
+        return self.core.acknowledged
+
     async def flush(self) -> None:
-        """Wait until every event sent so far is acknowledged; raises the first failure."""
-        futures = self.core.flush_nowait()
-        if futures:
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        """Wait until every event sent so far is acknowledged; see :meth:`Producer.flush`."""
+        await _wait_acknowledged(self.core.flush_nowait())
+        failure = self.core.take_failure()
+        if failure is not None:
+            raise failure
 
     async def close(self) -> None:
+        """Flush, then refuse further sends; raises like :meth:`flush`."""
         try:
             await self.flush()
         finally:
@@ -441,8 +478,16 @@ class AsyncProducer:
     async def __aenter__(self) -> AsyncProducer:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            await self.close()
+            return
+        try:
+            await self.close()
+        except SlipstreamError as error:  # the block's own exception goes on, with this noted
+            exc.add_note(f"and closing the producer raised {type(error).__name__}: {error}")
 
 
 class AsyncReader:
@@ -488,6 +533,12 @@ class AsyncReader:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+async def _wait_acknowledged(futures: list[concurrent.futures.Future[int]]) -> None:
+    """Wait for batch futures without raising: their errors are counted by the producer."""
+    if futures:
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
 
 
 async def connect_async(
@@ -575,11 +626,17 @@ class Client:
         *,
         retention_time: str | int | dt.timedelta | None = None,
         retention_bytes: str | int | None = None,
+        exist_ok: bool = False,
     ) -> StreamInfo:
-        """Create ``scope/name``; see :meth:`AsyncClient.create_stream`."""
+        """Create ``scope/name``; see :meth:`AsyncClient.create_stream` (``exist_ok=True``
+        returns an existing stream instead of raising StreamExists)."""
         return self._loop.run(
             self._async.create_stream(
-                name, segments, retention_time=retention_time, retention_bytes=retention_bytes
+                name,
+                segments,
+                retention_time=retention_time,
+                retention_bytes=retention_bytes,
+                exist_ok=exist_ok,
             )
         )
 
@@ -707,7 +764,10 @@ class Client:
 
 class Producer:
     """The blocking producer; see :meth:`Client.producer`. Use as a context manager: leaving
-    the block flushes, so every event sent inside it is acknowledged (or raised) by then."""
+    the block flushes, so every event sent inside it is acknowledged by then, or the block
+    raises the error of those that were not (see :meth:`flush`; when the block raises anyway,
+    that error is added to its exception as a note). ``acknowledged`` counts what was stored.
+    """
 
     def __init__(self, core: ProducerCore) -> None:
         self.core = core
@@ -737,12 +797,33 @@ class Producer:
         fastest way in; with ``keys``, events are routed per key like ``send``."""
         return self.core.send_many(values, keys, timestamps, headers)
 
+    @property
+    def acknowledged(self) -> int:
+        """How many events the broker has acknowledged (made durable) so far: with a failure
+        from :meth:`flush` or :meth:`close`, what was stored."""
+        return self.core.acknowledged
+
     def flush(self, timeout: float | None = None) -> None:
-        """Block until every event sent so far is acknowledged; raises the first failure."""
-        for future in self.core.flush_nowait():
-            future.result(timeout)
+        """Block until every event sent so far is acknowledged.
+
+        Returns only if every event sent since the previous flush was acknowledged. Otherwise
+        raises the typed error of the first batch that failed (StreamNotFound, StorageFull,
+        BrokerUnavailable after ``delivery_timeout``, ...), its message saying how many events
+        were not acknowledged, also when the failure happened before this call and nobody
+        looked at the receipts. Each failure is raised once. TimeoutError if ``timeout``
+        seconds pass first (nothing is lost then: flush again)."""
+        futures = self.core.flush_nowait()
+        _, waiting = concurrent.futures.wait(futures, timeout)
+        if waiting:
+            raise TimeoutError(
+                f"{len(waiting)} batches of {self.core.stream} not acknowledged within {timeout} s"
+            )
+        failure = self.core.take_failure()
+        if failure is not None:
+            raise failure
 
     def close(self) -> None:
+        """Flush, then refuse further sends; raises like :meth:`flush`."""
         try:
             self.flush()
         finally:
@@ -754,7 +835,13 @@ class Producer:
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except SlipstreamError as error:  # the block's own exception goes on, with this noted
+            exc.add_note(f"and closing the producer raised {type(error).__name__}: {error}")
 
 
 class Transaction:

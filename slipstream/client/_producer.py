@@ -130,7 +130,17 @@ class _Batch:
 class _InFlight:
     """A batch sent and not yet acknowledged: kept whole so that it can be sent again."""
 
-    __slots__ = ("connection", "first_sent", "future", "order", "parts", "segment", "sent", "size")
+    __slots__ = (
+        "connection",
+        "count",
+        "first_sent",
+        "future",
+        "order",
+        "parts",
+        "segment",
+        "sent",
+        "size",
+    )
 
     def __init__(
         self,
@@ -139,12 +149,14 @@ class _InFlight:
         parts: list[Any],
         future: concurrent.futures.Future[int],
         size: int,
+        count: int,
     ) -> None:
         self.order = order
         self.segment = segment
         self.parts = parts
         self.future = future
         self.size = size
+        self.count = count
         self.first_sent = self.sent = time.monotonic()
         self.connection: Connection | None = None
 
@@ -255,6 +267,13 @@ class ProducerCore:
         self._sticky = 0
         self.closed = False
         self.error: SlipstreamError | None = None
+        #: events the broker acknowledged (made durable), over the producer's life
+        self.acknowledged = 0
+        #: events whose batch failed for good, over the producer's life
+        self.failed = 0
+        # failures not yet raised by flush()/close(): the first error and how many events
+        self._unreported: BaseException | None = None
+        self._unreported_events = 0
         self.identity = identity  # (producer id, epoch), or None: not idempotent
         self.txn = txn  # stage every batch in this transaction
         self._reconnect = reconnect
@@ -527,7 +546,7 @@ class ProducerCore:
                 sequence=sequence,
             )
         self._unacked.add(future)
-        self._transmit(_InFlight(next(self._order), segment, [head, *body], future, size))
+        self._transmit(_InFlight(next(self._order), segment, [head, *body], future, size, count))
 
     def _transmit(self, flight: _InFlight) -> None:
         flight.sent = time.monotonic()
@@ -574,10 +593,12 @@ class ProducerCore:
         if exc is not None:
             if isinstance(exc, SlipstreamError):
                 self.error = exc
+            self._record_failure(exc, flight.count)
             future.set_exception(exc)
         else:
             ack, _ = done.result()
             assert isinstance(ack, AppendAck)
+            self.acknowledged += flight.count
             future.set_result(ack.base_offset)
         self._release(flight.size)
         self._dispatch()
@@ -629,8 +650,35 @@ class ProducerCore:
         self.error = error
         for flight in failed:
             self._unacked.discard(flight.future)
+            self._record_failure(error, flight.count)
             flight.future.set_exception(error)
             self._release(flight.size)
+
+    def _record_failure(self, exc: BaseException, count: int) -> None:
+        """Keep a failed batch's error until flush() or close() raises it: a producer whose
+        receipts nobody checks must still not report success for events it lost."""
+        with self._lock:
+            self.failed += count
+            self._unreported_events += count
+            if self._unreported is None:
+                self._unreported = exc
+
+    def take_failure(self) -> BaseException | None:
+        """The error for every event that failed since the last call (None if none did): the
+        first batch's error type, its message prefixed with how many events were lost."""
+        with self._lock:
+            first, self._unreported = self._unreported, None
+            count, self._unreported_events = self._unreported_events, 0
+        if first is None:
+            return None
+        if not isinstance(first, SlipstreamError):
+            return first
+        return type(first)(
+            f"{count} event{'s' if count != 1 else ''} sent to {self.stream} "
+            f"{'were' if count != 1 else 'was'} not acknowledged "
+            f"({self.acknowledged} acknowledged so far): {first.message}",
+            **{**first.details, "unacknowledged": count, "acknowledged": self.acknowledged},
+        )
 
     async def stop(self) -> None:
         """Stop resending (the client is closing): unacknowledged batches fail."""
