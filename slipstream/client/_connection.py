@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -22,6 +23,7 @@ from .._errors import (
     error_from_wire,
 )
 from ..protocol import (
+    KIND_OF,
     PROTOCOL_VERSION,
     Data,
     Error,
@@ -39,6 +41,8 @@ from ..protocol import (
 )
 
 DEFAULT_ADDRESS = "127.0.0.1:7070"
+#: Seconds a broker has to answer the handshake (it takes milliseconds): within ``timeout``.
+HANDSHAKE_TIMEOUT = 5.0
 #: Called with a pushed message (Data, FollowEnded, FollowFailed) and its payload, or with the
 #: error that ended the connection.
 FollowHandler = Callable[[Message | SlipstreamError, Payload], None]
@@ -60,6 +64,19 @@ def _pooled(size: int) -> memoryview:
     return memoryview(pa.allocate_buffer(size)).cast("B")
 
 
+#: The first frame a broker sends is one of these, and small: anything else is another service.
+_GREETING_KINDS = frozenset((KIND_OF[Welcome], KIND_OF[Error]))
+_GREETING_MAX_BYTES = 1 << 20
+_FIRST_BYTES = struct.Struct("<IH")  # frame_length, kind: the start of every frame
+
+
+def _preview(data: bytes | bytearray) -> str:
+    """The first line of what a peer sent, quoted and cut short, for an error message."""
+    line = bytes(data[:60]).split(b"\n", 1)[0].rstrip(b"\r")
+    more = "..." if len(line) < len(data) else ""
+    return repr(line.decode("ascii", "backslashreplace") + more)
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """``"host:port"`` -> ``(host, port)``; raises InvalidArgument with the expected form."""
     host, sep, port = address.rpartition(":")
@@ -78,6 +95,10 @@ class Connection(asyncio.BufferedProtocol):
         self.writable.set()
         self.closed: SlipstreamError | None = None
         self.address = "?"
+        # Until the broker's Welcome: the first bytes received, to tell another service
+        # (an HTTP server, a database) from a broker and name it in the error.
+        self._greeting: bytearray | None = bytearray()
+        self._receiving: memoryview | None = None
         self.max_batch_bytes = 8 * 1024 * 1024
         self.broker_version = "?"
         self._ids = itertools.count(1)
@@ -87,32 +108,68 @@ class Connection(asyncio.BufferedProtocol):
     async def open(
         cls, address: str, *, client_name: str = "slipstream-python", timeout: float = 10.0
     ) -> Connection:
-        """Connect and handshake; raises BrokerUnavailable with the address if nobody answers."""
+        """Connect and handshake within ``timeout`` seconds in all.
+
+        Raises BrokerUnavailable naming the address and what happened: nobody listens there;
+        what listens answers with bytes that do not start a slipstream frame (the error quotes
+        them, e.g. an HTTP server's status line); or it accepts the connection but does not
+        answer the handshake within ``HANDSHAKE_TIMEOUT`` seconds (a broker answers in
+        milliseconds). In that last case the client half-closes the connection and waits a
+        moment more, because a server that waits for a line end (HTTP) answers only then.
+        """
         host, port = parse_address(address)
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         try:
-            async with asyncio.timeout(timeout):  # no inner task to orphan if we are cancelled
+            async with asyncio.timeout_at(deadline):  # no inner task to orphan if cancelled
                 _, connection = await loop.create_connection(cls, host, port)
         except (OSError, TimeoutError) as exc:
             raise BrokerUnavailable(
-                f"no broker at {address} ({exc}); start one with 'slipstream up' or pass "
-                "--broker / SLIPSTREAM_BROKER",
+                f"no broker at {address} ({str(exc) or f'no answer in {timeout:g} s'}); start "
+                "one with 'slipstream up' or pass --broker / SLIPSTREAM_BROKER",
                 address=address,
             ) from exc
         connection.address = address
         try:
-            welcome, _ = await asyncio.wait_for(
-                connection.request(Hello(PROTOCOL_VERSION, f"{client_name}/{__version__}")),
-                timeout,
-            )
+            welcome = await connection._handshake(client_name, deadline - loop.time())
         except BaseException:
             connection.close()
             raise
         if not isinstance(welcome, Welcome):
+            connection.close()
             raise ProtocolError(f"expected Welcome, got {type(welcome).__name__}")
         connection.max_batch_bytes = welcome.max_batch_bytes
         connection.broker_version = welcome.broker_version
         return connection
+
+    async def _handshake(self, client_name: str, budget: float) -> Message:
+        reply = self.send_request(Hello(PROTOCOL_VERSION, f"{client_name}/{__version__}"))
+        grace = min(0.5, budget / 4)
+        waited = max(0.0, min(HANDSHAKE_TIMEOUT, budget - grace))
+        try:
+            done, _ = await asyncio.wait({reply}, timeout=waited)
+            if not done:
+                if self.transport is not None and self.transport.can_write_eof():
+                    self.transport.write_eof()  # an HTTP server answers a request cut short
+                done, _ = await asyncio.wait({reply}, timeout=grace)
+                if not done:
+                    raise BrokerUnavailable(
+                        f"{self.address} accepted the connection but did not answer the "
+                        f"slipstream handshake within {waited:.2g} s: not a slipstream broker, "
+                        "or a stuck one",
+                        address=self.address,
+                    )
+                if reply.exception() is None:
+                    raise BrokerUnavailable(
+                        f"{self.address} answered the slipstream handshake only after more "
+                        f"than {waited:.2g} s: the broker is overloaded or stuck",
+                        address=self.address,
+                    )
+            welcome, _ = reply.result()  # or the typed error of what answered
+            return welcome
+        finally:
+            if not reply.done():
+                reply.cancel()
 
     # --- asyncio.Protocol --------------------------------------------------------------------
 
@@ -124,6 +181,16 @@ class Connection(asyncio.BufferedProtocol):
         transport.set_write_buffer_limits(high=16 * 1024 * 1024)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._greeting is not None:
+            answered = f" after sending {_preview(self._greeting)}" if self._greeting else ""
+            self._shutdown(
+                BrokerUnavailable(
+                    f"{self.address} closed the connection during the slipstream handshake"
+                    f"{answered}: not a slipstream broker, or one that refused this client",
+                    address=self.address,
+                )
+            )
+            return
         self._shutdown(
             BrokerUnavailable(f"connection to {self.address} lost" + (f": {exc}" if exc else ""))
         )
@@ -135,9 +202,14 @@ class Connection(asyncio.BufferedProtocol):
         self.writable.set()
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self.decoder.get_buffer(sizehint)
+        buffer = self.decoder.get_buffer(sizehint)
+        if self._greeting is not None:
+            self._receiving = buffer
+        return buffer
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._greeting is not None and not self._greeting_looks_right(nbytes):
+            return
         self.decoder.buffer_updated(nbytes)
         try:
             while (item := self.decoder.next_item()) is not None:
@@ -149,6 +221,30 @@ class Connection(asyncio.BufferedProtocol):
             self._shutdown(exc)
             if self.transport is not None:
                 self.transport.close()
+
+    def _greeting_looks_right(self, nbytes: int) -> bool:
+        """Before the Welcome: check that the peer's first bytes start a small Welcome or
+        Error frame; if not, fail the handshake naming what answered."""
+        assert self._greeting is not None and self._receiving is not None
+        if self.closed is not None:
+            return False  # what follows a wrong answer is of no interest
+        self._greeting += self._receiving[:nbytes]
+        if len(self._greeting) < _FIRST_BYTES.size:
+            return True
+        length, kind = _FIRST_BYTES.unpack_from(self._greeting)
+        if kind in _GREETING_KINDS and length <= _GREETING_MAX_BYTES:
+            self._greeting = self._receiving = None  # a broker: the rest is the decoder's
+            return True
+        self._shutdown(
+            BrokerUnavailable(
+                f"{self.address} answered with {_preview(self._greeting)}, not a slipstream "
+                "broker (pass --broker / SLIPSTREAM_BROKER with the broker's address)",
+                address=self.address,
+            )
+        )
+        if self.transport is not None:
+            self.transport.abort()
+        return False
 
     def _deliver(self, frame: Frame) -> None:
         message = frame.message
