@@ -145,7 +145,8 @@ def start_slipstream(data_dir: Path, args: argparse.Namespace, out: dict):
     try:
         from slipstream_peer import SlipstreamPeer
 
-        peer = SlipstreamPeer(data_dir, linger_ms=args.linger_ms)
+        compression = None if args.compression == "none" else args.compression
+        peer = SlipstreamPeer(data_dir, linger_ms=args.linger_ms, compression=compression)
         peer.start()
         return peer
     except Exception as exc:
@@ -162,7 +163,7 @@ def run_slipstream(root: Path, s: dict, only: set[str], args: argparse.Namespace
     out["version"] = peer.version
     print(
         f"slipstream ({peer.version}, fsync={peer.fsync}, linger {peer.linger_ms} ms, "
-        f"batch {peer.batch_bytes >> 10} KiB)"
+        f"batch {peer.batch_bytes >> 10} KiB, compression {peer.compression})"
     )
     try:
         if "produce_1k" in only:
@@ -520,6 +521,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--linger-ms", type=float, default=5.0, help="slipstream: producer linger (ms)"
+    )
+    parser.add_argument(
+        "--compression",
+        choices=("default", "none", "lz4", "zstd"),
+        default="default",
+        help="slipstream: producer compression (default: the client's default)",
     )
     args = parser.parse_args(argv)
 

@@ -4,6 +4,7 @@ Python client only. Every workload uses the documented API; nothing reaches into
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import subprocess
 import sys
@@ -14,6 +15,8 @@ from pathlib import Path
 from nats_peer import free_port, latency_summary, rss_kib, stop_process
 
 PYTHON = os.environ.get("SLIPSTREAM_PYTHON", sys.executable)
+#: distinct payloads per produce workload: 8,192 x 100 B is 800 KB, far past lz4's 64 KiB window
+PAYLOAD_POOL = 8192
 
 
 class SlipstreamPeer:
@@ -25,6 +28,8 @@ class SlipstreamPeer:
         fsync: str = "always",
         linger_ms: float = 5,
         batch_bytes: int = 2 << 20,  # the client's default
+        compression: str | None = "default",
+        extra_args: list[str] | None = None,
     ) -> None:
         import slipstream  # fails here, with a clear message, if the package is not importable
 
@@ -33,6 +38,9 @@ class SlipstreamPeer:
         self.fsync = fsync
         self.linger_ms = linger_ms
         self.batch_bytes = batch_bytes
+        #: "default" leaves the client's default; None (off), "lz4" or "zstd" set it
+        self.compression = compression
+        self.extra_args = extra_args or []  # more `slipstream up` options
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.client = None
@@ -56,6 +64,7 @@ class SlipstreamPeer:
                 str(self.port),
                 "--fsync",
                 self.fsync,
+                *self.extra_args,
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -90,12 +99,9 @@ class SlipstreamPeer:
         return rss_kib(self.proc.pid)
 
     def _producer(self, stream: str, **options):
-        options = {
-            "linger_ms": self.linger_ms,
-            "batch_bytes": self.batch_bytes,
-            "compression": None,
-            **options,
-        }
+        options = {"linger_ms": self.linger_ms, "batch_bytes": self.batch_bytes, **options}
+        if self.compression != "default":
+            options.setdefault("compression", self.compression)
         return self.client.producer(stream, **options)
 
     def _stored(self, stream: str) -> int:
@@ -109,13 +115,16 @@ class SlipstreamPeer:
 
     # -- workloads -------------------------------------------------------------------------
     def produce(self, stream: str, size: int, count: int) -> dict:
-        """One event per send() call, then flush(): the time until the last one is durable."""
+        """One event per send() call, then flush(): the time until the last one is durable.
+
+        The payloads are distinct random bytes (a pool larger than a compressor's window): one
+        payload repeated would compress a thousandfold and flatter any compression."""
         self.client.create_stream(stream, segments=1)
-        payload = os.urandom(size)
+        pool = [os.urandom(size) for _ in range(PAYLOAD_POOL)]
         with self._producer(stream) as producer:
             send = producer.send
             start = time.perf_counter()
-            for _ in range(count):
+            for payload in itertools.islice(itertools.cycle(pool), count):
                 send(payload)
             producer.flush()
             seconds = time.perf_counter() - start
@@ -137,7 +146,7 @@ class SlipstreamPeer:
         n = min(chunk, count)
         offsets = pa.py_buffer((np.arange(n + 1, dtype=np.int32) * size).tobytes())
         array = pa.Array.from_buffers(
-            pa.binary(), n, [None, offsets, pa.py_buffer(os.urandom(size) * n)]
+            pa.binary(), n, [None, offsets, pa.py_buffer(os.urandom(size * n))]
         )
         with self._producer(stream) as producer:
             start = time.perf_counter()
