@@ -26,8 +26,8 @@ from typing import IO, TYPE_CHECKING
 
 import msgspec
 
-from .._errors import DataDirLocked, InvalidArgument
-from ..storage import FileJournal, LocalChunkStore, SqliteMetaStore
+from .._errors import CorruptData, DataDirLocked, InvalidArgument
+from ..storage import FileJournal, LocalChunkStore, SqliteMetaStore, ensure_dir, fsync_dir
 from ._container import (
     FSYNC_MODES,
     JOURNAL_CHECKPOINT_SECONDS,
@@ -98,35 +98,72 @@ class Broker:
         self._lock_file = lock
 
     def _layout(self, data_dir: Path) -> _Layout:
+        """The data directory's fixed layout: read, or written durably on first start (in any
+        fsync mode: the container count must never change under existing data)."""
         path = data_dir / "broker.json"
-        if path.exists():
-            layout = msgspec.json.decode(path.read_bytes(), type=_Layout)
-            if layout.containers != self.config.containers:
-                log.warning(
-                    "%s was created with %d containers; keeping them (ignoring %d)",
-                    data_dir,
-                    layout.containers,
-                    self.config.containers,
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raw = None
+        if raw is None:
+            if (data_dir / "journal").exists():  # created after broker.json, never before
+                raise CorruptData(
+                    f"{path} is missing but {data_dir} holds a broker's data; "
+                    + _layout_fix(path, data_dir),
+                    file=str(path),
                 )
-            if layout.format != DATA_FORMAT:
-                raise InvalidArgument(
-                    f"{data_dir} has data format {layout.format}; this build reads {DATA_FORMAT}"
-                )
+            layout = _Layout(DATA_FORMAT, self.config.containers)
+            tmp = path.with_suffix(".tmp")
+            with open(tmp, "wb") as f:
+                f.write(msgspec.json.encode(layout))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            fsync_dir(data_dir)  # the name too: a power failure could otherwise empty it
             return layout
-        layout = _Layout(DATA_FORMAT, self.config.containers)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(msgspec.json.encode(layout))
-        os.replace(tmp, path)
+        try:
+            layout = msgspec.json.decode(raw, type=_Layout)
+        except msgspec.DecodeError as exc:
+            what = "empty" if not raw.strip() else f"damaged ({exc})"
+            raise CorruptData(
+                f"{path} is {what}; " + _layout_fix(path, data_dir), file=str(path)
+            ) from None
+        if layout.containers != self.config.containers:
+            log.warning(
+                "%s was created with %d containers; keeping them (ignoring %d)",
+                data_dir,
+                layout.containers,
+                self.config.containers,
+            )
+        if layout.format != DATA_FORMAT:
+            raise InvalidArgument(
+                f"{data_dir} has data format {layout.format}; this build reads {DATA_FORMAT}"
+            )
         return layout
 
     def open(self) -> dict[str, int]:
-        """Lock the data directory and recover everything in it; returns what was recovered."""
+        """Lock the data directory and recover everything in it; returns what was recovered.
+
+        Every file and directory the broker creates is made durable with its name (fsync of
+        the file, then of its directory) before anything that depends on it is acknowledged.
+        Raises CorruptData, naming the file and the fix, if ``broker.json`` or the catalog
+        (``meta.db``) is missing or empty under existing data, instead of starting on half a
+        data directory.
+        """
         data_dir = self.config.data_dir
-        data_dir.mkdir(parents=True, exist_ok=True)
+        ensure_dir(data_dir)
         self._lock(data_dir)
         layout = self._layout(data_dir)
         do_sync = self.config.container.fsync != "never"
-        self.meta = SqliteMetaStore(data_dir / "meta.db")
+        catalog = data_dir / "meta.db"
+        if (data_dir / "journal").exists() and not catalog.exists():
+            raise CorruptData(
+                f"{catalog}, the catalog, is missing but {data_dir} holds journals: starting "
+                "would forget every stream. Restore the data directory from a backup (or move "
+                "it away to start empty)",
+                file=str(catalog),
+            )
+        self.meta = SqliteMetaStore(catalog)
         self.long_term = LocalChunkStore(data_dir / "chunks", fsync=do_sync)
         self.read_pool = ThreadPoolExecutor(4, thread_name_prefix="reader")
         self.journals = [
@@ -147,6 +184,10 @@ class Broker:
         ]
         self.controller = Controller(self.meta, self.long_term, self.containers, self.read_pool)
         self.coordinator = Coordinator(data_dir, self.meta, self.controller, fsync=do_sync)
+        # the names of meta.db (SQLite syncs its WAL's name, not the database's) and of the
+        # directories above, also where an older build created them without syncing
+        fsync_dir(data_dir / "journal")
+        fsync_dir(data_dir)
         started = time.monotonic()
         totals = self.controller.recover()
         totals.update(self.coordinator.recover())
@@ -245,3 +286,18 @@ class Broker:
                 await self.controller.enforce_retention()
             except Exception:
                 log.exception("retention pass failed; will retry")
+
+
+def _layout_fix(path: Path, data_dir: Path) -> str:
+    """How to repair a lost ``broker.json``: it holds only the format and the container count,
+    which the journal directory shows."""
+    journals = data_dir / "journal"
+    containers = sum(1 for p in journals.iterdir() if p.name.isdigit()) if journals.is_dir() else 0
+    if not containers:
+        return "restore the data directory from a backup (or move it away to start empty)"
+    return (
+        f"it records the data format and the container count, and {journals} holds "
+        f"{containers} containers: if nothing else is damaged, recreate it with "
+        f"""echo '{{"format": {DATA_FORMAT}, "containers": {containers}}}' > {path}"""
+        ", else restore the data directory from a backup"
+    )

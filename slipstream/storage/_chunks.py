@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from .._errors import CorruptData
-from ._journal import Buffer, _writev_all, fsync_dir, storage_error
+from ._journal import Buffer, _writev_all, ensure_dir, fsync_dir, storage_error
 
 MADV_POPULATE_READ = 22  # Linux 5.14; not in Python 3.11's mmap module
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -108,7 +108,7 @@ class LocalChunkStore(LongTermStore):
         self._map_reads = map_reads
         self._maps: OrderedDict[str, memoryview] = OrderedDict()
         self._maps_lock = threading.Lock()
-        directory.mkdir(parents=True, exist_ok=True)
+        ensure_dir(directory, sync=fsync)
 
     def _path(self, name: str) -> Path:
         return self.directory / f"{name}.chunk"
@@ -117,7 +117,7 @@ class LocalChunkStore(LongTermStore):
         path = self._path(name)
         tmp = path.with_suffix(".tmp")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            ensure_dir(path.parent, sync=self._fsync)  # <stream>/<segment>/, durably
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 _writev_all(fd, list(buffers))
@@ -141,7 +141,7 @@ class LocalChunkStore(LongTermStore):
         path = self._path(name)
         tmp = path.with_suffix(".tmp")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            ensure_dir(path.parent, sync=self._fsync)  # <stream>/<segment>/, durably
             tmp.unlink(missing_ok=True)
             if path.exists() and os.path.samefile(path, source):
                 return [position for position, _ in ranges]  # adopted before a retry or crash
@@ -234,7 +234,11 @@ class LocalChunkStore(LongTermStore):
 
     def delete_chunk(self, name: str) -> None:
         self._unmap(name)
-        self._path(name).unlink(missing_ok=True)
+        path = self._path(name)
+        path.unlink(missing_ok=True)
+        if self._fsync:  # else the file comes back after a power failure, holding its space
+            with contextlib.suppress(FileNotFoundError):
+                fsync_dir(path.parent)
 
     def list_chunks(self, prefix: str = "") -> list[str]:
         names = (

@@ -405,7 +405,7 @@ class FileJournal(Journal):
         self._checkpoint_every = checkpoint_seconds  # None: no sync checkpoints
         self._checkpointed = float("-inf")  # monotonic time of the last checkpoint
         self._checkpoint_fd = -1
-        directory.mkdir(parents=True, exist_ok=True)
+        ensure_dir(directory, sync=fsync)
         self._fsync = fsync
         self._want_direct = (fsync if direct is None else direct) and _O_DIRECT != 0
         self._direct = False  # whether the active file's fd is open with O_DIRECT
@@ -921,8 +921,28 @@ def _drop_written(pending: list[memoryview], written: int) -> None:
 
 
 def fsync_dir(directory: Path) -> None:
+    """Make the entries of ``directory`` durable: names created, renamed, linked or removed in
+    it survive a power failure only after this (fsyncing a file does not sync its name)."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def ensure_dir(directory: Path, *, sync: bool = True) -> None:
+    """Create ``directory`` and its missing parents, durably with ``sync``: each new directory's
+    name is synced in its parent before this returns. Without that, a power failure can take a
+    directory away with every file synced inside it. Raises OSError."""
+    missing = []
+    at = directory
+    while not at.is_dir():
+        missing.append(at)
+        if at.parent == at:
+            break
+        at = at.parent
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another thread or process made it
+            path.mkdir()
+        if sync:
+            fsync_dir(path.parent)
