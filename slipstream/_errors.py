@@ -162,6 +162,50 @@ class TransactionNotFound(SlipstreamError):
     code = "transaction_not_found"
 
 
+class NotOwner(SlipstreamError):
+    """A producer id or transaction used by a connection that does not own it: only the
+    connection that ran InitProducer (or re-claimed the id with its token after a reconnect)
+    may append with it, or write to, commit or abort its transactions."""
+
+    code = "not_owner"
+
+
+class LimitExceeded(SlipstreamError):
+    """A connection went past one of the broker's per-connection limits; ``details`` name the
+    limit and its value. The connection stays open unless the message says otherwise."""
+
+    code = "limit_exceeded"
+
+
+class TooManyFollows(LimitExceeded):
+    """More follows open on one connection than the broker allows; unfollow some, or read
+    through another connection."""
+
+    code = "too_many_follows"
+
+
+class TooManyRequests(LimitExceeded):
+    """More requests awaiting an answer on one connection than the broker allows; wait for
+    answers before sending more."""
+
+    code = "too_many_requests"
+    retriable = True
+
+
+class CreditLimitExceeded(LimitExceeded):
+    """A follow was granted more unused credit than the broker allows; grant credit as data
+    is consumed, not ahead of it."""
+
+    code = "credit_limit_exceeded"
+
+
+class IdleTimeout(SlipstreamError):
+    """The broker closed a connection that sent no Hello in time, or nothing at all for too
+    long while it had no follows and no requests open; connect again."""
+
+    code = "idle_timeout"
+
+
 def _all_subclasses(cls: type[SlipstreamError]) -> list[type[SlipstreamError]]:
     found = [cls]
     for sub in cls.__subclasses__():

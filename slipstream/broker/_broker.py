@@ -37,6 +37,7 @@ from ._container import (
     batch_checks_out,
 )
 from ._controller import Controller
+from ._service import Service, load_producer_key
 from ._transactions import Coordinator
 
 if TYPE_CHECKING:
@@ -188,6 +189,13 @@ class Broker:
         # directories above, also where an older build created them without syncing
         fsync_dir(data_dir / "journal")
         fsync_dir(data_dir)
+        self.service = Service(
+            self.controller,
+            self.coordinator,
+            self.containers,
+            max_batch_bytes=self.config.max_batch_bytes,
+            producer_key=load_producer_key(data_dir, fsync=do_sync),
+        )
         started = time.monotonic()
         totals = self.controller.recover()
         totals.update(self.coordinator.recover())

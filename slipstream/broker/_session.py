@@ -1,4 +1,5 @@
-"""One client connection: feeds bytes to the frame codec, runs requests, pushes follows.
+"""One client connection of the binary protocol: feeds bytes to the frame codec, turns frames
+into calls of the service layer (``_service.py``, where the operations live), and pushes follows.
 
 Flow control both ways: a connection with more than ``MAX_PENDING_APPEND_BYTES`` of appends
 not yet durable stops being read (TCP backpressure reaches the producer), and follows push
@@ -19,18 +20,18 @@ import numpy as np
 from .. import __version__
 from .._errors import (
     BatchTooLarge,
-    CorruptBatch,
     InvalidArgument,
     ProtocolError,
     SlipstreamError,
     UnsupportedVersion,
 )
-from ..format import decode_header, verify
+from ..format import decode_header
 from ..protocol import (
     PROTOCOL_VERSION,
     Append,
     AppendAck,
     BeginTxn,
+    ClaimProducer,
     CreateStream,
     Credit,
     Cut,
@@ -64,6 +65,7 @@ from ..protocol import (
     encode_frame,
 )
 from ._container import BATCH_ALIGNMENT
+from ._service import Caller
 
 if TYPE_CHECKING:
     from ._broker import Broker
@@ -98,7 +100,8 @@ class _Follow:
 class Session(asyncio.BufferedProtocol):
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
-        self.controller = broker.controller
+        self.service = broker.service
+        self.caller: Caller | None = None
         self.decoder = FrameDecoder(
             broker.config.max_batch_bytes + 64 * 1024,
             allocate=_unzeroed,
@@ -123,11 +126,14 @@ class Session(asyncio.BufferedProtocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.caller = self.service.connect(self.peer)
         transport.set_write_buffer_limits(high=8 * 1024 * 1024)
         self.broker.sessions.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.broker.sessions.discard(self)
+        if self.caller is not None:
+            self.service.disconnect(self.caller)
         for task in self.tasks:
             task.cancel()
         self.writable.set()
@@ -228,26 +234,10 @@ class Session(asyncio.BufferedProtocol):
         self.send(Welcome(PROTOCOL_VERSION, __version__, self.broker.config.max_batch_bytes), cid)
 
     def _append(self, message: Append, cid: int, batch: Payload) -> None:
-        if len(batch) > self.broker.config.max_batch_bytes:
-            raise BatchTooLarge(
-                f"batch of {len(batch)} bytes exceeds the limit of "
-                f"{self.broker.config.max_batch_bytes}",
-                limit=self.broker.config.max_batch_bytes,
-            )
-        segment = self.controller.stream(message.stream).segment(message.segment)
-        header = verify(batch)
-        if header.batch_length != len(batch):
-            raise CorruptBatch(
-                f"an Append carries exactly one batch: header says {header.batch_length} bytes, "
-                f"payload has {len(batch)}"
-            )
-        future: asyncio.Future[int] | asyncio.Future[None]
-        if message.txn is not None:
-            future = self.broker.coordinator.stage(message.txn, segment, batch, header)
-        else:
-            if header.producer_id >= 0:
-                self.broker.coordinator.check_epoch(header.producer_id, header.producer_epoch)
-            future = self.broker.containers[segment.container].append(segment, batch, header)
+        assert self.caller is not None
+        future, header = self.service.append(
+            self.caller, message.stream, message.segment, message.txn, batch
+        )
         size = len(batch)
         self.pending_bytes += size
         if (
@@ -288,21 +278,22 @@ class Session(asyncio.BufferedProtocol):
             self.send(reply, cid)
 
     async def _handle(self, message: Message) -> Message:
-        controller, coordinator = self.controller, self.broker.coordinator
+        service, caller = self.service, self.caller
+        assert caller is not None
         match message:
             case CreateStream(name, segments, retention_ms, retention_bytes):
-                return controller.create_stream(
-                    name, segments, retention_ms, retention_bytes
-                ).info()
+                return await service.create_stream(
+                    caller, name, segments, retention_ms, retention_bytes
+                )
             case DeleteStream(name):
-                await controller.delete_stream(name)
+                await service.delete_stream(caller, name)
                 return Done()
             case ListStreams(scope):
-                return StreamList([s.info() for s in controller.list_streams(scope)])
+                return StreamList(service.list_streams(caller, scope))
             case DescribeStream(name):
-                return controller.stream(name).info()
+                return service.describe_stream(caller, name)
             case GetCut(stream, at, timestamp_ms):
-                return Cut(stream, await controller.cut(stream, at, timestamp_ms))
+                return Cut(stream, await service.cut(caller, stream, at, timestamp_ms))
             case Follow():
                 return self._follow(message)
             case Unfollow(sub_id):
@@ -311,15 +302,22 @@ class Session(asyncio.BufferedProtocol):
                     follow.task.cancel()
                 return Done()
             case InitProducer(transactional_id):
-                return ProducerGrant(*await coordinator.init_producer(transactional_id))
+                return ProducerGrant(*await service.init_producer(caller, transactional_id))
+            case ClaimProducer(producer_id, epoch, token):
+                service.claim_producer(caller, producer_id, epoch, token)
+                return Done()
             case BeginTxn(producer_id, epoch, timeout_ms, label):
-                return TxnBegun(await coordinator.begin(producer_id, epoch, timeout_ms, label))
-            case EndTxn(txn_id, commit, metadata, merge):
-                return await coordinator.end(txn_id, commit, metadata, merge)
+                return TxnBegun(
+                    await service.begin_txn(caller, producer_id, epoch, timeout_ms, label)
+                )
+            case EndTxn(txn_id, commit, metadata, merge, operator):
+                return await service.end_txn(
+                    caller, txn_id, commit, metadata, merge, operator=operator
+                )
             case ListTxns():
-                return TxnList(coordinator.list())
+                return TxnList(service.list_txns(caller))
             case GetIdentity(transactional_id):
-                return coordinator.identity(transactional_id)
+                return service.identity(caller, transactional_id)
             case Hello():
                 raise ProtocolError("Hello was already sent on this connection")
         raise ProtocolError(f"{type(message).__name__} is not a request")
@@ -331,7 +329,8 @@ class Session(asyncio.BufferedProtocol):
             raise InvalidArgument(f"follow id {message.sub_id} is already in use")
         if message.offset < 0 or message.credit < 0:
             raise InvalidArgument("offset and credit must not be negative")
-        segment = self.controller.stream(message.stream).segment(message.segment)
+        assert self.caller is not None
+        segment = self.service.segment(self.caller, message.stream, message.segment)
         follow = _Follow(
             message.sub_id, segment, message.offset, message.end_offset, message.credit
         )
@@ -346,8 +345,8 @@ class Session(asyncio.BufferedProtocol):
             follow.credited.set()
 
     async def _pump(self, follow: _Follow) -> None:
-        segment = follow.segment
-        container = self.broker.containers[segment.container]
+        segment, service, caller = follow.segment, self.service, self.caller
+        assert caller is not None
         try:
             while True:
                 if follow.end_offset is not None and follow.offset >= follow.end_offset:
@@ -358,8 +357,8 @@ class Session(asyncio.BufferedProtocol):
                     follow.credited.clear()
                     await follow.credited.wait()
                 await self.writable.wait()
-                batches = await container.read(
-                    segment, follow.offset, min(follow.credit, MAX_DATA_FRAME_BYTES)
+                batches = await service.read(
+                    caller, segment, follow.offset, min(follow.credit, MAX_DATA_FRAME_BYTES)
                 )
                 if not batches:
                     if follow.offset >= segment.next_offset and not segment.deleted:

@@ -26,6 +26,8 @@ import pyarrow as pa
 from .._errors import (
     BrokerUnavailable,
     InvalidArgument,
+    NotOwner,
+    ProducerFenced,
     SlipstreamError,
     StreamExists,
     TransactionAborted,
@@ -34,6 +36,7 @@ from .._errors import (
 from ..format import Event, events_of
 from ..protocol import (
     BeginTxn,
+    ClaimProducer,
     CreateStream,
     DeleteStream,
     DescribeStream,
@@ -98,6 +101,7 @@ class AsyncClient:
         self.reconnect_timeout = reconnect_timeout
         self._redial: asyncio.Task[Connection] | None = None
         self._identities: dict[str, tuple[int, int]] = {}
+        self._grants: dict[int, tuple[int, bytes]] = {}  # producer id -> epoch, claim token
         self._cores: weakref.WeakSet[ProducerCore] = weakref.WeakSet()
         self._described: dict[str, StreamInfo] = {}  # routing of streams transactions write
 
@@ -122,13 +126,38 @@ class AsyncClient:
         delay = 0.05
         while True:
             try:
-                self.connection = await Connection.open(self.address, timeout=self.timeout)
-                return self.connection
+                connection = await Connection.open(self.address, timeout=self.timeout)
+                try:
+                    await self._claim(connection)
+                except BrokerUnavailable:
+                    connection.close()
+                    raise
+                self.connection = connection
+                return connection
             except BrokerUnavailable:
                 if time.monotonic() + delay > deadline:
                     raise
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    async def _init_producer(self, transactional_id: str | None) -> tuple[int, int]:
+        """A producer id and epoch owned by this client's connection; the grant's token
+        claims them again on the next connection (``_claim``)."""
+        grant = await self._request(InitProducer(transactional_id))
+        assert isinstance(grant, ProducerGrant)
+        self._grants[grant.producer_id] = (grant.epoch, grant.token)
+        return grant.producer_id, grant.epoch
+
+    async def _claim(self, connection: Connection) -> None:
+        """Claim this client's producer ids on a new connection (the broker binds them to the
+        connection), so idempotent producers resend there and transactions end there."""
+        in_use = {core.identity[0] for core in self._cores if core.identity is not None}
+        in_use.update(producer_id for producer_id, _ in self._identities.values())
+        for producer_id in [p for p in self._grants if p not in in_use]:
+            del self._grants[producer_id]
+        for producer_id, (epoch, token) in self._grants.items():
+            with contextlib.suppress(ProducerFenced, NotOwner):  # its next use says so
+                await connection.request(ClaimProducer(producer_id, epoch, token))
 
     async def _request(self, message: Message) -> Message:
         connection = await self.live_connection()
@@ -228,9 +257,7 @@ class AsyncClient:
             info = self._described[stream] = await self.describe_stream(stream)
         identity = None
         if txn is None and (idempotent or transactional_id is not None):
-            grant = await self._request(InitProducer(transactional_id))
-            assert isinstance(grant, ProducerGrant)
-            identity = (grant.producer_id, grant.epoch)
+            identity = await self._init_producer(transactional_id)
         core = ProducerCore(
             self.connection,
             asyncio.get_running_loop(),
@@ -268,9 +295,8 @@ class AsyncClient:
         else:
             known = self._identities.get(transactional_id)
             if known is None:
-                grant = await self._request(InitProducer(transactional_id))
-                assert isinstance(grant, ProducerGrant)
-                known = self._identities[transactional_id] = (grant.producer_id, grant.epoch)
+                known = await self._init_producer(transactional_id)
+                self._identities[transactional_id] = known
             identity = known
         begun = await self._request(BeginTxn(*identity, int(timeout * 1000), label))
         assert isinstance(begun, TxnBegun)
@@ -294,7 +320,7 @@ class AsyncClient:
 
     async def abort_transaction(self, txn_id: int) -> None:
         """Abort an open transaction by id (an operator's tool: its owner's commit fails)."""
-        await self._request(EndTxn(txn_id, False))
+        await self._request(EndTxn(txn_id, False, operator=True))
 
     async def _end(
         self, txn_id: int, commit: bool, metadata: bytes, merge: Sequence[int] = ()

@@ -105,9 +105,22 @@ class Unfollow(Message, frozen=True):
 class InitProducer(Message, frozen=True):
     """-> ``ProducerGrant``: a fresh producer id (epoch 0), or with a ``transactional_id`` its
     stable producer id with the next epoch, which fences every older producer of that id and
-    aborts its open transaction."""
+    aborts its open transaction. The id belongs to this connection: appends with it and its
+    transactions are refused (``not_owner``) on any other, until one claims it
+    (``ClaimProducer``)."""
 
     transactional_id: str | None = None
+
+
+class ClaimProducer(Message, frozen=True):
+    """-> ``Done``: make this connection the owner of a producer id granted on an earlier one
+    (a reconnect, also after a broker restart), proving it with the grant's ``token``. The
+    previous connection loses it. ``not_owner`` for a wrong token, ``producer_fenced`` when a
+    newer epoch of its transactional id exists."""
+
+    producer_id: int
+    epoch: int
+    token: bytes
 
 
 class BeginTxn(Message, frozen=True):
@@ -123,13 +136,17 @@ class BeginTxn(Message, frozen=True):
 
 class EndTxn(Message, frozen=True):
     """Commit (with ``metadata``, stored atomically with the events) or abort -> ``TxnEnded``.
-    Retrying a commit that already happened answers ``TxnEnded(committed=True)`` again. Anyone
-    holding the id may abort an open transaction (``slipstream txn abort``)."""
+    Retrying a commit that already happened answers ``TxnEnded(committed=True)`` again, on any
+    connection. An open transaction is ended only by the connection that owns its producer id
+    (``not_owner`` otherwise); an anonymous one by anyone holding its id. ``operator``: abort
+    any open transaction (``slipstream txn abort``; logged; to be restricted to an admin
+    principal once connections authenticate)."""
 
     txn_id: int
     commit: bool
     metadata: bytes = b""
     merge: list[int] = []
+    operator: bool = False
 
 
 class ListTxns(Message, frozen=True):
@@ -217,8 +234,12 @@ class FollowFailed(Message, frozen=True):
 
 
 class ProducerGrant(Message, frozen=True):
+    """``token``: proof of the grant for ``ClaimProducer`` on a later connection; keep it
+    secret like a password (16 bytes)."""
+
     producer_id: int
     epoch: int
+    token: bytes = b""
 
 
 class TxnBegun(Message, frozen=True):
@@ -286,6 +307,7 @@ KINDS: dict[int, type[Message]] = {
     13: EndTxn,
     14: ListTxns,
     15: GetIdentity,
+    16: ClaimProducer,
     64: Welcome,
     65: Error,
     66: Done,

@@ -15,6 +15,8 @@ from slipstream.protocol import (
     Append,
     AppendAck,
     BeginTxn,
+    ClaimProducer,
+    Done,
     EndTxn,
     Error,
     InitProducer,
@@ -39,7 +41,17 @@ def _grant(raw: RawConnection, transactional_id: str | None = None) -> tuple[int
     raw.send_frame(InitProducer(transactional_id), 2)
     grant = raw.receive().message
     assert isinstance(grant, ProducerGrant)
+    _tokens[grant.producer_id] = grant.token
     return grant.producer_id, grant.epoch
+
+
+_tokens: dict[int, bytes] = {}
+
+
+def _claim(raw: RawConnection, pid: int, epoch: int) -> None:
+    """Claim a producer id granted on an earlier connection (the broker binds ids to one)."""
+    raw.send_frame(ClaimProducer(pid, epoch, _tokens[pid]), 9)
+    assert isinstance(raw.receive().message, Done)
 
 
 def _append(raw: RawConnection, cid: int, payload: bytes) -> AppendAck | Error:
@@ -67,6 +79,7 @@ def test_a_retried_batch_is_stored_once_and_answered_with_its_first_offset(
     broker.restart()
     again = RawConnection(broker.address)
     again.receive()
+    _claim(again, pid, epoch)
     assert _append(again, 7, second) == AppendAck(3, 2)
     # ... and a gap is a clear error that names both sequence numbers
     error = _append(again, 8, batch(1, b"c", producer_id=pid, producer_epoch=epoch, sequence=9))
@@ -99,6 +112,7 @@ def test_dedup_state_survives_the_move_to_chunks(broker_factory: type[BrokerProc
     broker.restart()
     raw = RawConnection(broker.address)
     raw.receive()
+    _claim(raw, pid, epoch)
     assert _append(raw, 30, batches[7]) == AppendAck(7, 1)
     assert _append(raw, 31, batches[6]) == AppendAck(6, 1)
     raw.close()

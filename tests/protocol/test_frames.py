@@ -33,6 +33,7 @@ from slipstream.protocol import (
     Append,
     AppendAck,
     BeginTxn,
+    ClaimProducer,
     CreateStream,
     Credit,
     Cut,
@@ -152,6 +153,9 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
     FollowEnded: st.builds(FollowEnded, sub_id=I64, next_offset=OFFSETS),
     FollowFailed: st.builds(FollowFailed, sub_id=I64, code=TEXT, message=TEXT, details=DETAILS),
     InitProducer: st.builds(InitProducer, transactional_id=st.none() | TEXT),
+    ClaimProducer: st.builds(
+        ClaimProducer, producer_id=I64, epoch=I64, token=st.binary(max_size=16)
+    ),
     BeginTxn: st.builds(BeginTxn, producer_id=I64, epoch=I64, timeout_ms=I64, label=TEXT),
     EndTxn: st.builds(
         EndTxn,
@@ -159,10 +163,13 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
         commit=st.booleans(),
         metadata=st.binary(max_size=64),
         merge=st.lists(I64, max_size=3),
+        operator=st.booleans(),
     ),
     ListTxns: st.builds(ListTxns),
     GetIdentity: st.builds(GetIdentity, transactional_id=TEXT),
-    ProducerGrant: st.builds(ProducerGrant, producer_id=I64, epoch=I64),
+    ProducerGrant: st.builds(
+        ProducerGrant, producer_id=I64, epoch=I64, token=st.binary(max_size=16)
+    ),
     TxnBegun: st.builds(TxnBegun, txn_id=I64),
     TxnEnded: st.builds(
         TxnEnded,

@@ -1,0 +1,315 @@
+"""The service layer: the operations every protocol calls, with plain arguments and values.
+
+The binary protocol's ``Session`` (framing, flow control, the push loop of follows) is one
+caller; the HTTP admin API, consumer groups and other protocols are the next ones. Each
+operation takes the ``Caller`` it runs for, so that ownership, authorization, quotas and
+metrics live here, once, not in every protocol.
+
+Ownership of producer ids and transactions: a producer id (with its epoch) belongs to the
+caller that ran ``init_producer`` for it. Appends carrying it, and transactions begun with it
+(their appends, commit and abort), are refused with ``NotOwner`` for any other caller. A new
+connection of the same client re-claims the id with the token ``init_producer`` returned
+(``claim_producer``): the token is an HMAC of the id and epoch under a key kept in the data
+directory, so it still holds after a broker restart, when the broker remembers no owners.
+Anonymous transactions (no transactional id) stay shared by design: any caller that knows the
+id may stage into, merge or abort them (a Spark job's tasks and driver). An operator may abort
+any open transaction (``end_txn(..., operator=True)``); until callers authenticate (the
+security issue), that flag is trusted as sent, and the broker logs who used it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import itertools
+import logging
+import os
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .._errors import BatchTooLarge, CorruptBatch, InvalidArgument, NotOwner
+from ..format import BatchHeader, verify
+from ..protocol import IdentityInfo, Payload, StreamInfo, TxnEnded, TxnInfo
+from ..storage import fsync_dir
+
+if TYPE_CHECKING:
+    from ._container import Container
+    from ._controller import Controller
+    from ._segment import Segment
+    from ._transactions import Coordinator
+
+log = logging.getLogger("slipstream.service")
+
+#: Producer ids one caller may own at a time; the oldest grant is forgotten past this (the
+#: client does not say when a producer is closed). Its next append gets NotOwner.
+MAX_PRODUCERS_PER_CALLER = 4096
+PRODUCER_KEY_FILE = "producer.key"
+_KEY_BYTES = 32
+_TOKEN_BYTES = 16
+
+
+@dataclass(eq=False, slots=True)
+class Caller:
+    """Who an operation runs for: one connection of the binary protocol (later also an HTTP
+    request), with the authenticated principal once there is one. ``producers``: the producer
+    ids this caller owns, oldest first."""
+
+    connection_id: int
+    peer: str
+    principal: str | None = None
+    producers: dict[int, None] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"connection {self.connection_id} from {self.peer}"
+
+
+def load_producer_key(data_dir: Path, *, fsync: bool = True) -> bytes:
+    """The key producer tokens are signed with: ``<data-dir>/producer.key``, created (and made
+    durable: file, then directory) on first use. A missing or short key is replaced, which
+    only invalidates the tokens of producers that were running: they must ``InitProducer``
+    again; no data is affected."""
+    path = data_dir / PRODUCER_KEY_FILE
+    try:
+        key = path.read_bytes()
+    except FileNotFoundError:
+        key = b""
+    if len(key) == _KEY_BYTES:
+        return key
+    if key:
+        log.warning("%s is %d bytes, not %d: made a new one", path, len(key), _KEY_BYTES)
+    key = secrets.token_bytes(_KEY_BYTES)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as out:
+        out.write(key)
+        if fsync:
+            os.fsync(out.fileno())
+    os.replace(tmp, path)
+    if fsync:
+        fsync_dir(data_dir)
+    return key
+
+
+class Service:
+    """Streams, produce, read, producers and transactions, for any protocol.
+
+    Errors are the typed ``SlipstreamError`` subclasses, raised (or set on the returned
+    future, for appends); a protocol turns them into its own error replies."""
+
+    def __init__(
+        self,
+        controller: Controller,
+        coordinator: Coordinator,
+        containers: Sequence[Container],
+        *,
+        max_batch_bytes: int,
+        producer_key: bytes,
+    ) -> None:
+        self.controller = controller
+        self.coordinator = coordinator
+        self.containers = containers
+        self.max_batch_bytes = max_batch_bytes
+        self._key = producer_key
+        self._owners: dict[int, Caller] = {}  # producer id -> the caller that owns it
+        self._connection_ids = itertools.count(1)
+
+    # --- callers -----------------------------------------------------------------------------
+
+    def connect(self, peer: str, principal: str | None = None) -> Caller:
+        """A new caller (one connection); ``disconnect`` it when it goes."""
+        return Caller(next(self._connection_ids), peer, principal)
+
+    def disconnect(self, caller: Caller) -> None:
+        """The caller is gone: its producer ids are owned by nobody until claimed again."""
+        for producer_id in caller.producers:
+            if self._owners.get(producer_id) is caller:
+                del self._owners[producer_id]
+        caller.producers.clear()
+
+    # --- streams -----------------------------------------------------------------------------
+
+    async def create_stream(
+        self,
+        caller: Caller,
+        name: str,
+        segments: int,
+        retention_ms: int | None = None,
+        retention_bytes: int | None = None,
+    ) -> StreamInfo:
+        """Raises StreamExists, InvalidName, InvalidArgument."""
+        return self.controller.create_stream(name, segments, retention_ms, retention_bytes).info()
+
+    async def delete_stream(self, caller: Caller, name: str) -> None:
+        """Delete a stream and its data; its followers get StreamNotFound."""
+        await self.controller.delete_stream(name)
+
+    def list_streams(self, caller: Caller, scope: str | None = None) -> list[StreamInfo]:
+        return [s.info() for s in self.controller.list_streams(scope)]
+
+    def describe_stream(self, caller: Caller, name: str) -> StreamInfo:
+        return self.controller.stream(name).info()
+
+    async def cut(
+        self, caller: Caller, stream: str, at: str, timestamp_ms: int | None = None
+    ) -> dict[int, int]:
+        """``{segment: offset}`` at "earliest", "latest" or "time" (``timestamp_ms``)."""
+        return await self.controller.cut(stream, at, timestamp_ms)
+
+    # --- produce -----------------------------------------------------------------------------
+
+    def append(
+        self, caller: Caller, stream: str, segment: int, txn: int | None, batch: Payload
+    ) -> tuple[asyncio.Future[int] | asyncio.Future[None], BatchHeader]:
+        """Check one record batch and append it (or stage it in transaction ``txn``). The
+        future resolves to the batch's base offset once it is durable (None when staged), or
+        fails with StorageFull / StorageError: then nothing of it was acknowledged. Raises at
+        once for a bad batch (BatchTooLarge, CorruptBatch), an unknown stream or segment, a
+        fenced producer (ProducerFenced) or another caller's producer id or transaction
+        (NotOwner)."""
+        if len(batch) > self.max_batch_bytes:
+            raise BatchTooLarge(
+                f"batch of {len(batch)} bytes exceeds the limit of {self.max_batch_bytes}",
+                limit=self.max_batch_bytes,
+            )
+        target = self.controller.stream(stream).segment(segment)
+        header = verify(batch)
+        if header.batch_length != len(batch):
+            raise CorruptBatch(
+                f"an Append carries exactly one batch: header says {header.batch_length} bytes, "
+                f"payload has {len(batch)}"
+            )
+        if txn is not None:
+            self._check_txn_owner(caller, txn)
+            return self.coordinator.stage(txn, target, batch, header), header
+        producer_id = header.producer_id
+        if producer_id >= 0:
+            self.coordinator.check_epoch(producer_id, header.producer_epoch)
+            if producer_id not in caller.producers:
+                raise self._not_owner(caller, producer_id)
+        return self.containers[target.container].append(target, batch, header), header
+
+    # --- read --------------------------------------------------------------------------------
+
+    def segment(self, caller: Caller, stream: str, segment: int) -> Segment:
+        """A segment to read (StreamNotFound, SegmentNotFound)."""
+        return self.controller.stream(stream).segment(segment)
+
+    async def read(
+        self, caller: Caller, segment: Segment, offset: int, max_bytes: int
+    ) -> list[bytes | bytearray | memoryview]:
+        """Whole batches from ``offset`` (at least one if any, then up to ``max_bytes``); []
+        at the end. Raises OffsetOutOfRange, CorruptData, StreamNotFound (deleted)."""
+        return await self.containers[segment.container].read(segment, offset, max_bytes)
+
+    # --- producers ---------------------------------------------------------------------------
+
+    async def init_producer(
+        self, caller: Caller, transactional_id: str | None = None
+    ) -> tuple[int, int, bytes]:
+        """A producer id and epoch owned by ``caller``, and the token that claims them from
+        another connection. With a transactional id: its stable id and the next epoch, which
+        fences the older producers of the id and aborts their open transaction."""
+        producer_id, epoch = await self.coordinator.init_producer(transactional_id)
+        self._own(caller, producer_id)
+        return producer_id, epoch, self._token(producer_id, epoch)
+
+    def claim_producer(self, caller: Caller, producer_id: int, epoch: int, token: bytes) -> None:
+        """Make ``caller`` the owner of a producer id it was granted on an earlier connection
+        (or before a broker restart). Raises NotOwner for a wrong token, ProducerFenced when a
+        newer producer took the id's transactional id."""
+        if not hmac.compare_digest(token, self._token(producer_id, epoch)):
+            raise NotOwner(
+                f"the token does not match producer {producer_id} epoch {epoch}; claim only ids "
+                "this client was granted (InitProducer), or ask for a new one",
+                producer_id=producer_id,
+            )
+        self.coordinator.check_epoch(producer_id, epoch)
+        self._own(caller, producer_id)
+
+    # --- transactions ------------------------------------------------------------------------
+
+    async def begin_txn(
+        self, caller: Caller, producer_id: int, epoch: int, timeout_ms: int, label: str = ""
+    ) -> int:
+        """Open a transaction of the caller's producer id (-1: anonymous, shared by id)."""
+        if producer_id >= 0:
+            self.coordinator.check_epoch(producer_id, epoch)
+            if producer_id not in caller.producers:
+                raise self._not_owner(caller, producer_id)
+        return await self.coordinator.begin(producer_id, epoch, timeout_ms, label)
+
+    async def end_txn(
+        self,
+        caller: Caller,
+        txn_id: int,
+        commit: bool,
+        metadata: bytes = b"",
+        merge: Sequence[int] = (),
+        *,
+        operator: bool = False,
+    ) -> TxnEnded:
+        """Commit or abort. Only the owner may end an open transaction, except an operator's
+        abort; asking again about one that already ended is answered to anyone."""
+        if operator:
+            if commit:
+                raise InvalidArgument("an operator may abort a transaction, not commit it")
+            txn = self.coordinator.open.get(txn_id)
+            if (
+                txn is not None
+                and not txn.anonymous
+                and txn.identity.producer_id not in caller.producers
+            ):
+                log.warning("transaction %d aborted by an operator (%s)", txn_id, caller)
+        else:
+            self._check_txn_owner(caller, txn_id)
+        return await self.coordinator.end(txn_id, commit, metadata, list(merge))
+
+    def list_txns(self, caller: Caller) -> list[TxnInfo]:
+        return self.coordinator.list()
+
+    def identity(self, caller: Caller, transactional_id: str) -> IdentityInfo:
+        return self.coordinator.identity(transactional_id)
+
+    # --- ownership ---------------------------------------------------------------------------
+
+    def _own(self, caller: Caller, producer_id: int) -> None:
+        previous = self._owners.get(producer_id)
+        if previous is not None and previous is not caller:
+            previous.producers.pop(producer_id, None)
+        self._owners[producer_id] = caller
+        owned = caller.producers
+        owned.pop(producer_id, None)
+        owned[producer_id] = None
+        if len(owned) > MAX_PRODUCERS_PER_CALLER:
+            oldest = next(iter(owned))
+            del owned[oldest]
+            if self._owners.get(oldest) is caller:
+                del self._owners[oldest]
+
+    def _check_txn_owner(self, caller: Caller, txn_id: int) -> None:
+        txn = self.coordinator.open.get(txn_id)
+        if txn is None or txn.anonymous:
+            return  # the coordinator answers for ended and unknown ones; anonymous: shared
+        producer_id = txn.identity.producer_id
+        if producer_id not in caller.producers:
+            raise NotOwner(
+                f"transaction {txn_id} belongs to producer {producer_id} of another connection; "
+                "only its owner may write to, commit or abort it (an operator aborts it with "
+                "'slipstream txn abort')",
+                txn_id=txn_id,
+                producer_id=producer_id,
+            )
+
+    def _not_owner(self, caller: Caller, producer_id: int) -> NotOwner:
+        return NotOwner(
+            f"producer {producer_id} is not owned by this connection; use the id InitProducer "
+            "granted here, or claim it with its token (ClaimProducer) after a reconnect",
+            producer_id=producer_id,
+        )
+
+    def _token(self, producer_id: int, epoch: int) -> bytes:
+        message = f"{producer_id}:{epoch}".encode()
+        return hmac.new(self._key, message, hashlib.sha256).digest()[:_TOKEN_BYTES]
