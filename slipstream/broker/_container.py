@@ -80,6 +80,20 @@ class ContainerConfig:
     tail_cache_bytes: int = 64 * 1024 * 1024
 
 
+@dataclass(frozen=True, slots=True)
+class _MoveTarget:
+    """What the mover needs of a live segment, taken on the loop when a move starts: the
+    mover's thread reads only this, never the segment the loop keeps changing."""
+
+    stream_id: int
+    number: int
+    #: the segment's idempotence snapshot as of its newest chunk (None: no chunk)
+    producers: bytes | None
+    last_timestamp: int | None
+    #: offsets ``[lo, hi)`` the segment lost in the file being moved (a hole), if any
+    hole: tuple[int, int] | None
+
+
 @dataclass(slots=True)
 class _Append:
     segment: Segment
@@ -89,6 +103,12 @@ class _Append:
 
 
 class Container:
+    """Threads: the event loop owns the segments, the queue, the tail cache and every asyncio
+    object here. The journal thread (``_io``) runs journal calls and hands back only their
+    results (a roll's sealed file id included: the loop then wakes the mover); the mover
+    thread (``_mover``) works from ``_MoveTarget`` snapshots; reader threads get a segment's
+    immutable fields and a ``Chunk`` (whose index arrays are never changed)."""
+
     def __init__(
         self,
         container_id: int,
@@ -285,7 +305,9 @@ class Container:
                 continue
             entries = [(_SEGMENT_ID.pack(i.segment.global_id), i.batch) for i in live]
             try:
-                addresses = await loop.run_in_executor(self._io, self._write_group, entries, sync)
+                addresses, sealed = await loop.run_in_executor(
+                    self._io, self._write_group, entries, sync
+                )
             except Exception as exc:  # the loop must outlive any failure, typed or not
                 if not isinstance(exc, SlipstreamError):
                     log.exception("container %d: unexpected journal failure", self.id)
@@ -303,10 +325,14 @@ class Container:
                     segment.producers.restore(pid, state)
                 continue
             self._publish(live, addresses)
+            if sealed is not None:
+                self._rolled(sealed)
 
     def _write_group(
         self, entries: Sequence[tuple[bytes, Payload]], sync: bool
-    ) -> list[JournalAddress]:
+    ) -> tuple[list[JournalAddress], int | None]:
+        """Write (and sync) a group on the journal thread; returns the entries' addresses and
+        the id of the file sealed if the group filled it (for the loop to pass on)."""
         addresses = self.journal.append(entries)  # a failed append leaves nothing behind
         if sync:
             try:
@@ -315,16 +341,24 @@ class Container:
                 # fsync=always acknowledged only synced groups, so this cuts only this group
                 self.journal.discard_unsynced()
                 raise
+        sealed = None
         if self.journal.active_bytes >= self.config.roll_bytes:
-            self._roll()
-        return addresses
+            sealed = self._roll()
+        return addresses, sealed
 
-    def _roll(self) -> None:
+    def _roll(self) -> int | None:
+        """Seal the active journal file (on the journal thread); the sealed file's id, None if
+        there was nothing to seal or the roll failed (logged; the next roll retries). Touches
+        no loop object: the caller hands the result to ``_rolled`` on the loop."""
         try:
-            sealed = self.journal.roll()
+            return self.journal.roll()
         except SlipstreamError as exc:
             log.warning("container %d: journal roll failed, will retry: %s", self.id, exc)
-            return
+            return None
+
+    def _rolled(self, sealed: int | None) -> None:
+        """On the loop, after a roll: restart the roll timer, and wake the mover if a file was
+        sealed."""
         self._roll_started = time.monotonic()
         if sealed is not None:
             self._sealed.set()
@@ -532,7 +566,7 @@ class Container:
                 await asyncio.wait_for(self._sealed.wait(), self.config.roll_ms / 1000)
             except TimeoutError:
                 if time.monotonic() - self._roll_started >= self.config.roll_ms / 1000:
-                    await loop.run_in_executor(self._io, self._roll)
+                    self._rolled(await loop.run_in_executor(self._io, self._roll))
             self._sealed.clear()
             for file_id in self.journal.sealed_files():
                 try:
@@ -549,20 +583,26 @@ class Container:
     async def _move_file(self, file_id: int) -> None:
         loop = asyncio.get_running_loop()
         source = self.journal.file_path(file_id)
-        live = self.segments
-        # the offsets each segment lost in this file: its chunk covers them, as a gap in the
-        # batch index, so the hole outlives the journal file (and a restart)
-        holes: dict[int, tuple[int, int]] = {}
-        for global_id, segment in live.items():
+        # Everything the mover's thread needs of the segments, taken now, on the loop: the
+        # loop goes on changing them (appends, retention, deletion) while the mover runs.
+        targets: dict[int, _MoveTarget] = {}
+        for global_id, segment in self.segments.items():
+            # the offsets the segment lost in this file: its chunk covers them, as a gap in
+            # the batch index, so the hole outlives the journal file (and a restart)
             in_file = takewhile(lambda b: b.address.file_id == file_id, segment.journal)
             lost = [batch for batch in in_file if batch.lost]  # in offset order
-            if lost:
-                holes[global_id] = (lost[0].base_offset, lost[-1].next_offset)
+            targets[global_id] = _MoveTarget(
+                segment.stream_id,
+                segment.number,
+                segment.chunks[-1].record.producers if segment.chunks else None,
+                segment.last_timestamp,
+                (lost[0].base_offset, lost[-1].next_offset) if lost else None,
+            )
 
-        def write_chunks() -> list[tuple[Segment, ChunkRecord]]:
+        def write_chunks() -> list[tuple[int, ChunkRecord]]:
             # (payload position, header) of each live segment's batches, in offset order
             by_segment: dict[int, list[tuple[int, BatchHeader, Payload | bytes]]] = {
-                global_id: [] for global_id in holes if global_id in live
+                global_id: [] for global_id, target in targets.items() if target.hole
             }
             # a file that becomes chunks as it is needs only its batch headers read back
             found = (
@@ -572,7 +612,7 @@ class Container:
             )
             for address, payload in found:
                 (global_id,) = _SEGMENT_ID.unpack_from(payload)
-                if global_id in live:
+                if global_id in targets:
                     batch = payload[_SEGMENT_ID.size :]
                     at = address.position + _SEGMENT_ID.size
                     by_segment.setdefault(global_id, []).append((at, decode_header(batch), batch))
@@ -589,19 +629,17 @@ class Container:
                 adopter = None
             plans = []
             for global_id, batches in by_segment.items():
-                segment = live[global_id]
+                target = targets[global_id]
                 headers = [h for _, h, _ in batches]
                 # the idempotence state as of this chunk's end: the previous chunk's, plus these
-                producers = ProducerTable.from_snapshot(
-                    segment.chunks[-1].record.producers if segment.chunks else None
-                )
+                producers = ProducerTable.from_snapshot(target.producers)
                 for h in headers:
                     _remember(producers, h)
                 spans = [(h.base_offset, h.next_offset) for h in headers[:1] + headers[-1:]]
-                if global_id in holes:
-                    spans.append(holes[global_id])
+                if target.hole is not None:
+                    spans.append(target.hole)
                 base, end = min(s for s, _ in spans), max(e for _, e in spans)
-                name = chunk_name(segment.stream_id, segment.number, base)
+                name = chunk_name(target.stream_id, target.number, base)
                 if not batches:  # nothing but a hole: an empty chunk keeps its offsets taken
                     self.long_term.write_chunk(name, [])
                     positions = []
@@ -620,25 +658,33 @@ class Container:
                     ],
                     dtype="<i8",
                 )
+                last_timestamp = target.last_timestamp or 0
                 record = ChunkRecord(
-                    segment.stream_id,
-                    segment.number,
+                    target.stream_id,
+                    target.number,
                     base,
                     end,
                     sum(h.batch_length for h in headers),
-                    min((h.min_timestamp for h in headers), default=segment.last_timestamp or 0),
-                    max((h.max_timestamp for h in headers), default=segment.last_timestamp or 0),
+                    min((h.min_timestamp for h in headers), default=last_timestamp),
+                    max((h.max_timestamp for h in headers), default=last_timestamp),
                     name,
                     index.tobytes(),
                     producers.snapshot() if len(producers) else b"",
                 )
-                plans.append((segment, record))
+                plans.append((global_id, record))
             self.meta.add_chunks(self.id, file_id, [record for _, record in plans])
             return plans
 
         plans = await loop.run_in_executor(self._mover, write_chunks)
-        for segment, record in plans:
-            moved = 0
+        orphans: list[str] = []
+        for global_id, record in plans:
+            live = self.segments.get(global_id)
+            if live is None:
+                # deleted while the mover ran: its catalog entry is gone (or never made), and
+                # its stream's deletion may not have known of this chunk
+                orphans.append(record.name)
+                continue
+            segment, moved = live, 0
             while (
                 moved < len(segment.journal) and segment.journal[moved].address.file_id == file_id
             ):
@@ -650,6 +696,10 @@ class Container:
             del segment.journal[:moved]
             segment.add_chunk(record)
         self._cached = deque(b for b in self._cached if b.data is not None)
+        if orphans:
+            await loop.run_in_executor(
+                self._mover, lambda: [self.long_term.delete_chunk(name) for name in orphans]
+            )
         await loop.run_in_executor(self._io, self.journal.delete_file, file_id)
 
     async def close(self) -> None:

@@ -112,7 +112,6 @@ class _Txn:
     state: str = "open"  # open -> committing | aborting
     staged: list[_Staged] = field(default_factory=list)
     writes: set[asyncio.Future[None]] = field(default_factory=set)
-    files: set[int] = field(default_factory=set)  # staging files holding its entries
     events: int = 0
     bytes: int = 0
     outcome: asyncio.Future[TxnEnded] | None = None
@@ -177,7 +176,11 @@ class Coordinator:
         self._by_tid: dict[str, _Txn] = {}
         self._ended: OrderedDict[int, TxnEnded] = OrderedDict()
         self._pending: list[tuple[TxnCommit, list[_Staged]]] = []
-        self._file_users: dict[int, set[int]] = {}  # staging file id -> open transactions
+        # Threads: everything above belongs to the event loop. The txn-io thread (``_io``, one
+        # thread, FIFO) owns the staging journal, the id blocks and ``_file_users``: a write
+        # registers its transaction as a user of a staging file there, before it can roll
+        # the file, so a cleanup queued behind it never deletes a file still in use.
+        self._file_users: dict[int, set[int]] = {}  # staging file id -> transactions in it
         self._held = 0  # bytes of staged batches held in memory
 
     # --- startup ---------------------------------------------------------------------------
@@ -240,7 +243,8 @@ class Coordinator:
         await loop.run_in_executor(self._io, self._drop_sealed, True)
 
     def _drop_sealed(self, roll: bool = False) -> None:
-        """Delete sealed staging files no open transaction uses (after rolling, if asked)."""
+        """Delete sealed staging files no open transaction uses (after rolling, if asked).
+        Runs on the txn-io thread."""
         try:
             if roll:
                 self.staging.roll()
@@ -375,7 +379,7 @@ class Coordinator:
                 f"transaction {txn_id} is {txn.state}; no more events may join it", txn_id=txn_id
             )
         entry = [_STAGED.pack(txn_id, segment.global_id), batch]
-        future = asyncio.get_running_loop().run_in_executor(self._io, self._write, [entry])
+        future = asyncio.get_running_loop().run_in_executor(self._io, self._write, txn_id, [entry])
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         txn.writes.add(done)
 
@@ -389,9 +393,6 @@ class Coordinator:
             held = self._held + len(batch) <= _HOLD_BYTES
             self._held += len(batch) if held else 0
             txn.staged.append(_Staged(segment, address, header, batch if held else None))
-            if address.file_id not in txn.files:
-                txn.files.add(address.file_id)
-                self._file_users.setdefault(address.file_id, set()).add(txn_id)
             txn.events += header.event_count
             txn.bytes += header.batch_length
             done.set_result(None)
@@ -399,8 +400,13 @@ class Coordinator:
         future.add_done_callback(written)
         return done
 
-    def _write(self, entries: list[list[Payload | bytes]]) -> list[JournalAddress]:
+    def _write(self, txn_id: int, entries: list[list[Payload | bytes]]) -> list[JournalAddress]:
+        """Stage entries of one transaction (on the txn-io thread). The transaction becomes a
+        user of the file before the file can be rolled: once sealed, a file is deleted as soon
+        as it has no users, possibly by the very next job on this thread."""
         addresses = self.staging.append(entries)
+        for file_id in {address.file_id for address in addresses}:
+            self._file_users.setdefault(file_id, set()).add(txn_id)
         if self.staging.active_bytes >= _STAGING_ROLL_BYTES:
             self.staging.roll()
         return addresses
@@ -533,7 +539,7 @@ class Coordinator:
             try:
                 ranges = await self._apply(record, staged)
                 break
-            except SlipstreamError as exc:
+            except (SlipstreamError, OSError) as exc:
                 log.error("applying transaction %d failed, retrying: %s", txn.txn_id, exc)
                 await asyncio.sleep(1)
         _crash_point("txn.after_apply")
@@ -641,14 +647,19 @@ class Coordinator:
         self._ended[txn.txn_id] = TxnEnded(ended.txn_id, ended.committed)
         while len(self._ended) > _ENDED_REMEMBERED:
             self._ended.popitem(last=False)
+        # after every write of the transaction: _commit and _abort wait for them
+        asyncio.get_running_loop().run_in_executor(self._io, self._release_files, txn.txn_id)
+
+    def _release_files(self, txn_id: int) -> None:
+        """An ended transaction no longer uses its staging files (on the txn-io thread);
+        delete those that are sealed and now unused."""
         released = False
-        for file_id in txn.files:
-            users = self._file_users.get(file_id)
-            if users is not None:
-                users.discard(txn.txn_id)
+        for users in self._file_users.values():
+            if txn_id in users:
+                users.discard(txn_id)
                 released |= not users
-        if released:  # its files may now be free to delete (only sealed ones ever are)
-            asyncio.get_running_loop().run_in_executor(self._io, self._drop_sealed)
+        if released:
+            self._drop_sealed()
 
     def list(self) -> list[TxnInfo]:
         return [txn.info() for txn in self.open.values()]

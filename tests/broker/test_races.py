@@ -1,0 +1,202 @@
+"""Races between the event loop and the broker's worker threads, reproduced deterministically.
+
+Each test holds a worker thread (or the loop itself) at a chosen point through the same
+interfaces the broker uses (an executor job that waits on a ``threading.Event``, a storage
+wrapper that blocks one call), makes the other side act, then lets go: the interleaving that
+once broke something happens every run, never by sleeping and hoping.
+
+The bodies run with asyncio's debug mode on: a worker thread that touches a loop object
+(``Event.set``, ``Future.set_result``) then fails with "Non-thread-safe operation" instead of
+passing silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from test_container import FAST, Node, make_batch, values_of
+
+from slipstream.broker import _transactions
+from slipstream.broker._container import ContainerConfig
+from slipstream.broker._transactions import Coordinator
+from slipstream.format import verify
+from slipstream.storage import MemoryChunkStore, MemoryJournal, SqliteMetaStore
+from slipstream.storage._journal import Buffer
+
+T = TypeVar("T")
+
+
+def run_checked(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a test body on a fresh loop in debug mode (cross-thread loop use raises), failing
+    (not hanging) after 10 s. The loop runs in a thread of its own, so that a body stuck for
+    good (a task waiting for a wake-up that a worker thread lost) fails the test as well."""
+    outcome: list[Any] = []
+
+    def target() -> None:
+        try:
+            outcome.append(asyncio.run(asyncio.wait_for(coro, 10), debug=True))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=target, name="test-loop", daemon=True)
+    thread.start()
+    thread.join(30)
+    if not outcome:
+        pytest.fail("the test body hung: a task waits for a wake-up that never came")
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]  # type: ignore[no-any-return]
+
+
+def hold(executor_submit: Any) -> threading.Event:
+    """Occupy a single-thread executor until the returned event is set: jobs submitted after
+    this one queue up behind it, in order."""
+    gate = threading.Event()
+    executor_submit(gate.wait, 10)
+    return gate
+
+
+def memory_node(containers: int = 1, config: ContainerConfig = FAST) -> Node:
+    journals = [MemoryJournal() for _ in range(containers)]
+    return Node(journals, SqliteMetaStore(":memory:"), MemoryChunkStore(), config)
+
+
+# --- transaction staging -------------------------------------------------------------------------
+
+
+def test_a_staging_file_rolled_under_a_write_outlives_the_cleanup_queued_behind_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A staged write rolls the staging file it wrote to. Another transaction's end queues a
+    # cleanup of sealed, unused staging files right behind that write on the txn-io thread.
+    # The cleanup must see the writer as a user of the file: if it deleted it, the commit
+    # could not read the batch back (and a crash mid-commit would lose it on restart).
+    monkeypatch.setattr(_transactions, "_HOLD_BYTES", 0)  # applying reads the batches back
+    node = memory_node()
+
+    async def body() -> None:
+        coordinator = Coordinator(tmp_path, node.meta, node.controller, fsync=False)
+        coordinator.recover()
+        node.controller.create_stream("t/txn", 1, None, None)
+        node.start()
+        try:
+            await coordinator.apply_pending()
+            segment = node.segment("t/txn")
+            producer_id, epoch = await coordinator.init_producer("writer")
+            owner = await coordinator.begin(producer_id, epoch, 60_000)
+            other = await coordinator.begin(-1, -1, 60_000)
+            other_batch = make_batch(1, "other")
+            await coordinator.stage(other, segment, other_batch, verify(other_batch))
+
+            monkeypatch.setattr(_transactions, "_STAGING_ROLL_BYTES", 1)  # the next write rolls
+            gate = hold(coordinator._io.submit)
+            batch = make_batch(2, "owner")
+            staged = coordinator.stage(owner, segment, batch, verify(batch))
+            await coordinator.end(other, False, b"")  # frees the file: a cleanup is queued
+            gate.set()
+            # The loop stands still while the txn-io thread writes, rolls and cleans up, so
+            # nothing the loop does after the write can come before the cleanup.
+            coordinator._io.submit(lambda: None).result(10)
+            await staged
+            ended = await coordinator.end(owner, True, b"")
+            assert ended.committed
+            assert [values_of(b) for b in await node.read_all("t/txn")] == [values_of(batch)]
+        finally:
+            await coordinator.close()
+            await node.close()
+
+    run_checked(body())
+
+
+# --- the journal thread and the loop's objects ---------------------------------------------------
+
+
+def test_a_group_that_rolls_the_journal_wakes_the_mover_through_the_loop() -> None:
+    # The group's write seals the journal file on the journal thread; the mover, waiting on
+    # the loop, must learn of it through the loop (debug mode raises on a cross-thread wake).
+    node = memory_node(config=ContainerConfig(roll_ms=600_000, roll_bytes=1))
+
+    async def body() -> None:
+        node.controller.create_stream("t/roll", 1, None, None)
+        node.start()
+        try:
+            container = node.containers[0]
+            while not container._sealed._waiters:  # type: ignore[attr-defined]
+                await asyncio.sleep(0)  # until the mover waits for a sealed file
+            batch = make_batch(3, "rolled")
+            assert await node.append("t/roll", 0, batch) == 0
+            segment = node.segment("t/roll")
+            while not segment.chunks:  # moved by the container's own mover
+                await asyncio.sleep(0.001)
+            assert [values_of(b) for b in await node.read_all("t/roll")] == [values_of(batch)]
+        finally:
+            await node.close()
+
+    run_checked(body())
+
+
+# --- the mover and the loop ------------------------------------------------------------------
+
+
+class GatedChunkStore(MemoryChunkStore):
+    """A chunk store whose first chunk write waits (in the mover's thread) until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.released = threading.Event()
+        self._gated = True
+
+    def write_chunk(self, name: str, buffers: Sequence[Buffer]) -> None:
+        if self._gated:
+            self._gated = False
+            self.entered.set()
+            self.released.wait(10)
+        super().write_chunk(name, buffers)
+
+
+async def wait_for_thread(event: threading.Event) -> None:
+    """Wait on the loop for another thread to set ``event``."""
+    while not event.is_set():
+        await asyncio.sleep(0.001)
+
+
+def test_a_stream_deleted_while_the_mover_writes_its_file_leaves_the_container_running() -> None:
+    # Two streams share a journal file. The mover writes the first one's chunk; meanwhile the
+    # second stream is deleted. The move completes without the deleted stream (no KeyError
+    # stopping the container), the first stream reads back from its chunk, and no chunk of
+    # the deleted stream is left behind.
+    store = GatedChunkStore()
+    node = Node([MemoryJournal()], SqliteMetaStore(":memory:"), store)
+
+    async def body() -> None:
+        node.controller.create_stream("t/kept", 1, None, None)
+        node.controller.create_stream("t/gone", 1, None, None)
+        node.start()
+        try:
+            kept = make_batch(2, "kept")
+            await node.append("t/kept", 0, kept)
+            await node.append("t/gone", 0, make_batch(3, "gone"))
+            container = node.containers[0]
+            move = asyncio.create_task(node.roll_and_move(container))
+            await wait_for_thread(store.entered)
+            await node.controller.delete_stream("t/gone")
+            store.released.set()
+            await move
+            segment = node.segment("t/kept")
+            assert [c.record.next_offset for c in segment.chunks] == [2]
+            assert segment.journal == []
+            assert [values_of(b) for b in await node.read_all("t/kept")] == [values_of(kept)]
+            assert [c.stream_id for c in node.meta.chunks()] == [segment.stream_id]
+            assert store.list_chunks() == [segment.chunks[0].record.name]
+            assert container.journal.sealed_files() == []
+        finally:
+            store.released.set()
+            await node.close()
+
+    run_checked(body())
