@@ -193,11 +193,21 @@ class Controller:
         return stream
 
     async def delete_stream(self, name: str) -> None:
+        """Delete a stream: its catalog entry, then its segments (their appends and reads
+        fail with StreamNotFound from here on), then its chunks.
+
+        Keyed by the stream's id, not its name: the name may be created again while this
+        runs, and a delete meant for the old stream never touches the new one (a second
+        delete of the old one raises StreamNotFound)."""
         stream = self.stream(name)
-        _, chunks = await asyncio.get_running_loop().run_in_executor(
-            self._read_pool, self.meta.delete_stream, name
-        )
-        del self.streams[name]
+        try:
+            _, chunks = await asyncio.get_running_loop().run_in_executor(
+                self._read_pool, self.meta.delete_stream, name, stream.id
+            )
+        except StreamNotFound:
+            raise StreamNotFound(f"stream {name!r} was already deleted", stream=name) from None
+        if self.streams.get(name) is stream:
+            del self.streams[name]
         for segment in stream.segments.values():
             segment.deleted = True
             self.containers[segment.container].segments.pop(segment.global_id, None)

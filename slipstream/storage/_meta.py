@@ -113,9 +113,13 @@ class MetaStore(ABC):
         """Add a stream; raises StreamExists if the name is taken."""
 
     @abstractmethod
-    def delete_stream(self, name: str) -> tuple[StreamRecord, list[ChunkRecord]]:
+    def delete_stream(
+        self, name: str, stream_id: int | None = None
+    ) -> tuple[StreamRecord, list[ChunkRecord]]:
         """Remove a stream and its chunk records; returns them so the chunks can be deleted.
-        Raises StreamNotFound."""
+        Raises StreamNotFound if no stream has that name, or, given ``stream_id``, if the
+        stream of that name has another id (the one meant was deleted and the name reused:
+        the newer stream is left alone)."""
 
     @abstractmethod
     def streams(self) -> list[StreamRecord]:
@@ -239,9 +243,17 @@ class SqliteMetaStore(MetaStore):
             stream_id, name, retention_ms, retention_bytes, created_ms, list(segments)
         )
 
-    def delete_stream(self, name: str) -> tuple[StreamRecord, list[ChunkRecord]]:
+    def delete_stream(
+        self, name: str, stream_id: int | None = None
+    ) -> tuple[StreamRecord, list[ChunkRecord]]:
         with self._transaction() as cur:
             record = self._stream(cur, name)
+            if stream_id is not None and record.id != stream_id:
+                raise StreamNotFound(
+                    f"stream {name!r} (id {stream_id}) does not exist; the name now belongs "
+                    f"to a newer stream (id {record.id})",
+                    stream=name,
+                )
             chunks = self._chunks(cur, "WHERE stream_id = ?", (record.id,))
             for table in ("chunks", "segments"):
                 cur.execute(f"DELETE FROM {table} WHERE stream_id = ?", (record.id,))

@@ -21,11 +21,18 @@ from typing import Any, TypeVar
 import pytest
 from test_container import FAST, Node, make_batch, values_of
 
+from slipstream import StreamNotFound
 from slipstream.broker import _transactions
 from slipstream.broker._container import ContainerConfig
 from slipstream.broker._transactions import Coordinator
 from slipstream.format import verify
-from slipstream.storage import MemoryChunkStore, MemoryJournal, SqliteMetaStore
+from slipstream.storage import (
+    ChunkRecord,
+    MemoryChunkStore,
+    MemoryJournal,
+    SqliteMetaStore,
+    StreamRecord,
+)
 from slipstream.storage._journal import Buffer
 
 T = TypeVar("T")
@@ -197,6 +204,96 @@ def test_a_stream_deleted_while_the_mover_writes_its_file_leaves_the_container_r
             assert container.journal.sealed_files() == []
         finally:
             store.released.set()
+            await node.close()
+
+    run_checked(body())
+
+
+# --- the controller: deleting and creating the same name -----------------------------------------
+
+
+class GatedMetaStore(SqliteMetaStore):
+    """A catalog that, once ``gated``, holds its deletions in the calling worker thread: the
+    first one after it is stored, every later one before it starts, until ``released``."""
+
+    def __init__(self) -> None:
+        super().__init__(":memory:")
+        self.gated = False
+        self.deletes = 0
+        self.deleted = threading.Event()
+        self.released = threading.Event()
+        self._count = threading.Lock()
+
+    def delete_stream(self, *args: Any) -> tuple[StreamRecord, list[ChunkRecord]]:
+        with self._count:
+            self.deletes += 1
+            first = self.deletes == 1
+        if self.gated and not first:
+            self.released.wait(10)
+        result = super().delete_stream(*args)
+        if self.gated and first:
+            self.deleted.set()
+            self.released.wait(10)
+        return result
+
+
+def gated_node() -> tuple[Node, GatedMetaStore]:
+    meta = GatedMetaStore()
+    return Node([MemoryJournal()], meta, MemoryChunkStore()), meta
+
+
+def test_a_stream_created_again_while_its_old_self_is_being_deleted_survives() -> None:
+    # The catalog has deleted "t/again"; before the controller has dropped it from its map,
+    # the name is created again. The delete finishing must not drop the new stream.
+    node, meta = gated_node()
+
+    async def body() -> None:
+        node.controller.create_stream("t/again", 1, None, None)
+        node.start()
+        try:
+            old = node.controller.stream("t/again")
+            meta.gated = True
+            delete = asyncio.create_task(node.controller.delete_stream("t/again"))
+            await wait_for_thread(meta.deleted)
+            new = node.controller.create_stream("t/again", 2, None, None)
+            meta.released.set()
+            await delete
+            assert old.segments[0].deleted
+            assert node.controller.stream("t/again") is new
+            assert [s.name for s in node.controller.list_streams(None)] == ["t/again"]
+            assert await node.append("t/again", 1, make_batch(2, "new")) == 0
+            assert [r.id for r in meta.streams()] == [new.id]
+        finally:
+            meta.released.set()
+            await node.close()
+
+    run_checked(body())
+
+
+def test_two_deletes_of_a_stream_never_delete_its_successor() -> None:
+    # Two deletes of one stream race a create of the same name between them: the second
+    # delete was meant for the old stream, and must not remove the new one from the catalog.
+    node, meta = gated_node()
+
+    async def body() -> None:
+        node.controller.create_stream("t/twice", 1, None, None)
+        node.start()
+        try:
+            meta.gated = True
+            first = asyncio.create_task(node.controller.delete_stream("t/twice"))
+            second = asyncio.create_task(node.controller.delete_stream("t/twice"))
+            await wait_for_thread(meta.deleted)
+            while meta.deletes < 2:  # the second delete is held before the catalog too
+                await asyncio.sleep(0.001)
+            new = node.controller.create_stream("t/twice", 1, None, None)
+            meta.released.set()
+            results = await asyncio.gather(first, second, return_exceptions=True)
+            assert results[0] is None
+            assert isinstance(results[1], StreamNotFound), results[1]
+            assert node.controller.stream("t/twice") is new
+            assert [r.id for r in meta.streams()] == [new.id]
+        finally:
+            meta.released.set()
             await node.close()
 
     run_checked(body())

@@ -172,6 +172,21 @@ def test_delete_of_a_missing_stream_is_stream_not_found(meta: MetaStore) -> None
     assert raised.value.details["stream"] == "s/never"
 
 
+def test_delete_by_id_leaves_a_newer_stream_of_the_same_name_alone(meta: MetaStore) -> None:
+    old = create(meta, "s/reused")
+    meta.delete_stream("s/reused", old)
+    new = create(meta, "s/reused")
+    meta.add_chunks(0, 0, [chunk(new, 0, 0)])
+    with pytest.raises(StreamNotFound) as raised:
+        meta.delete_stream("s/reused", old)  # meant for the old one: already gone
+    assert raised.value.details["stream"] == "s/reused"
+    assert [r.id for r in meta.streams()] == [new]
+    assert meta.chunks() == [chunk(new, 0, 0)]
+    record, chunks = meta.delete_stream("s/reused", new)
+    assert record.id == new and chunks == [chunk(new, 0, 0)]
+    assert meta.streams() == []
+
+
 def test_stream_ids_are_never_reused(meta: MetaStore) -> None:
     seen = {create(meta, "s/a"), create(meta, "s/b")}
     for round_ in range(3):
