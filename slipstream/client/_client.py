@@ -16,9 +16,17 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Generator,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from types import TracebackType
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, Self, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -63,6 +71,46 @@ from ._reader import Delivery, ReaderCore, Start, cut_at, decode_delivery, with_
 T = TypeVar("T")
 
 
+class _AsyncContext(Protocol):
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
+
+C = TypeVar("C", bound=_AsyncContext)
+
+
+class Opening(Generic[C]):
+    """What ``connect_async``, ``AsyncClient.producer`` and ``AsyncClient.transaction``
+    return: await it for the object, or use it directly in ``async with`` (like aiohttp's and
+    httpx's requests), which awaits it and leaves through the object's own ``__aexit__``::
+
+        client = await slipstream.connect_async(address)
+        async with slipstream.connect_async(address) as client: ...
+    """
+
+    __slots__ = ("_coroutine", "_opened")
+
+    def __init__(self, coroutine: Coroutine[Any, Any, C]) -> None:
+        self._coroutine = coroutine
+        self._opened: C | None = None
+
+    def __await__(self) -> Generator[Any, None, C]:
+        return self._coroutine.__await__()
+
+    async def __aenter__(self) -> C:
+        self._opened = await self._coroutine
+        return await self._opened.__aenter__()
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        assert self._opened is not None
+        await self._opened.__aexit__(kind, exc, tb)
+
+
 def default_address() -> str:
     """``SLIPSTREAM_BROKER`` if set, else 127.0.0.1:7070."""
     return os.environ.get("SLIPSTREAM_BROKER") or DEFAULT_ADDRESS
@@ -85,7 +133,9 @@ def _router(info: StreamInfo) -> Router:
 
 
 class AsyncClient:
-    """A connection to a broker for asyncio code. Create with ``await connect_async(...)``.
+    """A connection to a broker for asyncio code: ``async with connect_async(...) as client``
+    (or ``client = await connect_async(...)`` and ``await client.close()``). The same API as
+    :class:`Client`, with ``await`` and ``async for``.
 
     When the connection drops (a broker restart), the next request dials again, for up to
     ``reconnect_timeout`` seconds; idempotent producers resend what was not acknowledged.
@@ -164,10 +214,12 @@ class AsyncClient:
         reply, _ = await connection.request(message)
         return reply
 
-    async def __aenter__(self) -> AsyncClient:
+    async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.close()
 
     async def close(self) -> None:
@@ -231,15 +283,26 @@ class AsyncClient:
         against the stream). Times and cuts name positions for bounded reads of history."""
         return await cut_at(await self.live_connection(), stream, at)
 
-    async def producer(
+    def producer(
         self,
         stream: str,
         *,
         idempotent: bool = True,
         transactional_id: str | None = None,
         **options: Any,
+    ) -> Opening[AsyncProducer]:
+        """A producer for one stream: ``async with client.producer(stream) as producer``
+        (leaving the block flushes) or ``producer = await client.producer(stream)``. See
+        :meth:`Client.producer` for the options and guarantees."""
+        return Opening(self._open_producer(stream, idempotent, transactional_id, options))
+
+    async def _open_producer(
+        self,
+        stream: str,
+        idempotent: bool,
+        transactional_id: str | None,
+        options: dict[str, Any],
     ) -> AsyncProducer:
-        """A producer for one stream; see :meth:`Client.producer` for the options."""
         return AsyncProducer(
             await self._producer_core(stream, idempotent, transactional_id, None, options)
         )
@@ -280,16 +343,23 @@ class AsyncClient:
 
     # --- transactions ----------------------------------------------------------------------
 
-    async def transaction(
+    def transaction(
         self,
         transactional_id: str | None,
         *,
         timeout: float = 60.0,
         label: str = "",
         **options: Any,
+    ) -> Opening[AsyncTransaction]:
+        """Begin a transaction: ``async with client.transaction(id) as txn`` commits when the
+        block ends (aborts on an exception), or ``txn = await client.transaction(id)``. See
+        :meth:`Client.transaction`. The first transaction of a ``transactional_id`` on this
+        client fences every other client using that id."""
+        return Opening(self._begin(transactional_id, timeout, label, options))
+
+    async def _begin(
+        self, transactional_id: str | None, timeout: float, label: str, options: dict[str, Any]
     ) -> AsyncTransaction:
-        """Begin a transaction; see :meth:`Client.transaction`. The first transaction of a
-        ``transactional_id`` on this client fences every other client using that id."""
         if transactional_id is None:
             identity = (-1, -1)
         else:
@@ -445,10 +515,12 @@ class AsyncTransaction:
         for core in self._cores.values():
             core.closed = True
 
-    async def __aenter__(self) -> AsyncTransaction:
+    async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if kind is None:
             await self.commit()
         else:
@@ -501,7 +573,7 @@ class AsyncProducer:
         finally:
             self.core.closed = True
 
-    async def __aenter__(self) -> AsyncProducer:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(
@@ -567,12 +639,16 @@ async def _wait_acknowledged(futures: list[concurrent.futures.Future[int]]) -> N
         await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
 
 
-async def connect_async(
+def connect_async(
     address: str | None = None, *, timeout: float = 10.0, reconnect_timeout: float = 30.0
-) -> AsyncClient:
+) -> Opening[AsyncClient]:
     """Connect to a broker from asyncio code (``SLIPSTREAM_BROKER`` or 127.0.0.1:7070 by
-    default). Raises BrokerUnavailable if none answers."""
-    return await AsyncClient.connect(address, timeout=timeout, reconnect_timeout=reconnect_timeout)
+    default): ``async with slipstream.connect_async() as client`` closes it at the end of the
+    block; ``client = await slipstream.connect_async()`` leaves that to you. Raises
+    BrokerUnavailable like :func:`connect`."""
+    return Opening(
+        AsyncClient.connect(address, timeout=timeout, reconnect_timeout=reconnect_timeout)
+    )
 
 
 # --- the blocking client ----------------------------------------------------------------------
@@ -689,7 +765,7 @@ class Client:
         *,
         linger_ms: float = 5.0,
         batch_bytes: int = 2 * 1024 * 1024,
-        compression: str | None = None,
+        compression: str | None = "lz4",
         max_in_flight: int = 8,
         buffer_bytes: int = 64 * 1024 * 1024,
         idempotent: bool = True,
@@ -702,7 +778,8 @@ class Client:
         Events with the same key go to the same segment and keep their order; keyless events
         fill one segment's batch at a time. A batch is sent when it holds ``batch_bytes``, when
         ``linger_ms`` passed since its first event, or at once when nothing is in flight.
-        ``compression``: None, "lz4" or "zstd" (Arrow IPC buffer compression). ``send`` blocks
+        ``compression``: "lz4" (the default), "zstd" or None: Arrow IPC buffer compression,
+        kept for a batch only where it saves a fifth of its bytes. ``send`` blocks
         while more than ``buffer_bytes`` are waiting for acknowledgement (backpressure).
 
         Idempotent by default: batches the broker did not acknowledge are sent again after a
@@ -757,9 +834,7 @@ class Client:
         """
         return Transaction(
             self._loop,
-            self._loop.run(
-                self._async.transaction(transactional_id, timeout=timeout, label=label, **options)
-            ),
+            self._loop.run(self._async._begin(transactional_id, timeout, label, options)),
         )
 
     def last_commit(self, transactional_id: str) -> CommitInfo | None:
