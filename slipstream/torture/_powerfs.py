@@ -126,7 +126,7 @@ class PowerFS:
                 raise RuntimeError(f"PowerFS did not mount:\n{self.server_log()}")
             time.sleep(0.02)
 
-    def power_fail(self, timeout: float = 60.0) -> None:
+    def power_fail(self, timeout: float = 20.0) -> None:
         """Lose everything not durable: unmount and rewrite the backing directory to the
         durable state. Kill every process using the mount first (their open files keep it busy).
         The mount stays down until ``mount()``."""
@@ -136,7 +136,7 @@ class PowerFS:
             raise RuntimeError(f"PowerFS did not fail power:\n{self.server_log()}")
         self.failures += 1
 
-    def unmount(self, timeout: float = 60.0) -> None:
+    def unmount(self, timeout: float = 20.0) -> None:
         """Unmount, keeping the live state (a clean shutdown: nothing is lost)."""
         if self._server is not None:
             self._unmount(timeout)
@@ -145,21 +145,28 @@ class PowerFS:
         server = self._server
         if server is None:
             raise RuntimeError("not mounted")
+        self._server = None
         deadline = time.monotonic() + timeout
+        busy = False
         while server.poll() is None:
             result = subprocess.run(
                 ["fusermount3", "-u", str(self.mountpoint)], capture_output=True, check=False
             )
             if result.returncode == 0 or not os.path.ismount(self.mountpoint):
                 break
-            if time.monotonic() > deadline:  # still busy: detach it, the server ends with it
+            if time.monotonic() > deadline:  # a process still holds files on it: detach it
+                busy = True
                 subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], check=False)
                 break
             time.sleep(0.1)
         try:
-            server.wait(timeout)
-        finally:
-            self._server = None
+            server.wait(5 if busy else timeout)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+            raise RuntimeError(
+                f"{self.mountpoint} stayed busy: a process still has files open on it"
+            ) from None
         if server.returncode != 0:
             raise RuntimeError(
                 f"PowerFS server exited with {server.returncode}:\n{self.server_log()}"
