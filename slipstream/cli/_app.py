@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 import typer
@@ -16,6 +17,33 @@ from .._errors import BrokerUnavailable, SlipstreamError
 from ..broker import FSYNC_MODES
 from ..streams import parse_size_bytes
 from ._common import BrokerOption, connect, err, out
+
+
+def _flags_show_no_value_type() -> None:
+    """typer 0.29 prints a type after every flag (``--yes -y <bool>``), as if flags took a
+    value; print nothing there, as click does."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+
+    def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    setattr(TyperOption, "display_type_rich", display_type_rich)  # noqa: B010
+
+
+def _help_in_whole_lines(*apps: typer.Typer) -> None:
+    """Commands' help from their docstrings with the source's line breaks undone: in rich
+    mode typer keeps them in the command list, which broke sentences mid-line."""
+    for typer_app in apps:
+        for info in typer_app.registered_commands:
+            doc = info.callback.__doc__ if info.callback is not None else None
+            if info.help is None and doc:
+                paragraphs = inspect.cleandoc(doc).split("\n\n")
+                info.help = "\n\n".join(" ".join(p.split()) for p in paragraphs)
+
+
+_flags_show_no_value_type()
 
 app = typer.Typer(
     help="slipstream: durable streams on your laptop. Start with 'slipstream up'.",
@@ -242,13 +270,40 @@ def produce(
     linger_ms: Annotated[
         float, typer.Option(help="How long a batch may wait for more events.")
     ] = 5.0,
+    batch_size: Annotated[
+        str,
+        typer.Option(
+            help="Largest batch the producer sends, and so the largest event (up to the "
+            "broker's --max-batch, 8MiB by default, less 64KiB of framing)."
+        ),
+    ] = "2MiB",
+    skip: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Skip the first N input lines: resume where a failed run said its "
+            "acknowledged events end.",
+        ),
+    ] = 0,
+    delivery_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Seconds to keep retrying events while the broker is unreachable before "
+            "giving up on them (exit 1 with a resume hint).",
+        ),
+    ] = 120.0,
     broker: BrokerOption = "",
 ) -> None:
     """Send JSON lines (or raw lines) from stdin as events; every event is acknowledged
     (durable) before the command exits 0. A bad line stops it with exit code 1, naming the
-    line; the events before it are sent. Ctrl-C stops it with exit code 130 after the events
-    read so far are acknowledged. A summary goes to stderr."""
+    line; the events before it are sent. Events the broker cannot take (the stream was deleted,
+    the broker stayed down) stop it with exit code 1, the count that was acknowledged and the
+    --skip that resumes. Ctrl-C stops it with exit code 130 after the events read so far are
+    acknowledged. A summary goes to stderr."""
     from ._produce import (
+        Acknowledgements,
+        DeliveryFailed,
         LineParser,
         ProduceStats,
         ProgressReport,
@@ -257,41 +312,74 @@ def produce(
         stdin_lines,
     )
 
+    batch_bytes = parse_size_bytes(batch_size)
     lines = stdin_lines()
     parser = LineParser(raw=raw, key_field=key_field)
     stopped: StoppedAtBadLine | None = None
+    failure: BaseException | None = None
     interrupted = False
-    with connect(broker) as client:
+    acks = Acknowledgements()
+    stats = ProduceStats(name)
+    with connect(broker, reconnect_timeout=delivery_timeout) as client:
         report: ProgressReport | None = None
-        stats = ProduceStats(name)
         try:
-            with client.producer(name, linger_ms=linger_ms) as producer:
+            with client.producer(
+                name,
+                linger_ms=linger_ms,
+                batch_bytes=batch_bytes,
+                delivery_timeout=delivery_timeout,
+            ) as producer:
                 report = ProgressReport(err, lines)
                 stats.started = time.monotonic()
                 try:
                     produce_lines(
-                        producer, lines, parser, stats, skip_bad=skip_bad, report=report, warn=err
+                        producer,
+                        lines,
+                        parser,
+                        stats,
+                        acks,
+                        skip_bad=skip_bad,
+                        report=report,
+                        warn=err,
+                        skip_lines=skip,
                     )
                 except StoppedAtBadLine as exc:
                     stopped = exc
+                except DeliveryFailed as exc:
+                    failure = exc.error
                 except KeyboardInterrupt:
                     interrupted = True
+        except SlipstreamError as exc:  # leaving the block: events that were not acknowledged
+            if stats.events == 0 and failure is None:
+                raise  # the producer never opened (unknown stream, bad --batch-size)
+            failure = failure or exc
         finally:
             if report is not None:
                 report.close()
         stats.elapsed = time.monotonic() - stats.started
+    stats.acknowledged = acks.total()
+    if failure is None and acks.error is not None:
+        failure = acks.error
+    if failure is None and acks.unfinished():
+        failure = BrokerUnavailable("the producer closed with events not acknowledged")
+    if failure is not None:
+        stats.resume_line = acks.first_unacknowledged_line() or stats.lines + 1
+        message = failure.message if isinstance(failure, SlipstreamError) else str(failure)
+        err.print(f"[bold red]error[/]: {escape(message)}", highlight=False, soft_wrap=True)
+        err.print(escape(stats.failure_summary(acks)), highlight=False, soft_wrap=True)
     if stopped is not None:
         err.print(f"[bold red]error[/]: {escape(str(stopped))}", highlight=False, soft_wrap=True)
         err.print(
-            f"stopped at line {stopped.line_number}: the {stats.events:,} events before it are "
-            "acknowledged; fix the line, or pass --skip-bad to skip bad lines",
+            f"stopped at line {stopped.line_number}: the {stats.acknowledged:,} events before "
+            "it are acknowledged; fix the line, or pass --skip-bad to skip bad lines",
             highlight=False,
             soft_wrap=True,
         )
-    err.print(stats.summary(), highlight=False, soft_wrap=True)
+    if failure is None:
+        err.print(stats.summary(), highlight=False, soft_wrap=True)
     if as_json:
         _print_json(stats.as_dict())
-    if stopped is not None:
+    if stopped is not None or failure is not None:
         raise typer.Exit(1)
     if interrupted:
         raise typer.Exit(130)
@@ -490,6 +578,9 @@ def txn_status(
             f"{document['committed']} (producer epoch {last.epoch})\n"
             f"metadata: {escape(msgspec.json.encode(last.metadata).decode())}"
         )
+
+
+_help_in_whole_lines(app, stream_app, txn_app)
 
 
 def main() -> None:

@@ -34,9 +34,10 @@ if not out.is_terminal and "COLUMNS" not in os.environ:
     out.width = 200  # tables written to a file or pipe need not squeeze into 80 columns
 
 
-def connect(broker: str) -> slipstream.Client:
-    """Connect or raise BrokerUnavailable, whose message says how to start a broker."""
-    return slipstream.connect(broker or DEFAULT_BROKER)
+def connect(broker: str, *, reconnect_timeout: float = 30.0) -> slipstream.Client:
+    """Connect or raise BrokerUnavailable, whose message says how to start a broker;
+    ``reconnect_timeout``: how long a lost connection is dialled again."""
+    return slipstream.connect(broker or DEFAULT_BROKER, reconnect_timeout=reconnect_timeout)
 
 
 def iso_ms(ms: int | None) -> str:

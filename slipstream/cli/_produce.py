@@ -18,6 +18,14 @@ Input, one event per line (blank lines are skipped):
 
 ``--key-field F`` keys each event by the top-level field ``F`` of the value object (of the
 line itself in ``--raw`` mode); an explicit envelope ``key`` wins over it.
+
+Delivery: the command counts an event as produced only when the broker acknowledged it (made
+it durable). If events cannot be delivered (the stream was deleted, the broker stayed down
+past ``--delivery-timeout``), it stops reading, exits 1 and says how many events were
+acknowledged and the first input line whose event was not: running the same command on the
+same input with ``--skip`` (that line's number minus one) sends the rest. Events of later
+lines in other segments may have been acknowledged already and are then stored twice; the
+message counts them.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import os
 import stat
 import sys
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -221,39 +230,132 @@ class LineParser:
 # --- the produce loop ---------------------------------------------------------------------------
 
 
+def plural(count: int, noun: str) -> str:
+    """``1 event``, ``2 events``, ``1,000 events``."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
+class Acknowledgements:
+    """Which input lines' events the broker has acknowledged, in input order.
+
+    Receipts wait here, oldest first, until their batch is answered, so at most the producer's
+    buffer of unacknowledged events is held. ``in_order`` counts the events acknowledged
+    before the oldest one that is not: every line before ``first_unacknowledged_line`` is
+    stored, which is where a rerun resumes.
+    """
+
+    def __init__(self) -> None:
+        self._pending: deque[tuple[int, slipstream.Receipt]] = deque()
+        self.in_order = 0
+        self.error: BaseException | None = None  # the first failed batch's error
+
+    def add(self, line_number: int, receipt: slipstream.Receipt) -> None:
+        self._pending.append((line_number, receipt))
+
+    def collect(self) -> None:
+        """Take the acknowledgements that arrived; stop at the first event not acknowledged
+        (still waiting, or failed: then ``error`` is set)."""
+        pending = self._pending
+        while pending:
+            receipt = pending[0][1]
+            if not receipt.done():
+                return
+            try:
+                receipt.result(0)
+            except Exception as exc:  # the batch's typed error; the event was not stored
+                if self.error is None:
+                    self.error = exc
+                return
+            pending.popleft()
+            self.in_order += 1
+
+    def total(self) -> int:
+        """Every acknowledged event, also those after the first one that was not."""
+        self.collect()
+        later = 0
+        for _, receipt in self._pending:
+            if receipt.done():
+                try:
+                    receipt.result(0)
+                except Exception:
+                    continue
+                later += 1
+        return self.in_order + later
+
+    def first_unacknowledged_line(self) -> int | None:
+        self.collect()
+        return self._pending[0][0] if self._pending else None
+
+    def unfinished(self) -> bool:
+        """Whether some event is neither acknowledged nor failed (after a close: lost)."""
+        return any(not receipt.done() for _, receipt in self._pending)
+
+
 @dataclass(slots=True)
 class ProduceStats:
     stream: str
-    events: int = 0
+    events: int = 0  # sent (queued in the producer)
+    acknowledged: int = 0
     bytes: int = 0
     skipped: int = 0
     lines: int = 0
     input_bytes: int = 0
     started: float = field(default_factory=time.monotonic)
     elapsed: float = 0.0
+    resume_line: int | None = None  # after a failure: the first line not acknowledged
 
     def as_dict(self) -> dict[str, Any]:
         elapsed = max(self.elapsed, 1e-9)
-        return {
+        document = {
             "stream": self.stream,
             "events": self.events,
+            "acknowledged": self.acknowledged,
             "bytes": self.bytes,
             "skipped": self.skipped,
             "lines": self.lines,
             "elapsed_s": round(self.elapsed, 6),
-            "events_per_s": round(self.events / elapsed, 1),
+            "events_per_s": round(self.acknowledged / elapsed, 1),
             "mb_per_s": round(self.bytes / elapsed / 1e6, 3),
         }
+        if self.resume_line is not None:
+            document["resume_line"] = self.resume_line
+        return document
 
     def summary(self) -> str:
         d = self.as_dict()
         text = (
-            f"produced {self.events:,} events ({self.bytes / 1e6:.2f} MB) to {self.stream} in "
-            f"{self.elapsed:.2f} s: {d['events_per_s']:,.0f} events/s, {d['mb_per_s']:.2f} MB/s"
+            f"produced {plural(self.acknowledged, 'event')} ({self.bytes / 1e6:.2f} MB) to "
+            f"{self.stream} in {self.elapsed:.2f} s: {d['events_per_s']:,.0f} events/s, "
+            f"{d['mb_per_s']:.2f} MB/s"
         )
         if self.skipped:
-            text += f"; skipped {self.skipped:,} bad line{'s' if self.skipped != 1 else ''}"
+            text += f"; skipped {plural(self.skipped, 'bad line')}"
         return text
+
+    def failure_summary(self, acks: Acknowledgements) -> str:
+        """After a delivery failure: what was stored and how to send the rest."""
+        sent = plural(self.events, "event")
+        resume = self.resume_line or self.lines + 1
+        text = (
+            f"acknowledged {self.acknowledged:,} of the {sent} sent to {self.stream}; every "
+            f"line before input line {resume:,} is stored. To send the rest, run the same "
+            f"command on the same input with --skip {resume - 1}"
+        )
+        later = self.acknowledged - acks.in_order
+        if later > 0:
+            text += (
+                f" ({plural(later, 'event')} of later lines {'was' if later == 1 else 'were'} "
+                "acknowledged too and will be stored twice)"
+            )
+        return text
+
+
+class DeliveryFailed(Exception):
+    """Events were not acknowledged: the producer's typed error is the cause."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class StoppedAtBadLine(Exception):
@@ -294,8 +396,9 @@ class ProgressReport:
         now = time.monotonic()
         elapsed = max(now - stats.started, 1e-9)
         status = (
-            f"{stats.events:,} events, {stats.bytes / 1e6:.1f} MB, "
-            f"{stats.events / elapsed:,.0f} events/s, {stats.bytes / elapsed / 1e6:.2f} MB/s"
+            f"{stats.acknowledged:,} of {stats.events:,} events acknowledged, "
+            f"{stats.bytes / 1e6:.1f} MB sent, {stats.acknowledged / elapsed:,.0f} events/s, "
+            f"{stats.bytes / elapsed / 1e6:.2f} MB/s"
         )
         if self.progress is not None and self.task is not None:
             self.progress.update(self.task, completed=stats.input_bytes, status=status)
@@ -327,40 +430,64 @@ def _input_size(stream: BinaryIO) -> int | None:
     return None
 
 
+def batch_size_hint(exc: slipstream.BatchTooLarge) -> str:
+    """The error of an event bigger than a batch, naming the flag that raises the limit."""
+    size = int(exc.details.get("size", 0))
+    mib = 1 << 20
+    suggested = max(2 * mib, -(-(size + 64 * 1024) // mib) * mib)  # MiB, with framing room
+    return (
+        f"{exc.message}; raise the batch size with --batch-size {suggested // mib}MiB "
+        "(the broker's limit is its --max-batch, 8MiB by default)"
+    )
+
+
 def produce_lines(
     producer: slipstream.Producer,
     lines: Iterable[bytes],
     parser: LineParser,
     stats: ProduceStats,
+    acks: Acknowledgements,
     *,
     skip_bad: bool,
     report: ProgressReport,
     warn: Console,
+    skip_lines: int = 0,
     max_warnings: int = 5,
 ) -> None:
-    """Send every line's event; raises StoppedAtBadLine (unless ``skip_bad``). The caller
-    flushes the producer: events before a bad line are still sent and acknowledged."""
+    """Send every line's event after the first ``skip_lines`` lines; raises StoppedAtBadLine
+    (unless ``skip_bad``) and DeliveryFailed as soon as a batch failed (checked every 0.1 s).
+    The caller flushes the producer: events before a bad line are still sent and
+    acknowledged."""
     next_report = time.monotonic()
     for number, line in enumerate(lines, 1):
         stats.lines = number
         stats.input_bytes += len(line)
+        if number <= skip_lines:
+            continue
         try:
             event = parser.parse(line)
             if event is None:
                 continue
-            producer.send(event.value, event.key, event.headers, event.timestamp)
+            receipt = producer.send(event.value, event.key, event.headers, event.timestamp)
         except (BadLine, slipstream.BatchTooLarge) as exc:
-            reason = exc.message if isinstance(exc, slipstream.SlipstreamError) else str(exc)
+            reason = batch_size_hint(exc) if isinstance(exc, slipstream.BatchTooLarge) else str(exc)
             if not skip_bad:
                 raise StoppedAtBadLine(number, reason) from None
             stats.skipped += 1
             if stats.skipped <= max_warnings:
                 warn.print(f"[yellow]skipped line {number}[/]: {escape(reason)}", highlight=False)
             continue
+        except slipstream.SlipstreamError as exc:  # the producer gave up before this line
+            raise DeliveryFailed(exc) from exc
+        acks.add(number, receipt)
         stats.events += 1
         stats.bytes += len(event.value)
         if (now := time.monotonic()) >= next_report:
             next_report = now + 0.1
+            acks.collect()
+            if acks.error is not None:
+                raise DeliveryFailed(acks.error)
+            stats.acknowledged = acks.in_order
             report.update(stats)
 
 
