@@ -155,7 +155,7 @@ class TableOutput:
 
     def write(self, rows: Rows) -> None:
         table = Table(
-            box=box.SIMPLE_HEAD if not self.header_done else None,
+            box=box.SIMPLE_HEAD,  # also without the header: its column gaps keep rows aligned
             show_header=not self.header_done,
             show_edge=False,
             pad_edge=False,

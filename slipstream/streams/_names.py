@@ -1,4 +1,11 @@
-"""Stream names: ``scope/name``, each part of ``[a-z0-9._-]``, at most 255 characters in all."""
+"""Stream names: ``scope/name``; each part starts with a lowercase letter or a digit and goes
+on with ``[a-z0-9._-]``; at most 255 characters in all.
+
+A part may not start with ``-`` (``-x/y`` would read as an option on every command line), nor
+with ``.`` or ``_`` (hidden or reserved-looking names, and ``.``/``..`` as path parts). Streams
+created before this rule keep working: the broker checks names only when it creates a stream or
+does not know one.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,11 @@ import re
 from .._errors import InvalidName
 
 MAX_NAME_LENGTH = 255
-_PART = re.compile(r"[a-z0-9._-]+")
+_PART = re.compile(r"[a-z0-9][a-z0-9._-]*")
+_RULE = (
+    "each part must be non-empty, start with a lowercase letter or a digit, and use only "
+    "lowercase letters, digits, '.', '_' and '-'"
+)
 
 
 def validate_stream_name(name: str) -> tuple[str, str]:
@@ -24,17 +35,16 @@ def validate_stream_name(name: str) -> tuple[str, str]:
             f"stream name {name!r} must be 'scope/name', for example 'demo/orders'", name=name
         )
     for part in parts:
-        if not _PART.fullmatch(part) or part in {".", ".."}:
-            raise InvalidName(
-                f"stream name {name!r}: each part must be non-empty and use only lowercase "
-                "letters, digits, '.', '_' and '-' (not '.' or '..' alone)",
-                name=name,
-            )
+        if not _PART.fullmatch(part):
+            raise InvalidName(f"stream name {name!r}: {_RULE}", name=name)
     return parts[0], parts[1]
 
 
 def validate_scope(scope: str) -> str:
     """Return ``scope`` or raise :class:`InvalidName`."""
-    if not _PART.fullmatch(scope) or scope in {".", ".."} or len(scope) >= MAX_NAME_LENGTH:
-        raise InvalidName(f"scope {scope!r} must use only lowercase letters, digits, '.', '_', '-'")
+    if not _PART.fullmatch(scope) or len(scope) >= MAX_NAME_LENGTH:
+        raise InvalidName(
+            f"scope {scope!r} must start with a lowercase letter or a digit and use only "
+            "lowercase letters, digits, '.', '_', '-'"
+        )
     return scope

@@ -1,5 +1,6 @@
-"""Stream names (slipstream/streams/_names.py): ``scope/name`` of ``[a-z0-9._-]``, at most 255
-characters in all, neither part ``.`` or ``..`` alone. Anything else raises InvalidName."""
+"""Stream names (slipstream/streams/_names.py): ``scope/name``, each part starting with a
+lowercase letter or a digit and going on with ``[a-z0-9._-]``, at most 255 characters in all.
+Anything else raises InvalidName."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from hypothesis import strategies as st
 from slipstream import InvalidName
 from slipstream.streams import MAX_NAME_LENGTH, validate_scope, validate_stream_name
 
-PART_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789._-"
-parts = st.text(PART_ALPHABET, min_size=1, max_size=40).filter(lambda p: p not in {".", ".."})
+FIRST_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+PART_ALPHABET = FIRST_ALPHABET + "._-"
+parts = st.builds(str.__add__, st.sampled_from(FIRST_ALPHABET), st.text(PART_ALPHABET, max_size=39))
 
 
 @pytest.mark.parametrize(
@@ -21,9 +23,9 @@ parts = st.text(PART_ALPHABET, min_size=1, max_size=40).filter(lambda p: p not i
         "a/b",
         "0/9",
         "my-scope/orders.v2_eu",
-        "a..b/c",  # '..' is only refused as a whole part
-        ".../x",
-        "-/_",
+        "a..b/c",
+        "a-/b_",  # '-', '.' and '_' anywhere but first
+        "0-x/9.y",
         "s" * 127 + "/" + "n" * 127,  # 255 characters, the limit
         "s/" + "n" * (MAX_NAME_LENGTH - 2),
     ],
@@ -46,10 +48,16 @@ def test_valid_stream_names_split_into_scope_and_name(name: str) -> None:
         ("/orders", "non-empty"),
         ("demo/", "non-empty"),
         ("/", "non-empty"),
-        ("../orders", "not '.' or '..' alone"),
-        ("demo/..", "not '.' or '..' alone"),
-        ("./orders", "not '.' or '..' alone"),
-        ("demo/.", "not '.' or '..' alone"),
+        ("../orders", "start with a lowercase letter or a digit"),
+        ("demo/..", "start with a lowercase letter or a digit"),
+        ("./orders", "start with a lowercase letter or a digit"),
+        ("demo/.", "start with a lowercase letter or a digit"),
+        ("-x/y", "start with a lowercase letter or a digit"),
+        ("demo/-orders", "start with a lowercase letter or a digit"),
+        ("--help/x", "start with a lowercase letter or a digit"),
+        (".../x", "start with a lowercase letter or a digit"),
+        ("_x/y", "start with a lowercase letter or a digit"),
+        ("demo/.hidden", "start with a lowercase letter or a digit"),
         ("demo/my orders", "lowercase"),
         ("demo/orders\n", "lowercase"),
         ("d\u00e9mo/orders", "lowercase"),
@@ -103,13 +111,26 @@ def test_any_character_outside_the_alphabet_is_refused(
         validate_stream_name(name[:at] + bad + name[at:])
 
 
-@pytest.mark.parametrize("scope", ["demo", "a", "a.b-c_d", "..x", "s" * (MAX_NAME_LENGTH - 2)])
+@pytest.mark.parametrize("scope", ["demo", "a", "a.b-c_d", "9-x", "s" * (MAX_NAME_LENGTH - 2)])
 def test_valid_scopes_are_returned(scope: str) -> None:
     assert validate_scope(scope) == scope
 
 
 @pytest.mark.parametrize(
-    "scope", ["", ".", "..", "Demo", "de/mo", "de mo", "s" * MAX_NAME_LENGTH, "d\u00e9mo"]
+    "scope",
+    [
+        "",
+        ".",
+        "..",
+        "..x",
+        "-x",
+        "_x",
+        "Demo",
+        "de/mo",
+        "de mo",
+        "s" * MAX_NAME_LENGTH,
+        "d\u00e9mo",
+    ],
 )
 def test_invalid_scopes_raise_invalid_name(scope: str) -> None:
     with pytest.raises(InvalidName):
