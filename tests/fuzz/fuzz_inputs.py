@@ -64,9 +64,12 @@ def _batch(
     producer: tuple[int, int, int] = (-1, -1, -1),
     flags: int = 0,
     base_offset: int = 0,
+    value_bytes: int = 0,
 ) -> bytes:
     keys = [f"key-{i % 3}".encode() if keyed else None for i in range(count)]
-    values = [f"value {i} ".encode() * (1 + i % 4) for i in range(count)]
+    values = [
+        f"value {i} ".encode() * (1 + i % 4) + bytes([i % 251]) * value_bytes for i in range(count)
+    ]
     stamps = [1_700_000_000_000 + i for i in range(count)]
     headers = (
         headers_array([{"trace": f"t{i}".encode()} if i % 2 else None for i in range(count)])
@@ -110,6 +113,13 @@ def real_batches() -> tuple[bytes, ...]:
             flags=FLAG_TRANSACTIONAL,
         ),
     )
+
+
+@cache
+def large_batch() -> bytes:
+    """A batch above the frame decoder's 64 KiB "large frame" size: it is assembled in a
+    buffer of its own, the broker's at a chosen alignment."""
+    return _batch(40, keyed=True, with_headers=True, compression=None, value_bytes=2048)
 
 
 def _frames(*frames: tuple[object, int, list[bytes]]) -> bytes:
@@ -157,6 +167,17 @@ def broker_stream() -> bytes:
         (TxnEnded(3, True, [TxnRange("fuzz/orders", 0, 45, 47)]), 10, []),
         (FollowFailed(2, "offset_out_of_range", "below start", {"oldest": 3}), 0, []),
         (FollowEnded(1, 47), 0, []),
+    )
+
+
+@cache
+def large_stream() -> bytes:
+    """A client sending a large batch between small frames, and a broker pushing it back."""
+    return _frames(
+        (Append("fuzz/big", 0), 3, [large_batch()]),
+        (Credit(1, 4096), 0, []),
+        (Data(1), 0, [real_batches()[1], large_batch()]),
+        (FollowEnded(1, 45), 0, []),
     )
 
 

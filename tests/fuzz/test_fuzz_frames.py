@@ -12,11 +12,19 @@ fuzzes random and frame-shaped bytes; these start from real sessions.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import struct
 from collections.abc import Callable, Iterable
 
 import pytest
-from fuzz_inputs import Mutated, broker_stream, client_stream, mutated, read_like_a_client
+from fuzz_inputs import (
+    Mutated,
+    broker_stream,
+    client_stream,
+    large_stream,
+    mutated,
+    read_like_a_client,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -103,11 +111,21 @@ def frame_ends(stream: bytes) -> list[int]:
     return ends
 
 
-def check_stream(original: bytes, damaged: Mutated, max_frame_bytes: int, read_size: int) -> None:
+def check_stream(
+    original: bytes,
+    damaged: Mutated,
+    max_frame_bytes: int,
+    read_size: int,
+    cuts: list[int] | None = None,
+) -> None:
+    """``cuts``: where to split the stream into feeds (None: one byte at a time)."""
     frames: list[Frame] = []
     whole = decode_fed([damaged.data], max_frame_bytes, frames)
-    one_by_one = [damaged.data[i : i + 1] for i in range(len(damaged.data))]
-    assert decode_fed(one_by_one, max_frame_bytes, []) == whole
+    if cuts is None:
+        cuts = list(range(len(damaged.data)))
+    bounds = [0, *sorted(c for c in cuts if c < len(damaged.data)), len(damaged.data)]
+    pieces = [damaged.data[a:b] for a, b in itertools.pairwise(bounds)]
+    assert decode_fed(pieces, max_frame_bytes, []) == whole
     assert decode_received(damaged.data, read_size, max_frame_bytes, bytearray) == whole
 
     expected, _ = decode_fed([original], max_frame_bytes, [])
@@ -135,9 +153,26 @@ def test_mutated_sessions_decode_or_raise_protocol_error(
     check_stream(original, damaged, max_frame_bytes, read_size)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    max_frame_bytes=st.sampled_from([4096, 8 * 1024 * 1024]),
+    read_size=st.sampled_from([1000, 65536, 300_000]),
+)
+def test_mutated_large_frames_decode_or_raise_protocol_error(
+    data: st.DataObject, max_frame_bytes: int, read_size: int
+) -> None:
+    # frames above 64 KiB take the decoder's other path (a buffer of their own); fed in
+    # random pieces rather than byte by byte, to stay fast
+    original = large_stream()
+    damaged = data.draw(mutated(original), label="damaged")
+    cuts = data.draw(st.lists(st.integers(1, len(damaged.data)), max_size=20), label="cuts")
+    check_stream(original, damaged, max_frame_bytes, read_size, cuts)
+
+
 def test_the_undamaged_sessions_decode_whole_with_their_batches() -> None:
     # the fuzz above starts from streams that decode cleanly, batches and all
-    for stream, count in [(client_stream(), 12), (broker_stream(), 12)]:
+    for stream, count in [(client_stream(), 12), (broker_stream(), 12), (large_stream(), 4)]:
         frames: list[Frame] = []
         items, failed = decode_fed([stream], 8 * 1024 * 1024, frames)
         assert not failed and len(items) == len(frames) == count
