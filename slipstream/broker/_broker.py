@@ -46,6 +46,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("slipstream.broker")
 
 DATA_FORMAT = 1
+#: Test hook: ``broker.container_dies`` makes container 0's background task raise once the
+#: broker has accepted a connection (the broker must then stop with a non-zero exit).
+_FAULT = os.environ.get("SLIPSTREAM_FAULT", "")
+
+
+class BrokerFailed(Exception):
+    """The broker stopped because a background task (a container's group commit or mover,
+    retention, transactions) failed; ``__cause__`` is that task's error. ``slipstream up``
+    exits with status 70 on it, so a supervisor restarts the broker."""
 
 
 @dataclass(frozen=True)
@@ -224,8 +233,13 @@ class Broker:
         loop = asyncio.get_running_loop()
         from ._session import Session
 
-        background = [loop.create_task(c.run()) for c in self.containers]
+        background = [
+            loop.create_task(self._run_container(c), name=f"container {c.id}")
+            for c in self.containers
+        ]
         server: asyncio.Server | None = None
+        failed: asyncio.Task[None] | None = None
+        clean = False
         try:
             # commits a crash interrupted are finished before anyone can read
             await self.coordinator.apply_pending()
@@ -254,26 +268,49 @@ class Broker:
             )
             if ready is not None:
                 ready(self.address)
-            background.append(loop.create_task(self._retention_loop()))
-            background.append(loop.create_task(self.coordinator.run()))
+            background.append(loop.create_task(self._retention_loop(), name="retention"))
+            background.append(loop.create_task(self.coordinator.run(), name="transactions"))
             stopped = loop.create_task(self._stop.wait())
             done, _ = await asyncio.wait([stopped, *background], return_when="FIRST_COMPLETED")
-            for task in done:
-                if task is not stopped:  # a background loop died: stop rather than limp on
-                    log.error("background task failed; stopping", exc_info=task.exception())
+            # a background loop that ends, by an error or not, stops the broker: never limp on
+            failed = next((task for task in background if task in done), None)
             stopped.cancel()
             server.close()
             for session in list(self.sessions):
                 if session.transport is not None:
                     session.transport.close()
+            clean = failed is None
         finally:
+            if failed is None and not clean:  # one that died before the broker listened
+                failed = next((t for t in background if t.done() and _failure(t)), None)
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             if server is not None:
                 await server.wait_closed()
             await self._close()
-            log.info("stopped cleanly")
+            if clean:
+                log.info("stopped cleanly")
+            elif failed is not None:
+                log.error(
+                    "stopped because background task %r failed: %s",
+                    failed.get_name(),
+                    _failure(failed),
+                    exc_info=_failure(failed),
+                )
+            else:
+                log.error("stopped by an error while starting or stopping (see below)")
+        if failed is not None:
+            raise BrokerFailed(
+                f"background task {failed.get_name()!r} failed: {_failure(failed)}"
+            ) from _failure(failed)
+
+    async def _run_container(self, container: Container) -> None:
+        if _FAULT == "broker.container_dies" and container.id == 0:
+            while not self.sessions:  # once the broker serves: a crash, not a failed start
+                await asyncio.sleep(0.01)
+            raise RuntimeError("fault injection: SLIPSTREAM_FAULT=broker.container_dies")
+        await container.run()
 
     async def _close(self) -> None:
         await self.coordinator.close()
@@ -309,3 +346,10 @@ def _layout_fix(path: Path, data_dir: Path) -> str:
         f"""echo '{{"format": {DATA_FORMAT}, "containers": {containers}}}' > {path}"""
         ", else restore the data directory from a backup"
     )
+
+
+def _failure(task: asyncio.Task[None]) -> BaseException | None:
+    """Why a background task ended by itself: its error, or one saying it returned."""
+    if task.cancelled():
+        return None
+    return task.exception() or RuntimeError(f"{task.get_name()} returned, it should run forever")

@@ -1,4 +1,9 @@
-"""``slipstream up``: run the broker in the foreground until SIGINT/SIGTERM."""
+"""``slipstream up``: run the broker in the foreground until SIGINT/SIGTERM.
+
+Exit status: 0 after a clean stop (a signal); 1 for a bad setup (a locked or damaged data
+directory, a port in use: the message says which); 70 (EX_SOFTWARE) when a background task
+died, with the cause in the log, so that a supervisor restarts the broker.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,10 @@ import logging
 import signal
 from pathlib import Path
 
-from ..broker import Broker, BrokerConfig, ContainerConfig
+from ..broker import Broker, BrokerConfig, BrokerFailed, ContainerConfig
+
+#: exit status when the broker stopped because a background task died (sysexits EX_SOFTWARE)
+EXIT_FAILED = 70
 
 
 def setup_logging(level: str) -> None:
@@ -28,7 +36,8 @@ def run_broker(
     roll_ms: int = 300_000,
     retention_check_ms: int = 30_000,
 ) -> None:
-    """Run a broker until a signal; raises SlipstreamError for a bad setup (locked dir)."""
+    """Run a broker until a signal; raises SlipstreamError for a bad setup (locked dir) and
+    SystemExit(70) if a background task died."""
     config = BrokerConfig(
         data_dir=data_dir,
         host=host,
@@ -47,8 +56,11 @@ def run_broker(
         await broker.serve()
 
     try:
-        import uvloop
-
-        uvloop.run(main())
-    except ImportError:  # pragma: no cover
-        asyncio.run(main())
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover
+            asyncio.run(main())
+        else:
+            uvloop.run(main())
+    except BrokerFailed:  # logged with its cause and traceback by the broker
+        raise SystemExit(EXIT_FAILED) from None
