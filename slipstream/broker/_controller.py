@@ -14,8 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .._errors import InvalidArgument, SegmentNotFound, StreamNotFound
-from ..format import int64_values, read_body
+from .._errors import (
+    CorruptData,
+    InvalidArgument,
+    OffsetOutOfRange,
+    SegmentNotFound,
+    StreamNotFound,
+)
+from ..format import decode_header, int64_values, read_body
 from ..protocol import SegmentInfo, StreamInfo
 from ..storage import ChunkRecord, LongTermStore, MetaStore, SegmentRecord
 from ..streams import (
@@ -242,24 +248,44 @@ class Controller:
         )
 
     async def _offset_at_time(self, segment: Segment, timestamp_ms: int) -> int:
-        """The first offset whose event timestamp is >= ``timestamp_ms`` (the end if none)."""
-        candidates: list[tuple[int, int]] = []  # (base offset, max timestamp) of batches
-        for chunk in segment.chunks:
-            if chunk.record.max_timestamp >= timestamp_ms:
-                candidates.extend((int(o), chunk.record.max_timestamp) for o in chunk.offsets)
-                break
-        if not candidates:
-            candidates = [(b.base_offset, b.max_timestamp) for b in segment.journal]
+        """The first offset whose event timestamp is >= ``timestamp_ms`` (the end if none).
+
+        The scan starts at the first chunk (or journal batch) whose newest event is late
+        enough: nothing before it is. It reads forward from there through the container, on
+        the loop only batch headers (their newest timestamp); the one batch that holds the
+        answer is decoded in a reader thread. A hole (offsets lost to damaged storage; their
+        events and times are unknown) is stepped over: the answer is then the first readable
+        event at or after the time, never an error.
+        """
         container = self.containers[segment.container]
-        for base, max_ts in candidates:
-            if max_ts < timestamp_ms or base < segment.start_offset:
+        loop = asyncio.get_running_loop()
+        offset = _time_floor(segment, timestamp_ms)
+        while offset < segment.next_offset:
+            try:
+                batches = await container.read(
+                    segment, max(offset, segment.start_offset), _TIME_SCAN_BYTES
+                )
+            except CorruptData as exc:
+                resume = exc.details.get("resume")
+                if resume is None:  # damaged bytes that are not a known hole: say so
+                    raise
+                offset = resume
                 continue
-            for batch in await container.read(segment, base, 1):
-                body = read_body(batch)
-                timestamps = int64_values(body.column(2))
-                hits = np.flatnonzero(timestamps >= timestamp_ms)
-                if len(hits):
-                    return base + int(hits[0])
+            except OffsetOutOfRange:
+                if offset >= segment.start_offset:
+                    raise
+                continue  # retention moved the start while we read: from the new start
+            if not batches:
+                break
+            for batch in batches:
+                header = decode_header(batch)
+                if header.max_timestamp >= timestamp_ms:
+                    hit = await loop.run_in_executor(
+                        self._read_pool, _first_event_at_or_after, batch, timestamp_ms
+                    )
+                    if hit is not None:
+                        return header.base_offset + hit
+                offset = header.next_offset
         return segment.next_offset
 
     # --- retention -------------------------------------------------------------------------
@@ -296,6 +322,34 @@ class Controller:
             removed += len(records)
             log.info("retention removed %d chunks of %s", len(records), stream.name)
         return removed
+
+
+#: how much a time lookup reads per trip through the container while it scans batch headers
+_TIME_SCAN_BYTES = 1 << 20
+
+
+def _time_floor(segment: Segment, timestamp_ms: int) -> int:
+    """Where a time lookup starts: the first chunk, or else journal batch, whose newest event
+    is at or after ``timestamp_ms`` (no earlier one has such an event). A hole's times are a
+    guess (the neighbours'): journal holes are skipped, a chunk that is all hole is read (and
+    its hole stepped over)."""
+    for chunk in segment.chunks:
+        if chunk.record.max_timestamp >= timestamp_ms:
+            return chunk.record.base_offset
+    for batch in segment.journal:
+        if not batch.lost and batch.max_timestamp >= timestamp_ms:
+            return batch.base_offset
+    return segment.next_offset
+
+
+def _first_event_at_or_after(
+    batch: bytes | bytearray | memoryview, timestamp_ms: int
+) -> int | None:
+    """Index in ``batch`` of its first event at or after ``timestamp_ms`` (a reader thread's
+    work: it decodes the batch)."""
+    timestamps = int64_values(read_body(batch).column(2))
+    hits = np.flatnonzero(timestamps >= timestamp_ms)
+    return int(hits[0]) if len(hits) else None
 
 
 def _expired_chunks(stream: Stream, now_ms: int) -> list[tuple[Segment, Chunk]]:
