@@ -396,6 +396,7 @@ class OutputFormat(StrEnum):
         "slipstream consume demo/orders --from earliest",
         "slipstream consume demo/orders --from latest --follow --format table",
         "slipstream consume demo/orders --from 2026-11-21T08:00:00Z --limit 100",
+        "slipstream consume demo/orders --from -15m --follow",
         "slipstream consume demo/orders --limit 1000 --end-cut 2> cut.json",
         """slipstream consume demo/orders --from "$(cat cut.json)" """,
     ),
@@ -406,8 +407,8 @@ def consume(
         str,
         typer.Option(
             "--from",
-            help="earliest, latest, an ISO-8601 time with a timezone, or a StreamCut "
-            "(JSON, as printed by --end-cut).",
+            help="earliest, latest, an ISO-8601 time with a timezone, a time relative to now "
+            "(-30s, -15m, -1h, -2d), or a StreamCut (JSON, as printed by --end-cut).",
         ),
     ] = "earliest",
     follow: Annotated[

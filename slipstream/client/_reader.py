@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from ..protocol import (
     Payload,
     Unfollow,
 )
-from ..streams import StreamCut
+from ..streams import StreamCut, relative_time_ms
 from ._connection import Connection
 
 Start = str | int | dt.datetime | StreamCut
@@ -48,8 +49,9 @@ class Delivery:
 
 
 def parse_start(start: Start) -> tuple[str, int | None, StreamCut | None]:
-    """``"earliest"``, ``"latest"``, ISO-8601 text, a datetime, ms since the epoch or a
-    StreamCut -> (kind, timestamp ms, cut)."""
+    """``"earliest"``, ``"latest"``, ISO-8601 text, a relative time (``"-1h"``, ``"-15m"``,
+    ``"-2d"``: that long before now), a datetime, ms since the epoch or a StreamCut -> (kind,
+    timestamp ms, cut)."""
     if isinstance(start, StreamCut):
         return "cut", None, start
     if isinstance(start, dt.datetime):
@@ -63,13 +65,16 @@ def parse_start(start: Start) -> tuple[str, int | None, StreamCut | None]:
             return start, None, None
         if start.lstrip().startswith("{"):
             return "cut", None, StreamCut.from_json(start)
+        if (moment := relative_time_ms(start, int(time.time() * 1000))) is not None:
+            return "time", moment, None  # "-1h": an hour before now
         try:
             return parse_start(dt.datetime.fromisoformat(start))
         except ValueError:
             pass
     raise InvalidArgument(
         f"start {start!r} must be 'earliest', 'latest', an ISO-8601 time with a timezone "
-        "(2026-11-21T08:00Z), milliseconds since the epoch, or a StreamCut"
+        "(2026-11-21T08:00Z), a relative time (-1h, -15m, -2d), milliseconds since the epoch, "
+        "or a StreamCut"
     )
 
 

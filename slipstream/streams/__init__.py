@@ -10,7 +10,7 @@ from ._idempotence import (
 )
 from ._names import MAX_NAME_LENGTH, validate_scope, validate_stream_name
 from ._routing import KEY_SPACE, MAX_KEY_HASH, MAX_SEGMENTS, Router, key_hash, split_key_space
-from ._units import parse_duration_ms, parse_size_bytes
+from ._units import parse_duration_ms, parse_size_bytes, relative_time_ms
 
 __all__ = [
     "KEY_SPACE",
@@ -28,6 +28,7 @@ __all__ = [
     "next_sequence",
     "parse_duration_ms",
     "parse_size_bytes",
+    "relative_time_ms",
     "split_key_space",
     "validate_scope",
     "validate_stream_name",

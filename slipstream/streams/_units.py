@@ -1,4 +1,5 @@
-"""Parsing human durations (``7d``) and sizes (``10GiB``) for retention settings."""
+"""Parsing human durations (``7d``) and sizes (``10GiB``) for retention settings, and relative
+start times (``-1h``: an hour before now) for readers, the CLI and the Spark source."""
 
 from __future__ import annotations
 
@@ -42,3 +43,21 @@ def parse_size_bytes(text: str) -> int:
     if not match or int(match.group(1)) <= 0:
         raise InvalidArgument(f"bad size {text!r}: use e.g. 512MiB, 10GiB or 1TB")
     return int(match.group(1)) * _SIZE_BYTES[(match.group(2) or "b").lower()]
+
+
+def relative_time_ms(text: str, now_ms: int) -> int | None:
+    """``"-1h"``, ``"-15m"``, ``"-2d"``, ``"-30s"``, ``"-1h30m"`` -> ``now_ms`` minus that
+    duration, in milliseconds since the epoch (not below 0); None for text that does not start
+    with ``-`` (so callers try their other forms). A ``-`` followed by anything but a duration
+    raises :class:`InvalidArgument`. The caller passes the clock: this layer has none."""
+    stripped = text.strip()
+    if not stripped.startswith("-"):
+        return None
+    try:
+        ago = parse_duration_ms(stripped[1:])
+    except InvalidArgument:
+        raise InvalidArgument(
+            f"bad relative time {text!r}: use a minus and a duration, e.g. -30s, -15m, -1h, "
+            "-2d or -1h30m"
+        ) from None
+    return max(0, now_ms - ago)

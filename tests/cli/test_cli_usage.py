@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import BrokerProcess
@@ -132,3 +133,26 @@ def test_produce_json_summary_counts_acknowledged_events(broker: BrokerProcess) 
     summary = json.loads(result.stdout)
     assert summary["events"] == summary["acknowledged"] == 3
     assert "resume_line" not in summary
+
+
+def test_from_a_relative_time_reads_the_recent_events(broker: BrokerProcess) -> None:
+    now = int(time.time() * 1000)
+    hour = 3_600_000
+    run("stream", "create", "cli/recent", broker=broker)
+    old = "".join(f'{{"value": "old-{i}", "timestamp": {now - 3 * hour + i}}}\n' for i in range(3))
+    recent = "".join(
+        f'{{"value": "new-{i}", "timestamp": {now - hour // 6 + i}}}\n' for i in range(2)
+    )
+    assert run("produce", "cli/recent", stdin=old, broker=broker).returncode == 0
+    assert run("produce", "cli/recent", stdin=recent, broker=broker).returncode == 0
+    last_hour = run("consume", "cli/recent", "--from", "-1h", "--format", "raw", broker=broker)
+    assert last_hour.returncode == 0, last_hour.stderr
+    assert last_hour.stdout.split() == ["new-0", "new-1"]
+    four_hours = run("consume", "cli/recent", "--from=-4h", "--format", "raw", broker=broker)
+    assert len(four_hours.stdout.split()) == 5
+    bad = run("consume", "cli/recent", "--from", "-1x", broker=broker)
+    assert bad.returncode == 1 and "-15m" in flat(bad.stderr)
+    with broker.client() as client:  # the Python API takes the same form
+        end = client.tail("cli/recent")
+        with client.reader("cli/recent", start="-1h", end=end) as reader:
+            assert [event.value for event in reader] == [b"new-0", b"new-1"]

@@ -14,7 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slipstream import InvalidArgument
-from slipstream.streams import Position, StreamCut, parse_duration_ms, parse_size_bytes
+from slipstream.streams import (
+    Position,
+    StreamCut,
+    parse_duration_ms,
+    parse_size_bytes,
+    relative_time_ms,
+)
 
 # --- StreamCut ----------------------------------------------------------------------------------
 
@@ -209,3 +215,55 @@ def test_parse_size_bytes(text: str, size: int) -> None:
 def test_parse_size_bytes_refuses_bad_input(text: str) -> None:
     with pytest.raises(InvalidArgument, match="bad size"):
         parse_size_bytes(text)
+
+
+# --- relative times -----------------------------------------------------------------------------
+
+NOW = 1_800_000_000_000
+
+
+@pytest.mark.parametrize(
+    ("text", "ago"),
+    [
+        ("-30s", 30 * SECOND),
+        ("-15m", 15 * MINUTE),
+        ("-1h", HOUR),
+        ("-2d", 2 * DAY),
+        ("-1w", 7 * DAY),
+        ("-1h30m", HOUR + 30 * MINUTE),
+        ("-500ms", 500),
+        (" -1h ", HOUR),
+    ],
+)
+def test_relative_time_is_that_long_before_now(text: str, ago: int) -> None:
+    assert relative_time_ms(text, NOW) == NOW - ago
+
+
+@pytest.mark.parametrize(
+    "text", ["earliest", "latest", "2026-11-21T08:00:00Z", "1h", "", '{"stream": "a/b"}']
+)
+def test_text_without_a_leading_minus_is_not_relative(text: str) -> None:
+    assert relative_time_ms(text, NOW) is None
+
+
+@pytest.mark.parametrize("text", ["-", "-1", "-1x", "--1h", "-1.5h", "-0s", "-h", "-1 day"])
+def test_a_minus_without_a_duration_is_refused(text: str) -> None:
+    with pytest.raises(InvalidArgument, match="bad relative time"):
+        relative_time_ms(text, NOW)
+
+
+def test_a_relative_time_before_the_epoch_is_the_epoch() -> None:
+    assert relative_time_ms("-1d", HOUR) == 0
+
+
+@settings(max_examples=100)
+@given(
+    terms=st.lists(
+        st.tuples(st.integers(1, 1000), st.sampled_from(sorted(UNITS_MS))), min_size=1, max_size=4
+    ),
+    now=st.integers(0, 2**62),
+)
+def test_relative_time_subtracts_the_duration(terms: list[tuple[int, str]], now: int) -> None:
+    text = "-" + "".join(f"{count}{unit}" for count, unit in terms)
+    ago = sum(count * UNITS_MS[unit] for count, unit in terms)
+    assert relative_time_ms(text, now) == max(0, now - ago)
