@@ -92,7 +92,7 @@ def _batch(
         producer_epoch=producer_epoch,
         sequence=sequence,
     )
-    return head + body.to_pybytes()
+    return head + bytes(body.to_pybytes())
 
 
 @cache
