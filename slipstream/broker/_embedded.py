@@ -17,6 +17,9 @@ def choose_port(preferred: int = 7070) -> int:
     """``preferred`` if nothing listens there, else any free port."""
     for port in (preferred, 0):
         with socket.socket() as probe:
+            # as the broker's listener does: a stopped broker's connections in TIME_WAIT (a
+            # minute) do not hold the port, a listening one does
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(("127.0.0.1", port))
             except OSError:
