@@ -1,4 +1,4 @@
-"""The record batch: a fixed header plus an Apache Arrow IPC stream body.
+"""The record batch: a fixed header plus an Apache Arrow IPC body.
 
 Byte layout, version 1 (all integers little-endian; docs/format.md says the same):
 
@@ -10,7 +10,8 @@ Byte layout, version 1 (all integers little-endian; docs/format.md says the same
     8      8     base_offset      i64, offset of the first event; set by the broker on append
     16     4     batch_length     u32, header + body bytes
     20     4     crc32c           u32, CRC32C (Castagnoli) of bytes [24, batch_length)
-    24     2     flags            u16, bit 0 transactional, bit 1 control; others 0
+    24     2     flags            u16, bit 0 transactional, bit 1 control, bits 2-4 body form
+                                  (below); others 0
     26     2     producer_epoch   i16, -1 when the producer is not idempotent
     28     4     event_count      u32, > 0
     32     8     min_timestamp    i64, ms since the Unix epoch
@@ -18,7 +19,21 @@ Byte layout, version 1 (all integers little-endian; docs/format.md says the same
     48     8     producer_id      i64, -1 when the producer is not idempotent
     56     4     sequence         i32, per segment and producer; -1 when not idempotent
     60     4     reserved         0
-    64     ...   body             Arrow IPC stream: one schema message, one record batch
+    64     ...   body             Arrow IPC, in the form bits 2-4 of flags say
+
+Body forms (flags bits 2-4; the Arrow buffers may be lz4- or zstd-compressed in either form,
+as the record batch message itself records):
+
+    bit 2 clear   an Arrow IPC stream: one schema message, one record batch message, the
+                  8-byte end-of-stream marker; any schema (bits 3 and 4 must be clear)
+    bit 2 set     EVENT_MESSAGE: one Arrow IPC record batch message and nothing else; its
+                  schema is the event schema (key, value, timestamp, headers) less the
+                  columns that bits 3 and 4 leave out:
+    bit 3         NO_KEYS: no ``key`` column is stored, every event's key is null
+    bit 4         NO_HEADERS: no ``headers`` column is stored, every event's headers are null
+
+The second form saves the 424-byte schema message and the end marker of every batch, and the
+columns that carry nothing; readers put the null columns back, so both read the same.
 
 The CRC covers bytes 24 to the end, leaving out magic, version, lengths and ``base_offset``:
 the broker assigns offsets by patching eight bytes in place without recomputing a checksum
@@ -29,7 +44,7 @@ on decode, and the journal and the chunk index guard them on disk.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import crc32c
 import msgspec
@@ -43,12 +58,29 @@ HEADER_LENGTH = 64
 CRC_START = 24
 FLAG_TRANSACTIONAL = 0x1
 FLAG_CONTROL = 0x2
-_KNOWN_FLAGS = FLAG_TRANSACTIONAL | FLAG_CONTROL
+#: the body is one Arrow record batch message of the event schema (no schema message)
+FLAG_EVENT_MESSAGE = 0x4
+#: with FLAG_EVENT_MESSAGE: the body stores no ``key`` column (every key is null)
+FLAG_NO_KEYS = 0x8
+#: with FLAG_EVENT_MESSAGE: the body stores no ``headers`` column (no event has headers)
+FLAG_NO_HEADERS = 0x10
+#: the flags that describe the body; set by the producer, kept by :func:`restamp`
+BODY_FLAGS = FLAG_EVENT_MESSAGE | FLAG_NO_KEYS | FLAG_NO_HEADERS
+_KNOWN_FLAGS = FLAG_TRANSACTIONAL | FLAG_CONTROL | BODY_FLAGS
 
 _HEADER = struct.Struct("<4sBBHqII HhIqqqiI")
 _BASE_OFFSET = struct.Struct("<q")
 _BASE_OFFSET_AT = 8
 assert _HEADER.size == HEADER_LENGTH
+
+
+class BodyParts(list[pa.Buffer | bytes]):
+    """A batch body as buffers to send back to back, with the body-form ``flags`` that go in
+    its header: :func:`encode_header` adds them, so header and body cannot disagree."""
+
+    def __init__(self, parts: Iterable[pa.Buffer | bytes] = (), flags: int = 0) -> None:
+        super().__init__(parts)
+        self.flags = flags
 
 
 class BatchHeader(msgspec.Struct, frozen=True):
@@ -84,7 +116,10 @@ def encode_header(
     sequence: int = -1,
 ) -> bytes:
     """Build the 64-byte header for ``body`` (one buffer, or a list of buffers that follow each
-    other); header + body is the batch, sent without copying."""
+    other); header + body is the batch, sent without copying. A :class:`BodyParts` body adds
+    its body-form flags to ``flags``."""
+    if isinstance(body, BodyParts):
+        flags |= body.flags
     parts = list(body) if isinstance(body, list | tuple) else [body]
     views = [memoryview(p) for p in parts]  # type: ignore[arg-type]
     batch_length = HEADER_LENGTH + sum(v.nbytes for v in views)
@@ -151,6 +186,8 @@ def decode_header(buf: bytes | bytearray | memoryview, at: int = 0) -> BatchHead
         raise CorruptBatch("reserved batch header bytes must be zero")
     if flags & ~_KNOWN_FLAGS:
         raise CorruptBatch(f"unknown batch flags {flags:#x}")
+    if flags & (FLAG_NO_KEYS | FLAG_NO_HEADERS) and not flags & FLAG_EVENT_MESSAGE:
+        raise CorruptBatch(f"batch flags {flags:#x}: columns left out of a body with a schema")
     if count == 0:
         raise CorruptBatch("batch with zero events")
     if base_offset < 0:
@@ -202,7 +239,11 @@ def restamp(
     sequence: int,
 ) -> None:
     """Rewrite a whole batch's producer fields and flags in place and recompute its CRC (the
-    broker does this when it moves a committed transaction's staged batches into segments)."""
+    broker does this when it moves a committed transaction's staged batches into segments).
+    The body-form flags (:data:`BODY_FLAGS`) describe the body, not the producer: they are
+    kept, whatever ``flags`` says."""
+    (old_flags,) = struct.unpack_from("<H", batch, 24)
+    flags = flags & ~BODY_FLAGS | old_flags & BODY_FLAGS
     _PRODUCER_FIELDS.pack_into(batch, 24, flags, producer_epoch)
     _PRODUCER_ID.pack_into(batch, 48, producer_id, sequence)
     struct.pack_into("<I", batch, 20, crc32c.crc32c(memoryview(batch)[CRC_START:]))
@@ -221,20 +262,3 @@ def iter_batches(
             raise CorruptBatch(f"batch at byte {at} runs past the end of the buffer")
         yield header, view[at:end]
         at = end
-
-
-def read_body(batch: bytes | bytearray | memoryview) -> pa.RecordBatch:
-    """Decode the Arrow body of one whole batch (header included) without copying its buffers.
-
-    The body is fully validated (offsets in bounds, UTF-8 where declared): a CRC only proves
-    the bytes are what the producer sent, and a buggy or hostile producer must not be able to
-    crash readers. Costs about 10 ns an event.
-    """
-    view = memoryview(batch)
-    try:
-        reader = pa.ipc.open_stream(pa.py_buffer(view[HEADER_LENGTH:]))
-        record = reader.read_next_batch()
-        record.validate(full=True)
-    except (pa.ArrowException, StopIteration, MemoryError, OSError) as exc:
-        raise CorruptBatch(f"batch body is not a valid Arrow IPC stream: {exc}") from exc
-    return record

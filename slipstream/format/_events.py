@@ -1,6 +1,9 @@
-"""Events as Arrow columns, and back.
+"""Events as Arrow columns, and back; the batch body in its two forms (see _batch.py).
 
 The body of every batch of an untyped stream is one Arrow record batch with ``EVENT_SCHEMA``.
+Producers write it as an *event message* (one Arrow record batch message, no schema message,
+all-null key or headers columns left out, the Arrow buffers lz4-compressed when that saves at
+least a fifth); readers take that and the older form, a whole Arrow IPC stream, alike.
 Building and splitting it is done column-wise (numpy and Arrow buffers): there is no per-event
 Python work on this path beyond what the caller's own lists already cost.
 """
@@ -18,6 +21,14 @@ import numpy as np
 import pyarrow as pa
 
 from .._errors import CorruptBatch
+from ._batch import (
+    FLAG_EVENT_MESSAGE,
+    FLAG_NO_HEADERS,
+    FLAG_NO_KEYS,
+    HEADER_LENGTH,
+    BodyParts,
+    decode_header,
+)
 
 HEADER_TYPE = pa.list_(
     pa.struct([pa.field("key", pa.string(), nullable=False), pa.field("value", pa.binary())])
@@ -37,6 +48,7 @@ _IPC_OPTIONS = {
     "zstd": pa.ipc.IpcWriteOptions(compression="zstd"),
 }
 COMPRESSIONS = tuple(name for name in _IPC_OPTIONS if name)
+_NO_HEADER_ITEMS = pa.array([], HEADER_TYPE.value_type)
 
 
 class Event(msgspec.Struct, frozen=True, gc=False):
@@ -72,10 +84,21 @@ def binary_array(values: Sequence[bytes | None]) -> pa.Array:
     )
 
 
+def null_headers(count: int) -> pa.Array:
+    """An all-null ``headers`` column: a validity bitmap and zero list offsets over empty
+    children (``pa.nulls`` gives the children ``count + 1`` offsets each: 8 bytes an event more
+    in every body)."""
+    zeros = pa.py_buffer(np.zeros(count + 1, dtype=np.int32))
+    validity = pa.py_buffer(np.zeros((count + 7) // 8, dtype=np.uint8))
+    return pa.Array.from_buffers(
+        HEADER_TYPE, count, [validity, zeros], null_count=count, children=[_NO_HEADER_ITEMS]
+    )
+
+
 def headers_array(headers: Sequence[Mapping[str, bytes] | None]) -> pa.Array:
     """The ``headers`` column; all-empty headers cost one null array, not a list per event."""
     if not any(headers):
-        return pa.nulls(len(headers), HEADER_TYPE)
+        return null_headers(len(headers))
     rows: list[list[tuple[str, bytes]] | None] = [list(h.items()) if h else None for h in headers]
     return pa.array(rows, HEADER_TYPE)
 
@@ -106,7 +129,7 @@ def make_record_batch(
 ) -> pa.RecordBatch:
     """Assemble the event columns into a record batch of ``EVENT_SCHEMA``."""
     if headers is None:
-        headers = pa.nulls(len(values), HEADER_TYPE)
+        headers = null_headers(len(values))
     return pa.RecordBatch.from_arrays([keys, values, timestamps, headers], schema=EVENT_SCHEMA)
 
 
@@ -122,17 +145,37 @@ def encode_body(batch: pa.RecordBatch, compression: str | None = None) -> pa.Buf
     return sink.getvalue()
 
 
-_EVENT_SCHEMA_MESSAGE = EVENT_SCHEMA.serialize()
-_END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 #: From this size on, a batch's Arrow buffers are sent by reference instead of copied into one
 #: serialised message (below it, the copy is cheaper than the writer's Python calls).
 _BY_REFERENCE_BYTES = 64 * 1024
+#: A compressed body is kept only if it is at most this share of the plain one. Compressed
+#: buffers cannot be read in place (a reader decompresses them into new memory), so a body
+#: must shrink by a fifth to be worth it: JSON-ish events shrink by 60-80% with lz4, random
+#: bytes by 3-10% (only their offsets and timestamps compress; measured in bench/storage.py).
+COMPRESSED_AT_MOST = 0.8
+#: Whether a large batch compresses is decided on a slice of about this many bytes first,
+#: so an incompressible 2 MiB batch costs one 64 KiB trial, not a whole compression.
+_COMPRESSION_SAMPLE_BYTES = 64 * 1024
+
+#: the stored schema of an event message, by its NO_KEYS / NO_HEADERS flags
+_STORED_SCHEMAS = {
+    flags: pa.schema(
+        [
+            field
+            for field in EVENT_SCHEMA
+            if not (flags & FLAG_NO_KEYS and field.name == "key")
+            and not (flags & FLAG_NO_HEADERS and field.name == "headers")
+        ]
+    )
+    for flags in (0, FLAG_NO_KEYS, FLAG_NO_HEADERS, FLAG_NO_KEYS | FLAG_NO_HEADERS)
+}
 
 
 class _Parts:
     """A write-only file for Arrow's IPC stream writer that keeps what it is handed: the body
-    buffers arrive as ``pa.Buffer`` views of the batch's own memory, metadata and padding as
-    small ``bytes``. Joined, they are exactly ``batch.serialize()`` (a test checks it)."""
+    buffers arrive as ``pa.Buffer`` views of the batch's own memory (or, compressed, as new
+    buffers), metadata and padding as small ``bytes``. Joined, the parts of one
+    ``write_batch`` are exactly the record batch message (a test checks it)."""
 
     closed = False
 
@@ -155,40 +198,90 @@ class _Parts:
         self.closed = True
 
 
-_writers = threading.local()  # one event-schema stream writer per thread, schema written once
+#: per thread, one stream writer per (stored schema, compression) whose schema message went
+#: out once, so that each later ``write_batch`` hands over exactly one record batch message
+_writers = threading.local()
 
 
-def _message_parts(batch: pa.RecordBatch) -> list[pa.Buffer | bytes]:
-    """One event batch's IPC message as buffers, its body by reference (no copy)."""
-    state: tuple[_Parts, pa.ipc.RecordBatchStreamWriter] | None = getattr(_writers, "state", None)
+def _message_parts(batch: pa.RecordBatch, compression: str | None) -> list[pa.Buffer | bytes]:
+    """One batch's IPC record batch message as buffers, its body by reference (no copy)."""
+    writers: dict[tuple[pa.Schema, str | None], tuple[_Parts, Any]] | None = getattr(
+        _writers, "by_schema", None
+    )
+    if writers is None:
+        writers = _writers.by_schema = {}
+    key = (batch.schema, compression)
+    state = writers.get(key)
     if state is None:
         sink = _Parts()
-        writer = pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), EVENT_SCHEMA)
-        empty = make_record_batch(binary_array([]), binary_array([]), timestamp_array([]))
-        writer.write_batch(empty)  # the schema message, once (from_pylist would import pandas)
-        state = _writers.state = (sink, writer)
+        options = _IPC_OPTIONS[compression]
+        writer = pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), batch.schema, options=options)
+        writer.write_batch(batch.slice(0, 0))  # the schema message, once
+        state = writers[key] = (sink, writer)
     sink, writer = state
     sink.parts = []
     try:
         writer.write_batch(batch)
     except BaseException:
-        del _writers.state  # a half-written message: start the next one on a new writer
+        del writers[key]  # a half-written message: start the next one on a new writer
         raise
     return sink.parts
 
 
-def encode_body_parts(
-    batch: pa.RecordBatch, compression: str | None = None
-) -> list[pa.Buffer | bytes]:
-    """The same bytes as :func:`encode_body`, as buffers to send back to back. Uncompressed
-    event batches reuse one serialised schema message instead of opening a stream writer
-    (most of the cost of a small batch), and a large one's Arrow buffers go out by reference,
-    not copied into a message first (that copy was 15% of a bulk producer's CPU samples)."""
-    if compression is None and batch.schema.equals(EVENT_SCHEMA):
-        if batch.nbytes >= _BY_REFERENCE_BYTES:
-            return [_EVENT_SCHEMA_MESSAGE, *_message_parts(batch), _END_OF_STREAM]
-        return [_EVENT_SCHEMA_MESSAGE, batch.serialize(), _END_OF_STREAM]
-    return [encode_body(batch, compression)]
+def _parts_size(parts: Sequence[pa.Buffer | bytes]) -> int:
+    return sum(len(part) for part in parts)
+
+
+def _compressed(stored: pa.RecordBatch, compression: str) -> list[pa.Buffer | bytes] | None:
+    """The compressed message if it is at most COMPRESSED_AT_MOST of the plain one, else None.
+    A batch over the sample size is tried on a slice first."""
+    if stored.nbytes > _COMPRESSION_SAMPLE_BYTES:
+        rows = max(1, stored.num_rows * _COMPRESSION_SAMPLE_BYTES // stored.nbytes)
+        sample = stored.slice(0, rows)
+        packed = _parts_size(_message_parts(sample, compression))
+        if packed > COMPRESSED_AT_MOST * sample.serialize().size:
+            return None
+    parts = _message_parts(stored, compression)
+    plain = stored.serialize().size if stored.nbytes < _BY_REFERENCE_BYTES else None
+    if plain is None:  # big: the plain size without serialising it (metadata is < 1 KiB)
+        plain = _parts_size(_message_parts(stored, None))
+    return parts if _parts_size(parts) <= COMPRESSED_AT_MOST * plain else None
+
+
+def encode_body_parts(batch: pa.RecordBatch, compression: str | None = None) -> BodyParts:
+    """A batch body as buffers to send back to back, with its body-form flags for the header.
+
+    A batch of ``EVENT_SCHEMA`` becomes an *event message* (``FLAG_EVENT_MESSAGE``): one Arrow
+    record batch message without the 424-byte schema message, leaving out a key column that
+    is all null (``FLAG_NO_KEYS``) and a headers column that is all null (``FLAG_NO_HEADERS``).
+    With ``compression`` ("lz4" or "zstd") its buffers are compressed when that makes the
+    message at most ``COMPRESSED_AT_MOST`` of the plain one, else sent plain. A large
+    uncompressed batch's Arrow buffers go out by reference, not copied into a message first
+    (that copy was 15% of a bulk producer's CPU samples). A batch of another schema becomes a
+    whole Arrow IPC stream (:func:`encode_body`), flags 0.
+    """
+    if compression is not None and compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {COMPRESSIONS} or None")
+    if not batch.schema.equals(EVENT_SCHEMA):
+        return BodyParts([encode_body(batch, compression)])
+    flags = FLAG_EVENT_MESSAGE
+    columns = list(batch.columns)
+    count = batch.num_rows
+    if count and columns[3].null_count == count:
+        flags |= FLAG_NO_HEADERS
+        del columns[3]
+    if count and columns[0].null_count == count:
+        flags |= FLAG_NO_KEYS
+        del columns[0]
+    schema = _STORED_SCHEMAS[flags & (FLAG_NO_KEYS | FLAG_NO_HEADERS)]
+    stored = pa.RecordBatch.from_arrays(columns, schema=schema)
+    if compression is not None:
+        packed = _compressed(stored, compression)
+        if packed is not None:
+            return BodyParts(packed, flags)
+    if stored.nbytes >= _BY_REFERENCE_BYTES:
+        return BodyParts(_message_parts(stored, None), flags)
+    return BodyParts([stored.serialize()], flags)
 
 
 def check_event_schema(batch: pa.RecordBatch) -> None:
@@ -197,6 +290,55 @@ def check_event_schema(batch: pa.RecordBatch) -> None:
         raise CorruptBatch(f"batch body has schema {batch.schema}, expected {EVENT_SCHEMA}")
 
 
+def read_body(batch: bytes | bytearray | memoryview) -> pa.RecordBatch:
+    """Decode the Arrow body of one whole batch (header included) as a record batch, in
+    either body form (the header's flags say which), without copying uncompressed buffers.
+
+    An event message comes back with ``EVENT_SCHEMA``, its left-out columns put back as nulls.
+    The body is fully validated (offsets in bounds, UTF-8 where declared, the row count equal
+    to the header's event count): a CRC only proves the bytes are what the producer sent, and
+    a buggy or hostile producer must not be able to crash readers. Raises
+    :class:`CorruptBatch` for anything else. Costs about 10 ns an event.
+    """
+    view = memoryview(batch)
+    header = decode_header(view)
+    if header.batch_length > len(view):
+        raise CorruptBatch(f"batch says {header.batch_length} bytes, only {len(view)} present")
+    body = pa.py_buffer(view[HEADER_LENGTH : header.batch_length])
+    try:
+        if header.flags & FLAG_EVENT_MESSAGE:
+            record = _read_event_message(body, header.flags)
+        else:
+            reader = pa.ipc.open_stream(body)
+            record = reader.read_next_batch()
+        record.validate(full=True)
+    except (pa.ArrowException, StopIteration, EOFError, MemoryError, OSError, ValueError) as exc:
+        raise CorruptBatch(f"batch body is not valid Arrow IPC: {exc}") from exc
+    if record.num_rows != header.event_count:
+        raise CorruptBatch(
+            f"batch body holds {record.num_rows} events, its header says {header.event_count}"
+        )
+    return record
+
+
+def _read_event_message(body: pa.Buffer, flags: int) -> pa.RecordBatch:
+    source = pa.BufferReader(body)
+    message = pa.ipc.read_message(source)
+    if message.type != "record batch":
+        raise CorruptBatch(f"an event message body holds a {message.type} message")
+    if source.tell() != body.size:
+        raise CorruptBatch(f"{body.size - source.tell()} bytes after the event message")
+    stored = pa.ipc.read_record_batch(message, _STORED_SCHEMAS[flags & _LEFT_OUT])
+    columns = list(stored.columns)
+    count = stored.num_rows
+    if flags & FLAG_NO_KEYS:
+        columns.insert(0, pa.nulls(count, pa.binary()))
+    if flags & FLAG_NO_HEADERS:
+        columns.append(null_headers(count))
+    return pa.RecordBatch.from_arrays(columns, schema=EVENT_SCHEMA)
+
+
+_LEFT_OUT = FLAG_NO_KEYS | FLAG_NO_HEADERS
 NO_HEADERS: Mapping[str, bytes] = MappingProxyType({})
 
 

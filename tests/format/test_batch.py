@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import struct
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -22,19 +23,27 @@ from hypothesis import strategies as st
 
 from slipstream import CorruptBatch
 from slipstream.format import (
+    BODY_FLAGS,
     FLAG_CONTROL,
+    FLAG_EVENT_MESSAGE,
+    FLAG_NO_HEADERS,
+    FLAG_NO_KEYS,
     FLAG_TRANSACTIONAL,
     HEADER_LENGTH,
     MAGIC,
     VERSION,
     BatchHeader,
+    Event,
     binary_array,
     decode_header,
     encode_body,
+    encode_body_parts,
     encode_header,
+    events_of,
     iter_batches,
     make_record_batch,
     read_body,
+    restamp,
     set_base_offset,
     timestamp_array,
     verify,
@@ -49,28 +58,41 @@ BASE_OFFSET_BYTES = range(8, 16)
 
 
 def build_batch(
-    values: list[bytes], compression: str | None = None, first_timestamp: int = 1_700_000_000_000
+    values: list[bytes],
+    compression: str | None = None,
+    first_timestamp: int = 1_700_000_000_000,
+    form: str = "stream",
+    keyed: bool = True,
 ) -> bytearray:
-    """A real batch: header + Arrow IPC body of one event per value, keyed by position."""
-    keys = [b"key-%d" % i for i in range(len(values))]
+    """A real batch: header + Arrow IPC body of one event per value, keyed by position (or
+    keyless); ``form`` "stream" is a whole IPC stream (``encode_body``), "message" the event
+    message the producer writes (``encode_body_parts``)."""
+    keys = [b"key-%d" % i if keyed else None for i in range(len(values))]
     timestamps = [first_timestamp + i for i in range(len(values))]
     record = make_record_batch(
         binary_array(keys), binary_array(values), timestamp_array(timestamps)
     )
-    body = encode_body(record, compression)
+    parts = (
+        encode_body_parts(record, compression)
+        if form == "message"
+        else [encode_body(record, compression)]
+    )
     head = encode_header(
-        body,
+        parts,
         event_count=len(values),
         min_timestamp=timestamps[0],
         max_timestamp=timestamps[-1],
     )
-    return bytearray(head + body.to_pybytes())
+    return bytearray(head + b"".join(memoryview(part) for part in parts))
 
 
 @st.composite
 def batches(draw: st.DrawFn) -> bytearray:
     values = draw(st.lists(st.binary(max_size=40), min_size=1, max_size=6))
-    return build_batch(values, draw(COMPRESSION), draw(st.integers(0, 2**40)))
+    form = draw(st.sampled_from(["stream", "message"]))
+    return build_batch(
+        values, draw(COMPRESSION), draw(st.integers(0, 2**40)), form, draw(st.booleans())
+    )
 
 
 def flip_bit(buf: bytes | bytearray, bit: int) -> bytearray:
@@ -142,6 +164,107 @@ def test_golden_bytes_decode_and_verify() -> None:
 def test_golden_constants_match_the_layout() -> None:
     assert (MAGIC, VERSION, HEADER_LENGTH) == (b"SLB1", 1, 64)
     assert (FLAG_TRANSACTIONAL, FLAG_CONTROL) == (0x1, 0x2)
+    assert (FLAG_EVENT_MESSAGE, FLAG_NO_KEYS, FLAG_NO_HEADERS) == (0x4, 0x8, 0x10)
+    assert BODY_FLAGS == 0x1C
+
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def golden(name: str) -> bytearray:
+    return bytearray.fromhex((GOLDEN / name).read_text())
+
+
+def test_the_documented_event_message_batch_is_what_the_producer_path_writes() -> None:
+    """docs/format.md's worked example, byte for byte: one event (key ``user-42``, value
+    ``hello``, no headers) as an event message without a headers column. The body bytes come
+    from pyarrow's IPC writer: a pyarrow upgrade that changes them fails here, and the docs'
+    example must then be regenerated (stored batches stay readable: the next test)."""
+    record = make_record_batch(
+        binary_array([b"user-42"]), binary_array([b"hello"]), timestamp_array([1763798400000])
+    )
+    for compression in (None, "lz4"):  # the docs' example asks for lz4: one event goes plain
+        parts = encode_body_parts(record, compression)
+        head = encode_header(
+            parts, event_count=1, min_timestamp=1763798400000, max_timestamp=1763798400000
+        )
+        assert head + b"".join(memoryview(p) for p in parts) == golden("event_message.hex")
+
+
+DOCS = Path(__file__).parents[2] / "docs" / "format.md"
+
+
+def test_docs_format_page_quotes_the_byte_layout_and_the_golden_batch() -> None:
+    """docs/format.md and the comment block of _batch.py say the same, and the page's hex dump
+    of the worked example is the golden batch."""
+    import slipstream.format._batch as batch_module
+
+    docs = DOCS.read_text()
+    source = Path(batch_module.__file__).read_text()
+    block = source[source.index("Byte layout, version 1") : source.index('"""\n\nfrom')].rstrip()
+    assert block in docs
+    dump = [line[6:] for line in docs.splitlines() if line[:4].isalnum() and line[4:6] == "  "]
+    assert bytes.fromhex(" ".join(dump)) == golden("event_message.hex")
+
+
+@pytest.mark.parametrize(
+    ("name", "flags"),
+    [
+        ("event_message.hex", FLAG_EVENT_MESSAGE | FLAG_NO_HEADERS),
+        ("stream_form_0.1.0.hex", 0),  # written by slipstream 0.1.0, before event messages
+        ("stream_form_lz4_0.1.0.hex", 0),
+    ],
+)
+def test_golden_batches_of_both_body_forms_decode(name: str, flags: int) -> None:
+    batch = golden(name)
+    header = verify(batch)
+    assert header.flags == flags
+    [event] = events_of(read_body(batch), 5, header.base_offset)
+    if name == "event_message.hex":
+        assert event == Event(b"user-42", b"hello", {}, 1763798400000, 5, 0)
+    elif name == "stream_form_0.1.0.hex":
+        assert event == Event(b"user-42", b"hello", {}, 1763798400000, 5, 42)
+    else:
+        assert (event.key, event.value, dict(event.headers), event.offset) == (
+            None,
+            b'{"id":1,"event":"click"}',
+            {"trace": b"abc"},
+            42,
+        )
+
+
+def test_restamp_keeps_the_body_form_flags() -> None:
+    """The broker restamps a committed transaction's batches with the transactional flag; the
+    body-form flags describe the body, so they must survive it."""
+    batch = build_batch([b"a", b"b"], form="message", keyed=False)
+    before = read_body(batch)
+    restamp(batch, flags=FLAG_TRANSACTIONAL, producer_id=9, producer_epoch=1, sequence=4)
+    header = verify(batch)
+    assert header.flags == FLAG_TRANSACTIONAL | FLAG_EVENT_MESSAGE | FLAG_NO_KEYS | FLAG_NO_HEADERS
+    assert (header.producer_id, header.producer_epoch, header.sequence) == (9, 1, 4)
+    assert read_body(batch).equals(before)
+
+
+@pytest.mark.parametrize("form", ["stream", "message"])
+def test_read_body_refuses_a_body_with_another_event_count_than_its_header(form: str) -> None:
+    batch = build_batch([b"a", b"b"], form=form)
+    struct.pack_into("<I", batch, 28, 3)
+    with pytest.raises(CorruptBatch, match="holds 2 events, its header says 3"):
+        read_body(batch)
+
+
+def test_read_body_refuses_an_event_message_with_bytes_after_it() -> None:
+    batch = build_batch([b"a"], form="message") + b"\0" * 8
+    struct.pack_into("<I", batch, 16, len(batch))
+    with pytest.raises(CorruptBatch, match="8 bytes after the event message"):
+        read_body(batch)
+
+
+def test_read_body_refuses_a_stream_body_flagged_as_an_event_message() -> None:
+    batch = build_batch([b"a"], form="stream")
+    struct.pack_into("<H", batch, 24, FLAG_EVENT_MESSAGE)
+    with pytest.raises(CorruptBatch, match="schema message"):
+        read_body(batch)
 
 
 def test_header_defaults_mark_a_producer_that_is_not_idempotent() -> None:
@@ -254,7 +377,9 @@ VALID_HEADER = encode_header(b"body", event_count=2, min_timestamp=1, max_timest
         (patched(VALID_HEADER, "<H", 6, 65), "lengths"),
         (patched(VALID_HEADER, "<H", 6, 0), "lengths"),
         (patched(VALID_HEADER, "<I", 16, HEADER_LENGTH - 1), "lengths"),
-        (patched(VALID_HEADER, "<H", 24, 0x4), "flags"),
+        (patched(VALID_HEADER, "<H", 24, 0x20), "flags"),
+        (patched(VALID_HEADER, "<H", 24, 0x8), "columns left out"),
+        (patched(VALID_HEADER, "<H", 24, 0x10), "columns left out"),
         (patched(VALID_HEADER, "<H", 24, 0x8000), "flags"),
         (patched(VALID_HEADER, "<I", 28, 0), "zero events"),
         (patched(VALID_HEADER, "<q", 8, -1), "negative base offset"),
@@ -267,7 +392,9 @@ VALID_HEADER = encode_header(b"body", event_count=2, min_timestamp=1, max_timest
         "header-length-65",
         "header-length-0",
         "batch-length-63",
-        "unknown-flag-bit-2",
+        "unknown-flag-bit-5",
+        "no-keys-without-event-message",
+        "no-headers-without-event-message",
         "unknown-flag-bit-15",
         "zero-events",
         "negative-base-offset",
@@ -413,9 +540,10 @@ def test_iter_batches_refuses_trailing_garbage_and_bad_crc() -> None:
 # --- the body -----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("form", ["stream", "message"])
 @pytest.mark.parametrize("compression", [None, "lz4", "zstd"])
-def test_read_body_decodes_the_arrow_body(compression: str | None) -> None:
-    record = read_body(build_batch([b"a", b"bc"], compression))
+def test_read_body_decodes_the_arrow_body(compression: str | None, form: str) -> None:
+    record = read_body(build_batch([b"a", b"bc"], compression, form=form))
     assert record.num_rows == 2
     assert record.column(1).to_pylist() == [b"a", b"bc"]
 
@@ -482,9 +610,14 @@ def damaged_bodies(batch: bytearray) -> Iterator[bytearray]:
 
 # A client computes the CRC over whatever body it sends, so a damaged body reaches read_body
 # with a valid CRC: read_body is the only guard between those bytes and Arrow.
+@pytest.mark.parametrize(
+    ("form", "keyed"), [("stream", True), ("message", True), ("message", False)]
+)
 @pytest.mark.parametrize("compression", [None, "lz4", "zstd"])
-def test_read_body_on_damaged_body_raises_only_corrupt_batch(compression: str | None) -> None:
-    for damaged in damaged_bodies(build_batch([b"hello"], compression)):
+def test_read_body_on_damaged_body_raises_only_corrupt_batch(
+    compression: str | None, form: str, keyed: bool
+) -> None:
+    for damaged in damaged_bodies(build_batch([b"hello"], compression, form=form, keyed=keyed)):
         try:
             read_body(damaged)
         except CorruptBatch:
@@ -493,9 +626,10 @@ def test_read_body_on_damaged_body_raises_only_corrupt_batch(compression: str | 
             raise AssertionError(f"read_body let {type(exc).__name__} escape: {exc}") from exc
 
 
-def test_read_body_returns_only_structurally_valid_batches() -> None:
+@pytest.mark.parametrize("form", ["stream", "message"])
+def test_read_body_returns_only_structurally_valid_batches(form: str) -> None:
     invalid = 0
-    for damaged in damaged_bodies(build_batch([b"hello"])):
+    for damaged in damaged_bodies(build_batch([b"hello"], form=form)):
         try:
             record = read_body(damaged)
         except Exception:  # refused, typed or not: what escapes is the test above's concern

@@ -3,8 +3,10 @@
 The contract under test: whatever keys (bytes or None), values, headers and timestamps a
 producer puts in, a reader gets the same events back, with the segment and consecutive offsets
 from the batch's base offset, for every compression; the column builders agree with Arrow's own
-converters; ``encode_body_parts`` gives the same bytes as ``encode_body``; a body with another
-schema is refused with :class:`CorruptBatch`.
+converters; ``encode_body_parts`` writes the event-message form (one record batch message,
+all-null key and headers columns left out, compressed only where it pays) and both body forms
+read back as the same record batch; a body with another schema is refused with
+:class:`CorruptBatch`.
 """
 
 from __future__ import annotations
@@ -20,19 +22,26 @@ from hypothesis import strategies as st
 
 from slipstream import CorruptBatch
 from slipstream.format import (
+    BODY_FLAGS,
+    COMPRESSED_AT_MOST,
     COMPRESSIONS,
     EVENT_SCHEMA,
+    FLAG_EVENT_MESSAGE,
+    FLAG_NO_HEADERS,
+    FLAG_NO_KEYS,
     HEADER_TYPE,
     TIMESTAMP_TYPE,
     Event,
     binary_array,
     check_event_schema,
+    decode_header,
     encode_body,
     encode_body_parts,
     encode_header,
     events_of,
     headers_array,
     make_record_batch,
+    null_headers,
     read_body,
     set_base_offset,
     timestamp_array,
@@ -74,20 +83,43 @@ def record_batch_of(events: list[Sent]) -> pa.RecordBatch:
     big=st.integers(64 * 1024, 300 * 1024),
     start=st.integers(0, 3),
 )
-def test_a_large_batch_goes_out_by_reference_with_the_bytes_of_encode_body(
+def test_a_large_batch_goes_out_by_reference_as_one_record_batch_message(
     events: list[Sent], big: int, start: int
 ) -> None:
     """From 64 KiB on, the body's Arrow buffers are handed over as they are, not copied into
-    one message first: the joined parts must still be exactly ``encode_body``'s bytes, for a
-    sliced batch (as ``send_many`` makes) too."""
+    one message first: the joined parts must still be exactly the record batch message of the
+    stored columns, for a sliced batch (as ``send_many`` makes) too."""
     large = [*events, Sent(b"k", b"v" * big, {}, 0)]
     whole = record_batch_of(large)
     for record in (whole, whole.slice(min(start, len(events)))):
         parts = encode_body_parts(record)
-        assert b"".join(memoryview(p) for p in parts) == encode_body(record).to_pybytes()
+        assert parts.flags & FLAG_EVENT_MESSAGE
+        joined = b"".join(memoryview(p) for p in parts)
+        assert joined == stored_message(record, parts.flags)
+        assert read_body(whole_batch(parts, len(record))).equals(record)
     data = whole.column(1).buffers()[2]
     parts = encode_body_parts(whole)
     assert any(isinstance(p, pa.Buffer) and p.address == data.address for p in parts)
+
+
+def stored_message(record: pa.RecordBatch, flags: int) -> bytes:
+    """The one Arrow record batch message an event message body must be: the columns the
+    flags do not leave out, and nothing else (no schema message, no end marker)."""
+    kept = [
+        (name, column)
+        for name, column in zip(record.schema.names, record.columns, strict=True)
+        if not (name == "key" and flags & FLAG_NO_KEYS)
+        and not (name == "headers" and flags & FLAG_NO_HEADERS)
+    ]
+    stored = pa.RecordBatch.from_arrays([c for _, c in kept], names=[n for n, _ in kept])
+    return bytes(stored.serialize().to_pybytes())
+
+
+def whole_batch(parts: list[pa.Buffer | bytes], count: int, first_timestamp: int = 0) -> bytearray:
+    head = encode_header(
+        parts, event_count=count, min_timestamp=first_timestamp, max_timestamp=first_timestamp
+    )
+    return bytearray(head + b"".join(memoryview(part) for part in parts))
 
 
 def encode_batch(events: list[Sent], compression: str | None, in_parts: bool = False) -> bytearray:
@@ -135,22 +167,108 @@ def test_events_round_trip_through_a_whole_batch(
 
 @settings(max_examples=50, deadline=None)
 @given(
-    events=st.lists(sent_events, max_size=10),
+    events=st.lists(sent_events, min_size=1, max_size=10),
     compression=st.sampled_from([None, *COMPRESSIONS]),
 )
-def test_encode_body_parts_are_the_same_bytes_as_encode_body(
+def test_both_body_forms_read_back_as_the_same_record_batch(
     events: list[Sent], compression: str | None
 ) -> None:
     record = record_batch_of(events)
+    message = encode_batch(events, compression, in_parts=True)
+    stream = encode_batch(events, compression, in_parts=False)
+    assert decode_header(message).flags & FLAG_EVENT_MESSAGE
+    assert not decode_header(stream).flags & BODY_FLAGS
+    assert read_body(message).equals(record)
+    assert read_body(stream).equals(record)
+    assert len(message) < len(stream)
+
+
+@pytest.mark.parametrize(
+    ("keys", "headers", "flags"),
+    [
+        ([None, None], [None, None], FLAG_EVENT_MESSAGE | FLAG_NO_KEYS | FLAG_NO_HEADERS),
+        ([b"k", None], [None, None], FLAG_EVENT_MESSAGE | FLAG_NO_HEADERS),
+        ([None, None], [{"h": b"1"}, None], FLAG_EVENT_MESSAGE | FLAG_NO_KEYS),
+        ([b"k", b""], [None, {"h": b"1"}], FLAG_EVENT_MESSAGE),
+    ],
+)
+def test_an_event_message_leaves_out_only_all_null_columns(
+    keys: list[bytes | None], headers: list[dict[str, bytes] | None], flags: int
+) -> None:
+    record = make_record_batch(
+        binary_array(keys),
+        binary_array([b"a", b"b"]),
+        timestamp_array([1, 2]),
+        headers_array(headers),
+    )
+    parts = encode_body_parts(record)
+    assert parts.flags == flags
+    assert b"".join(memoryview(p) for p in parts) == stored_message(record, flags)
+    batch = whole_batch(parts, 2)
+    assert decode_header(batch).flags == flags  # encode_header took the flags from the parts
+    assert read_body(batch).equals(record)
+
+
+def json_ish(count: int) -> list[bytes]:
+    return [
+        b'{"id":%d,"user":"u%d","event":"%s","amount":%d.%02d}'
+        % (1000 + i, i * 7919 % 5000, [b"click", b"view", b"buy"][i % 3], i % 500, i % 100)
+        for i in range(count)
+    ]
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+@pytest.mark.parametrize("count", [40, 5000])  # under and over the 64 KiB sample
+def test_a_compressible_batch_is_compressed_and_reads_back(compression: str, count: int) -> None:
+    values = json_ish(count)
+    record = make_record_batch(
+        binary_array([None] * count), binary_array(values), timestamp_array(range(count))
+    )
     parts = encode_body_parts(record, compression)
-    joined = b"".join(memoryview(part) for part in parts)
-    assert joined == encode_body(record, compression).to_pybytes()
+    plain = encode_body_parts(record)
+    size = sum(len(p) for p in parts)
+    assert size <= COMPRESSED_AT_MOST * sum(len(p) for p in plain)
+    batch = whole_batch(parts, count)
+    back = read_body(batch)
+    assert back.equals(record)
+    assert [e.value for e in events_of(back, 0, 0)] == values
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+@pytest.mark.parametrize("count", [1, 5, 40, 5000])
+def test_a_batch_that_compression_does_not_shrink_by_a_fifth_goes_plain(
+    compression: str, count: int
+) -> None:
+    """Random bytes (only offsets and timestamps compress), and tiny batches (the codec's
+    framing outweighs what it saves) are sent uncompressed: the very bytes of no compression."""
+    rng = np.random.default_rng(count)
+    values = [rng.bytes(100) for _ in range(count)]
+    record = make_record_batch(
+        binary_array([None] * count), binary_array(values), timestamp_array(range(count))
+    )
+    tiny = make_record_batch(binary_array([None]), binary_array([b"x" * 30]), timestamp_array([1]))
+    for batch in (record, tiny):
+        parts = encode_body_parts(batch, compression)
+        plain = encode_body_parts(batch)
+        assert b"".join(memoryview(p) for p in parts) == b"".join(memoryview(p) for p in plain)
 
 
 def test_encode_body_parts_of_another_schema_is_one_whole_body() -> None:
     other = pa.RecordBatch.from_pydict({"value": pa.array([b"v"], pa.binary())})
-    [part] = encode_body_parts(other)
+    parts = encode_body_parts(other)
+    [part] = parts
+    assert parts.flags == 0
     assert bytes(memoryview(part)) == encode_body(other).to_pybytes()
+
+
+def test_an_all_null_headers_column_costs_no_offsets_in_its_children() -> None:
+    """``pa.nulls`` gave each child of the null list ``count + 1`` offsets: 8 bytes an event
+    in every body that carried the column."""
+    column = null_headers(1000)
+    column.validate(full=True)
+    assert column.null_count == 1000
+    assert column.nbytes <= 1000 // 8 + 1 + 4 * 1001 + 16
+    assert column.to_pylist() == [None] * 1000
 
 
 def test_events_without_headers_read_back_as_empty_mappings() -> None:
