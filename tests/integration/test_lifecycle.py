@@ -117,7 +117,8 @@ def test_retention_removes_old_chunks_and_names_the_oldest_position(
         client.create_stream("life/aged", segments=1, retention_time="1s")
         old = int(time.time() * 1000) - 60_000
         for stream in ("life/retained", "life/aged"):
-            with client.producer(stream, batch_bytes=4096) as producer:
+            # uncompressed: 300 x 400 repeated bytes would compress to a few KiB
+            with client.producer(stream, batch_bytes=4096, compression=None) as producer:
                 for _ in range(300):
                     producer.send(b"v" * 400, timestamp=old if stream == "life/aged" else None)
         deadline = time.monotonic() + 20
