@@ -84,6 +84,7 @@ class Broker:
         self.config = config
         self.sessions: set[Session] = set()
         self._stop = asyncio.Event()
+        self._accepted = asyncio.Event()  # set by the first connection accepted
         self._lock_file: IO[str] | None = None
         self.address: tuple[str, int] | None = None
 
@@ -245,7 +246,7 @@ class Broker:
             await self.coordinator.apply_pending()
             try:
                 server = await loop.create_server(
-                    lambda: Session(self),
+                    lambda: self._accept(Session),
                     self.config.host,
                     self.config.port,
                     reuse_address=True,
@@ -305,10 +306,13 @@ class Broker:
                 f"background task {failed.get_name()!r} failed: {_failure(failed)}"
             ) from _failure(failed)
 
+    def _accept(self, session: type[Session]) -> Session:
+        self._accepted.set()
+        return session(self)
+
     async def _run_container(self, container: Container) -> None:
         if _FAULT == "broker.container_dies" and container.id == 0:
-            while not self.sessions:  # once the broker serves: a crash, not a failed start
-                await asyncio.sleep(0.01)
+            await self._accepted.wait()  # once the broker serves: a crash, not a failed start
             raise RuntimeError("fault injection: SLIPSTREAM_FAULT=broker.container_dies")
         await container.run()
 
