@@ -3,13 +3,18 @@
 from ._broker import Broker, BrokerConfig, BrokerFailed
 from ._container import FSYNC_MODES, ContainerConfig
 from ._embedded import EmbeddedBroker, choose_port
+from ._service import Caller, Service
+from ._session import ConnectionLimits
 
 __all__ = [
     "FSYNC_MODES",
     "Broker",
     "BrokerConfig",
     "BrokerFailed",
+    "Caller",
+    "ConnectionLimits",
     "ContainerConfig",
     "EmbeddedBroker",
+    "Service",
     "choose_port",
 ]

@@ -38,6 +38,7 @@ from ._container import (
 )
 from ._controller import Controller
 from ._service import Service, load_producer_key
+from ._session import ConnectionLimits
 from ._transactions import Coordinator
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class BrokerConfig:
     max_batch_bytes: int = 8 * 1024 * 1024
     retention_check_ms: int = 30_000
     container: ContainerConfig = field(default_factory=ContainerConfig)
+    connection: ConnectionLimits = field(default_factory=ConnectionLimits)
 
 
 class _Layout(msgspec.Struct):

@@ -4,6 +4,16 @@ into calls of the service layer (``_service.py``, where the operations live), an
 Flow control both ways: a connection with more than ``MAX_PENDING_APPEND_BYTES`` of appends
 not yet durable stops being read (TCP backpressure reaches the producer), and follows push
 only while the client has granted credit and the socket is writable.
+
+Bounds (``ConnectionLimits``), so that a slow, silent or dead client cannot pin memory or a
+connection: TCP keepalive (and ``TCP_USER_TIMEOUT``) finds dead peers; a connection that sends
+no Hello in time, or nothing at all for ``idle_timeout`` while it has no follow, request or
+append open, is closed with ``idle_timeout``; one whose socket takes no bytes for
+``write_timeout`` is dropped; follows, requests awaiting an answer and a follow's unused
+credit are capped with typed errors; at most ``MAX_CONCURRENT_READS`` follow reads per
+connection are in memory at once. What one connection can hold is then about: the write
+buffer's high-water mark (8 MiB) plus those reads (4 x 4 MiB), appends not yet durable
+(32 MiB) and one frame being received (``--max-batch`` + 64 KiB).
 """
 
 from __future__ import annotations
@@ -20,9 +30,13 @@ import numpy as np
 from .. import __version__
 from .._errors import (
     BatchTooLarge,
+    CreditLimitExceeded,
+    IdleTimeout,
     InvalidArgument,
     ProtocolError,
     SlipstreamError,
+    TooManyFollows,
+    TooManyRequests,
     UnsupportedVersion,
 )
 from ..format import decode_header
@@ -75,6 +89,25 @@ log = logging.getLogger("slipstream.session")
 
 MAX_PENDING_APPEND_BYTES = 32 * 1024 * 1024
 MAX_DATA_FRAME_BYTES = 4 * 1024 * 1024
+MAX_CONCURRENT_READS = 4  # follow reads of one connection in memory at once
+WRITE_BUFFER_HIGH = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """Per-connection bounds (docs/operations.md lists them with what a client sees)."""
+
+    hello_timeout: float = 10.0  #: seconds from connect to Hello
+    #: seconds without a received frame after which a connection with no follow, request or
+    #: append open is closed (checked about once per this period)
+    idle_timeout: float = 300.0
+    write_timeout: float = 300.0  #: seconds a socket may take no bytes before it is dropped
+    keepalive_idle: int = 60  #: seconds of silence before TCP keepalive probes
+    keepalive_interval: int = 10
+    keepalive_count: int = 6
+    max_follows: int = 4096  #: open follows (a reader opens one per segment, up to 1024)
+    max_requests: int = 4096  #: requests and appends awaiting their answer
+    max_follow_credit: int = 256 * 1024 * 1024  #: unused credit of one follow, in bytes
 
 
 def _unzeroed(size: int) -> memoryview:
@@ -97,6 +130,21 @@ class _Follow:
     task: asyncio.Task[None] | None = None
 
 
+def _keepalive(sock: Any, limits: ConnectionLimits) -> None:
+    """TCP keepalive, so that a peer that vanished (power off, a cut cable) is noticed while the
+    connection is quiet, and a user timeout for when it is not (data sent but never acked)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; macOS names the first TCP_KEEPALIVE
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, limits.keepalive_idle)
+    if hasattr(socket, "TCP_KEEPINTVL"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, limits.keepalive_interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, limits.keepalive_count)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):  # not shorter than the write timeout
+        probing = limits.keepalive_idle + limits.keepalive_interval * limits.keepalive_count
+        user_timeout = max(probing, limits.write_timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(user_timeout * 1000))
+
+
 class Session(asyncio.BufferedProtocol):
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
@@ -116,6 +164,12 @@ class Session(asyncio.BufferedProtocol):
         self.writable.set()
         self.follows: dict[int, _Follow] = {}
         self.tasks: set[asyncio.Task[Any]] = set()
+        self.limits: ConnectionLimits = broker.config.connection
+        self.in_flight = 0  # requests and appends not answered yet
+        self.read_slots = asyncio.Semaphore(MAX_CONCURRENT_READS)
+        self.last_received = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None
 
     # --- asyncio.Protocol --------------------------------------------------------------------
 
@@ -124,30 +178,45 @@ class Session(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keepalive(sock, self.limits)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self.caller = self.service.connect(self.peer)
-        transport.set_write_buffer_limits(high=8 * 1024 * 1024)
+        transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
         self.broker.sessions.add(self)
+        loop = asyncio.get_running_loop()
+        self.last_received = loop.time()
+        self._idle_timer = loop.call_later(self.limits.hello_timeout, self._check_idle)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.broker.sessions.discard(self)
         if self.caller is not None:
             self.service.disconnect(self.caller)
+        for timer in (self._idle_timer, self._stall_timer):
+            if timer is not None:
+                timer.cancel()
         for task in self.tasks:
             task.cancel()
         self.writable.set()
 
     def pause_writing(self) -> None:
         self.writable.clear()
+        if self._stall_timer is None:
+            self._stall_timer = asyncio.get_running_loop().call_later(
+                self.limits.write_timeout, self._write_stalled
+            )
 
     def resume_writing(self) -> None:
         self.writable.set()
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.last_received = asyncio.get_running_loop().time()
         self.decoder.buffer_updated(nbytes)
         try:
             while (item := self.decoder.next_item()) is not None:
@@ -178,6 +247,53 @@ class Session(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.close()
 
+    def _check_idle(self) -> None:
+        """Close a connection that never said Hello, or that has been silent for
+        ``idle_timeout`` with nothing open; otherwise look again later."""
+        self._idle_timer = None
+        transport, limits = self.transport, self.limits
+        if transport is None or transport.is_closing():
+            return
+        loop = asyncio.get_running_loop()
+        if not self.greeted:
+            self._close(
+                IdleTimeout(
+                    f"no Hello within {limits.hello_timeout:g} s of connecting; connect again "
+                    "and send Hello first",
+                    timeout=limits.hello_timeout,
+                )
+            )
+            return
+        silent = loop.time() - self.last_received
+        busy = self.follows or self.in_flight or self.pending_bytes
+        if not busy and silent >= limits.idle_timeout:
+            self._close(
+                IdleTimeout(
+                    f"nothing received for {silent:.0f} s with no follow or request open "
+                    f"(limit {limits.idle_timeout:g} s); connect again when there is work",
+                    timeout=limits.idle_timeout,
+                )
+            )
+            return
+        wait = limits.idle_timeout - silent if not busy else limits.idle_timeout
+        self._idle_timer = loop.call_later(max(wait, 0.01), self._check_idle)
+
+    def _close(self, exc: SlipstreamError) -> None:
+        log.info("closing connection from %s: %s", self.peer, exc)
+        self.send_error(0, exc)
+        if self.transport is not None:
+            self.transport.close()
+
+    def _write_stalled(self) -> None:
+        self._stall_timer = None
+        if self.transport is not None and not self.transport.is_closing():
+            log.warning(
+                "dropping connection from %s: its socket took no bytes for %g s",
+                self.peer,
+                self.limits.write_timeout,
+            )
+            self.transport.abort()  # close() would wait for a flush that never comes
+
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
@@ -205,12 +321,24 @@ class Session(asyncio.BufferedProtocol):
         if not self.greeted:
             self._hello(message, cid)
             return
+        if isinstance(message, Credit):
+            self._credit(message)
+            return
+        if self.in_flight >= self.limits.max_requests:
+            self.send_error(
+                cid,
+                TooManyRequests(
+                    f"{self.in_flight} requests on this connection await their answer (limit "
+                    f"{self.limits.max_requests}); wait for answers before sending more",
+                    limit=self.limits.max_requests,
+                ),
+            )
+            return
         try:
             if isinstance(message, Append):
                 self._append(message, cid, item.payload)
-            elif isinstance(message, Credit):
-                self._credit(message)
             else:
+                self.in_flight += 1
                 self._spawn(self._request(message, cid))
         except SlipstreamError as exc:
             self.send_error(cid, exc)
@@ -238,6 +366,7 @@ class Session(asyncio.BufferedProtocol):
         future, header = self.service.append(
             self.caller, message.stream, message.segment, message.txn, batch
         )
+        self.in_flight += 1
         size = len(batch)
         self.pending_bytes += size
         if (
@@ -249,6 +378,7 @@ class Session(asyncio.BufferedProtocol):
             self.transport.pause_reading()
 
         def acknowledge(done: asyncio.Future[int] | asyncio.Future[None]) -> None:
+            self.in_flight -= 1
             self.pending_bytes -= size
             if self.reading_paused and self.pending_bytes <= MAX_PENDING_APPEND_BYTES // 2:
                 self.reading_paused = False
@@ -276,6 +406,8 @@ class Session(asyncio.BufferedProtocol):
             self.send_error(cid, SlipstreamError(f"internal error: {exc}"))
         else:
             self.send(reply, cid)
+        finally:
+            self.in_flight -= 1
 
     async def _handle(self, message: Message) -> Message:
         service, caller = self.service, self.caller
@@ -329,6 +461,15 @@ class Session(asyncio.BufferedProtocol):
             raise InvalidArgument(f"follow id {message.sub_id} is already in use")
         if message.offset < 0 or message.credit < 0:
             raise InvalidArgument("offset and credit must not be negative")
+        limits = self.limits
+        if len(self.follows) >= limits.max_follows:
+            raise TooManyFollows(
+                f"this connection has {len(self.follows)} follows open (limit "
+                f"{limits.max_follows}); unfollow some, or read through another connection",
+                limit=limits.max_follows,
+            )
+        if message.credit > limits.max_follow_credit:
+            raise self._too_much_credit(message.credit)
         assert self.caller is not None
         segment = self.service.segment(self.caller, message.stream, message.segment)
         follow = _Follow(
@@ -340,9 +481,27 @@ class Session(asyncio.BufferedProtocol):
 
     def _credit(self, message: Credit) -> None:
         follow = self.follows.get(message.sub_id)
-        if follow is not None:
-            follow.credit += message.credit
-            follow.credited.set()
+        if follow is None:
+            return
+        credit = follow.credit + message.credit
+        if credit > self.limits.max_follow_credit:  # Credit has no answer: the follow ends
+            del self.follows[message.sub_id]
+            if follow.task is not None:
+                follow.task.cancel()
+            exc = self._too_much_credit(credit)
+            self.send(FollowFailed(follow.sub_id, exc.code, exc.message, exc.details))
+            return
+        follow.credit = credit
+        follow.credited.set()
+
+    def _too_much_credit(self, credit: int) -> CreditLimitExceeded:
+        limit = self.limits.max_follow_credit
+        return CreditLimitExceeded(
+            f"a follow may hold at most {limit} bytes of unused credit, not {credit}; grant "
+            "credit as data is consumed",
+            limit=limit,
+            credit=credit,
+        )
 
     async def _pump(self, follow: _Follow) -> None:
         segment, service, caller = follow.segment, self.service, self.caller
@@ -356,21 +515,21 @@ class Session(asyncio.BufferedProtocol):
                 while follow.credit <= 0:
                     follow.credited.clear()
                     await follow.credited.wait()
-                await self.writable.wait()
-                batches = await service.read(
-                    caller, segment, follow.offset, min(follow.credit, MAX_DATA_FRAME_BYTES)
-                )
-                if not batches:
-                    if follow.offset >= segment.next_offset and not segment.deleted:
-                        await segment.wait_for_change()
-                    continue
-                if follow.end_offset is not None:
-                    batches = [
-                        b for b in batches if decode_header(b).base_offset < follow.end_offset
-                    ]
-                follow.offset = decode_header(batches[-1]).next_offset
-                follow.credit -= sum(len(b) for b in batches)
-                self.send(Data(follow.sub_id), 0, batches)
+                async with self.read_slots:  # bounds what this connection's reads hold
+                    await self.writable.wait()
+                    batches = await service.read(
+                        caller, segment, follow.offset, min(follow.credit, MAX_DATA_FRAME_BYTES)
+                    )
+                    if batches:
+                        if follow.end_offset is not None:
+                            end = follow.end_offset
+                            batches = [b for b in batches if decode_header(b).base_offset < end]
+                        follow.offset = decode_header(batches[-1]).next_offset
+                        follow.credit -= sum(len(b) for b in batches)
+                        self.send(Data(follow.sub_id), 0, batches)
+                        continue
+                if follow.offset >= segment.next_offset and not segment.deleted:
+                    await segment.wait_for_change()
         except SlipstreamError as exc:
             self.follows.pop(follow.sub_id, None)
             self.send(FollowFailed(follow.sub_id, exc.code, exc.message, exc.details))
