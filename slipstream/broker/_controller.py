@@ -1,6 +1,12 @@
 """The controller: streams and their segments, positions by time, and retention.
 
-It owns the catalog (MetaStore) and the containers; sessions call it, never the storage.
+It owns the catalog (MetaStore) and the containers; the service calls it, never the storage.
+
+Threads: the event loop owns the stream map and the segments. Catalog writes (create and
+delete a stream, retention's chunk removals) and chunk deletions run on the controller's own
+``catalog`` thread, one at a time and in order, never on the loop (a SQLite commit waits for
+an fsync) and never on the readers' threads (reads must not queue behind them). The MetaStore
+takes calls from any thread (SqliteMetaStore serialises its one connection with a lock).
 """
 
 from __future__ import annotations
@@ -101,7 +107,13 @@ class Controller:
         self.long_term = long_term
         self.containers = list(containers)
         self._read_pool = read_pool
+        self._catalog = ThreadPoolExecutor(1, thread_name_prefix="catalog")
         self.streams: dict[str, Stream] = {}
+
+    def close(self) -> None:
+        """Finish the catalog writes under way and stop their thread (before the catalog is
+        closed)."""
+        self._catalog.shutdown(wait=True)
 
     # --- startup ---------------------------------------------------------------------------
 
@@ -167,9 +179,12 @@ class Controller:
             )
         return stream
 
-    def create_stream(
+    async def create_stream(
         self, name: str, segments: int, retention_ms: int | None, retention_bytes: int | None
     ) -> Stream:
+        """Create a stream: stored in the catalog (on the catalog thread), then served.
+        Raises InvalidName, InvalidArgument, StreamExists (also when a create of the same
+        name ran first), StorageError / StorageFull when the catalog cannot be written."""
         validate_stream_name(name)
         if not 1 <= segments <= MAX_SEGMENTS:
             raise InvalidArgument(f"segments must be between 1 and {MAX_SEGMENTS}, not {segments}")
@@ -182,7 +197,15 @@ class Controller:
             for number, (lo, hi) in enumerate(split_key_space(segments))
         ]
         created_ms = int(time.time() * 1000)
-        record = self.meta.create_stream(name, records, retention_ms, retention_bytes, created_ms)
+        record = await asyncio.get_running_loop().run_in_executor(
+            self._catalog,
+            self.meta.create_stream,
+            name,
+            records,
+            retention_ms,
+            retention_bytes,
+            created_ms,
+        )
         stream = Stream(
             record.id,
             name,
@@ -208,7 +231,7 @@ class Controller:
         stream = self.stream(name)
         try:
             _, chunks = await asyncio.get_running_loop().run_in_executor(
-                self._read_pool, self.meta.delete_stream, name, stream.id
+                self._catalog, self.meta.delete_stream, name, stream.id
             )
         except StreamNotFound:
             raise StreamNotFound(f"stream {name!r} was already deleted", stream=name) from None
@@ -219,7 +242,7 @@ class Controller:
             self.containers[segment.container].segments.pop(segment.global_id, None)
             segment.notify()
         await asyncio.get_running_loop().run_in_executor(
-            self._read_pool, lambda: [self.long_term.delete_chunk(c.name) for c in chunks]
+            self._catalog, lambda: [self.long_term.delete_chunk(c.name) for c in chunks]
         )
         log.info("deleted stream %s (%d chunks removed)", name, len(chunks))
 
@@ -304,7 +327,7 @@ class Controller:
                 continue
             records = [chunk.record for _, chunk in doomed]
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._read_pool, self.meta.remove_chunks, records)
+            await loop.run_in_executor(self._catalog, self.meta.remove_chunks, records)
             for segment, chunk in doomed:
                 segment.chunks.remove(chunk)
                 segment.start_offset = max(segment.start_offset, chunk.record.next_offset)
@@ -316,9 +339,7 @@ class Controller:
                     else (min((b.min_timestamp for b in segment.journal), default=None))
                 )
             for record in records:
-                await loop.run_in_executor(
-                    self._read_pool, self.long_term.delete_chunk, record.name
-                )
+                await loop.run_in_executor(self._catalog, self.long_term.delete_chunk, record.name)
             removed += len(records)
             log.info("retention removed %d chunks of %s", len(records), stream.name)
         return removed

@@ -140,7 +140,8 @@ class Service:
         retention_bytes: int | None = None,
     ) -> StreamInfo:
         """Raises StreamExists, InvalidName, InvalidArgument."""
-        return self.controller.create_stream(name, segments, retention_ms, retention_bytes).info()
+        stream = await self.controller.create_stream(name, segments, retention_ms, retention_bytes)
+        return stream.info()
 
     async def delete_stream(self, caller: Caller, name: str) -> None:
         """Delete a stream and its data; its followers get StreamNotFound."""

@@ -160,6 +160,7 @@ class Node:
         results = await asyncio.gather(*self._tasks, return_exceptions=True)
         for container in self.containers:
             await container.close()
+        self.controller.close()
         self.read_pool.shutdown(wait=True)
         for result in results:
             if not isinstance(result, asyncio.CancelledError):
@@ -233,7 +234,7 @@ def test_offsets_are_assigned_in_order_and_acks_are_contiguous(kit: Kit) -> None
     counts = [3, 1, 5, 2, 4]
 
     async def body(node: Node) -> None:
-        node.controller.create_stream("t/orders", 2, None, None)
+        await node.controller.create_stream("t/orders", 2, None, None)
         node.start()
         acked = [
             await node.append("t/orders", 0, make_batch(n, f"a{i}")) for i, n in enumerate(counts)
@@ -284,7 +285,7 @@ def test_appends_queued_before_the_loop_runs_are_one_group(
     observed = (lambda: syscalls) if kit.kind == "file" else (lambda: kit.faults.calls)
 
     async def body(node: Node) -> None:
-        node.controller.create_stream("t/group", 2, None, None)
+        await node.controller.create_stream("t/group", 2, None, None)
         queued = [node.append("t/group", i % 2, make_batch(2, f"g{i}")) for i in range(10)]
         assert kit.faults.calls == {} and syscalls == {}
         node.start()
@@ -302,7 +303,7 @@ def test_appends_queued_before_the_loop_runs_are_one_group(
 
 def test_appends_arriving_during_an_fsync_form_the_next_group(kit: Kit) -> None:
     async def body(node: Node) -> None:
-        node.controller.create_stream("t/load", 1, None, None)
+        await node.controller.create_stream("t/load", 1, None, None)
         node.start()
         kit.faults.block_next("sync")
         first = node.append("t/load", 0, make_batch(1, "first"))
@@ -318,7 +319,7 @@ def test_appends_arriving_during_an_fsync_form_the_next_group(kit: Kit) -> None:
 
 def test_readers_never_see_past_the_durable_end(kit: Kit) -> None:
     async def body(node: Node) -> None:
-        node.controller.create_stream("t/durable", 1, None, None)
+        await node.controller.create_stream("t/durable", 1, None, None)
         node.start()
         await node.append("t/durable", 0, make_batch(2, "synced"))
         kit.faults.block_next("sync")
@@ -349,7 +350,7 @@ def test_failed_group_is_not_acknowledged_and_its_offsets_are_taken_back(
     kit: Kit, op: str, code: int, error: type[Exception]
 ) -> None:
     async def body(node: Node) -> None:
-        node.controller.create_stream("t/full", 2, None, None)
+        await node.controller.create_stream("t/full", 2, None, None)
         node.start()
         a = make_batch(3, "a")
         x = make_batch(2, "x")
@@ -388,7 +389,7 @@ def test_failed_append_keeps_groups_acknowledged_before_their_sync(kit: Kit, fsy
     config = ContainerConfig(fsync=fsync, fsync_interval_ms=600_000, roll_ms=600_000)
 
     async def body(node: Node) -> None:
-        node.controller.create_stream("t/lazy", 1, None, None)
+        await node.controller.create_stream("t/lazy", 1, None, None)
         node.start()
         a = make_batch(2, "acked before any sync")
         assert await node.append("t/lazy", 0, a) == 0
@@ -412,7 +413,7 @@ def test_failed_periodic_sync_keeps_acknowledged_groups(kit: Kit) -> None:
     config = ContainerConfig(fsync="interval", fsync_interval_ms=2, roll_ms=600_000)
 
     async def body(node: Node) -> None:
-        node.controller.create_stream("t/interval", 1, None, None)
+        await node.controller.create_stream("t/interval", 1, None, None)
         kit.faults.fail_next("sync")
         node.start()
         a = make_batch(2, "a")
@@ -433,7 +434,7 @@ def test_nothing_of_a_failed_group_survives_a_restart(tmp_path: Path) -> None:
         return Node([journal], SqliteMetaStore(tmp_path / "meta.db"), MemoryChunkStore())
 
     async def first(node: Node) -> list[bytes]:
-        node.controller.create_stream("t/restart", 1, None, None)
+        await node.controller.create_stream("t/restart", 1, None, None)
         node.start()
         await node.append("t/restart", 0, make_batch(2, "kept"))
         faults.fail_next("sync")
@@ -457,7 +458,7 @@ def test_nothing_of_a_failed_group_survives_a_restart(tmp_path: Path) -> None:
 @pytest.mark.parametrize("config", [FAST, NO_TAIL_CACHE], ids=["tail-cache", "journal-reads"])
 def test_read_returns_whole_batches_from_an_offset(kit: Kit, config: ContainerConfig) -> None:
     async def body(node: Node) -> None:
-        node.controller.create_stream("t/read", 1, None, None)
+        await node.controller.create_stream("t/read", 1, None, None)
         node.start()
         batches = [make_batch(n, f"r{i}") for i, n in enumerate([3, 2, 4])]
         for batch in batches:
@@ -486,7 +487,7 @@ def test_read_returns_whole_batches_from_an_offset(kit: Kit, config: ContainerCo
 
 def test_read_of_an_empty_segment(kit: Kit) -> None:
     async def body(node: Node) -> None:
-        node.controller.create_stream("t/empty", 1, None, None)
+        await node.controller.create_stream("t/empty", 1, None, None)
         segment = node.segment("t/empty")
         assert await node.container_of(segment).read(segment, 0, 1024) == []
         with pytest.raises(OffsetOutOfRange):
@@ -513,7 +514,7 @@ def test_mover_turns_a_sealed_file_into_chunks_with_identical_reads(
     node = Node([kit.journal()], meta, chunk_store, config)
 
     async def body(node: Node) -> None:
-        node.controller.create_stream("t/move", 2, None, None)
+        await node.controller.create_stream("t/move", 2, None, None)
         node.start()
         for i in range(4):
             await node.append("t/move", 0, make_batch(i + 1, f"s0-{i}"))
@@ -576,7 +577,7 @@ def test_mover_links_a_file_only_to_a_segment_owning_half_of_it(
 
     async def body(node: Node) -> None:
         for name in names:
-            node.controller.create_stream(name, 1, None, None)
+            await node.controller.create_stream(name, 1, None, None)
         node.start()
         for name, count in zip(names, counts, strict=True):
             for i in range(count):
@@ -602,8 +603,8 @@ def test_mover_links_a_file_only_to_a_segment_owning_half_of_it(
 
 def test_mover_skips_batches_of_deleted_streams(kit: Kit) -> None:
     async def body(node: Node) -> None:
-        node.controller.create_stream("t/keep", 1, None, None)
-        node.controller.create_stream("t/drop", 1, None, None)
+        await node.controller.create_stream("t/keep", 1, None, None)
+        await node.controller.create_stream("t/drop", 1, None, None)
         node.start()
         await node.append("t/keep", 0, make_batch(2, "keep"))
         await node.append("t/drop", 0, make_batch(2, "drop"))
@@ -621,7 +622,7 @@ def test_read_racing_the_mover_still_returns_the_batches(kit: Kit) -> None:
     # the journal read fails with FileNotFoundError once the file is gone; the reader retries
 
     async def body(node: Node) -> None:
-        node.controller.create_stream("t/race", 1, None, None)
+        await node.controller.create_stream("t/race", 1, None, None)
         node.start()
         for i in range(3):
             await node.append("t/race", 0, make_batch(2, f"race{i}"))
@@ -674,7 +675,7 @@ def test_move_retried_after_a_catalog_failure(tmp_path: Path) -> None:
     node = Node([journal], meta, store)  # type: ignore[arg-type]
 
     async def body(node: Node) -> None:
-        node.controller.create_stream("t/retry", 1, None, None)
+        await node.controller.create_stream("t/retry", 1, None, None)
         node.start()
         await node.append("t/retry", 0, make_batch(3, "retry"))
         expected = await node.read_all("t/retry")
@@ -728,9 +729,9 @@ async def snapshot(node: Node) -> dict[tuple[str, int], tuple[int, list[bytes]]]
     }
 
 
-def streams_in_both_containers(node: Node) -> list[tuple[str, int]]:
+async def streams_in_both_containers(node: Node) -> list[tuple[str, int]]:
     for name in ("r/alpha", "r/beta", "r/gamma"):
-        node.controller.create_stream(name, 2, None, None)
+        await node.controller.create_stream(name, 2, None, None)
     used = {s.container for st in node.controller.streams.values() for s in st.segments.values()}
     assert used == {0, 1}
     return [(name, n) for name in ("r/alpha", "r/beta", "r/gamma") for n in (0, 1)]
@@ -741,7 +742,7 @@ def test_restart_rebuilds_offsets_and_reads(tmp_path: Path) -> None:
     faults = Faults()
 
     async def write(node: Node) -> dict[tuple[str, int], tuple[int, list[bytes]]]:
-        segments = streams_in_both_containers(node)
+        segments = await streams_in_both_containers(node)
         node.start()
         for round_ in range(3):
             for i, (name, number) in enumerate(segments):
@@ -774,7 +775,7 @@ def test_restart_after_a_torn_write_keeps_every_acknowledged_batch(tmp_path: Pat
     disk = Disk(tmp_path / "data", containers=1)
 
     async def write(node: Node) -> dict[tuple[str, int], tuple[int, list[bytes]]]:
-        node.controller.create_stream("r/torn", 1, None, None)
+        await node.controller.create_stream("r/torn", 1, None, None)
         node.start()
         for i in range(3):
             await node.append("r/torn", 0, make_batch(2, f"acked{i}"))
@@ -795,7 +796,7 @@ def test_restart_after_a_crash_between_catalog_and_journal_delete(tmp_path: Path
     disk = Disk(tmp_path / "data", containers=1)
 
     async def write(node: Node) -> dict[tuple[str, int], tuple[int, list[bytes]]]:
-        node.controller.create_stream("r/crash", 2, None, None)
+        await node.controller.create_stream("r/crash", 2, None, None)
         node.start()
         for i in range(4):
             await node.append("r/crash", i % 2, make_batch(2, f"moved{i}"))
@@ -869,7 +870,7 @@ def test_a_damaged_batch_in_a_sealed_file_is_exactly_one_hole(
 
         async def write(node: Node) -> None:
             nonlocal lost
-            node.controller.create_stream("p/s", 3, None, None)
+            await node.controller.create_stream("p/s", 3, None, None)
             node.start()
             for i, (number, events) in enumerate(plan):
                 base = await node.append("p/s", number, make_batch(events, f"b{i:02d}"))

@@ -89,7 +89,7 @@ def test_a_staging_file_rolled_under_a_write_outlives_the_cleanup_queued_behind_
     async def body() -> None:
         coordinator = Coordinator(tmp_path, node.meta, node.controller, fsync=False)
         coordinator.recover()
-        node.controller.create_stream("t/txn", 1, None, None)
+        await node.controller.create_stream("t/txn", 1, None, None)
         node.start()
         try:
             await coordinator.apply_pending()
@@ -129,7 +129,7 @@ def test_a_group_that_rolls_the_journal_wakes_the_mover_through_the_loop() -> No
     node = memory_node(config=ContainerConfig(roll_ms=600_000, roll_bytes=1))
 
     async def body() -> None:
-        node.controller.create_stream("t/roll", 1, None, None)
+        await node.controller.create_stream("t/roll", 1, None, None)
         node.start()
         try:
             container = node.containers[0]
@@ -167,6 +167,12 @@ class GatedChunkStore(MemoryChunkStore):
         super().write_chunk(name, buffers)
 
 
+async def wait_for_thread_count(catalog: Any, count: int) -> None:
+    """Wait on the loop until ``catalog.held`` (counted by worker threads) reaches ``count``."""
+    while catalog.held < count:
+        await asyncio.sleep(0.001)
+
+
 async def wait_for_thread(event: threading.Event) -> None:
     """Wait on the loop for another thread to set ``event``."""
     while not event.is_set():
@@ -182,8 +188,8 @@ def test_a_stream_deleted_while_the_mover_writes_its_file_leaves_the_container_r
     node = Node([MemoryJournal()], SqliteMetaStore(":memory:"), store)
 
     async def body() -> None:
-        node.controller.create_stream("t/kept", 1, None, None)
-        node.controller.create_stream("t/gone", 1, None, None)
+        await node.controller.create_stream("t/kept", 1, None, None)
+        await node.controller.create_stream("t/gone", 1, None, None)
         node.start()
         try:
             kept = make_batch(2, "kept")
@@ -242,22 +248,31 @@ def gated_node() -> tuple[Node, GatedMetaStore]:
     return Node([MemoryJournal()], meta, MemoryChunkStore()), meta
 
 
-def test_a_stream_created_again_while_its_old_self_is_being_deleted_survives() -> None:
-    # The catalog has deleted "t/again"; before the controller has dropped it from its map,
-    # the name is created again. The delete finishing must not drop the new stream.
+def test_a_delete_meant_for_an_old_stream_never_deletes_its_successor() -> None:
+    # A delete of "t/again" is held in the catalog; the name is created again, and a second
+    # delete of the old stream (it is still in the controller's map) queues behind that create
+    # on the catalog thread. The second delete finds the name taken by the new stream: it must
+    # fail, not delete the new stream, which stays served and stored.
     node, meta = gated_node()
 
     async def body() -> None:
-        node.controller.create_stream("t/again", 1, None, None)
+        await node.controller.create_stream("t/again", 1, None, None)
         node.start()
         try:
             old = node.controller.stream("t/again")
             meta.gated = True
-            delete = asyncio.create_task(node.controller.delete_stream("t/again"))
+            first = asyncio.create_task(node.controller.delete_stream("t/again"))
             await wait_for_thread(meta.deleted)
-            new = node.controller.create_stream("t/again", 2, None, None)
+            # both start in this order on the loop's next turn, so the catalog thread runs
+            # the create before the second delete
+            creating = asyncio.create_task(node.controller.create_stream("t/again", 2, None, None))
+            second = asyncio.create_task(node.controller.delete_stream("t/again"))
+            await asyncio.sleep(0)
             meta.released.set()
-            await delete
+            results = await asyncio.gather(first, creating, second, return_exceptions=True)
+            assert results[0] is None
+            new = results[1]
+            assert isinstance(results[2], StreamNotFound), results[2]
             assert old.segments[0].deleted
             assert node.controller.stream("t/again") is new
             assert [s.name for s in node.controller.list_streams(None)] == ["t/again"]
@@ -270,28 +285,96 @@ def test_a_stream_created_again_while_its_old_self_is_being_deleted_survives() -
     run_checked(body())
 
 
-def test_two_deletes_of_a_stream_never_delete_its_successor() -> None:
-    # Two deletes of one stream race a create of the same name between them: the second
-    # delete was meant for the old stream, and must not remove the new one from the catalog.
-    node, meta = gated_node()
+# --- catalog writes off the loop and off the readers' threads ------------------------------------
+
+
+class HeldCatalog(SqliteMetaStore):
+    """A catalog whose ``create_stream`` and ``delete_stream`` calls wait in their worker
+    thread until released. ``held`` counts the calls waiting; ``timed_out`` records a call
+    that was never released (what a blocked event loop looks like from here)."""
+
+    def __init__(self) -> None:
+        super().__init__(":memory:")
+        self.holding = False
+        self.held = 0
+        self.timed_out = False
+        self.released = threading.Event()
+        self._count = threading.Lock()
+
+    def _hold(self) -> None:
+        if not self.holding:
+            return
+        with self._count:
+            self.held += 1
+        if not self.released.wait(5):  # within the test body's 10 s
+            self.timed_out = True
+
+    def create_stream(self, *args: Any) -> StreamRecord:
+        self._hold()
+        return super().create_stream(*args)
+
+    def delete_stream(self, *args: Any) -> tuple[StreamRecord, list[ChunkRecord]]:
+        self._hold()
+        return super().delete_stream(*args)
+
+
+async def create(node: Node, name: str, segments: int = 1) -> Any:
+    created = await node.controller.create_stream(name, segments, None, None)
+    return await created if asyncio.iscoroutine(created) else created
+
+
+def test_creating_a_stream_does_not_block_the_loop() -> None:
+    # The catalog write of a CreateStream is held; meanwhile the loop goes on serving (here:
+    # an append to another stream is acknowledged), and the stream exists once it is stored.
+    meta = HeldCatalog()
+    node = Node([MemoryJournal()], meta, MemoryChunkStore())
 
     async def body() -> None:
-        node.controller.create_stream("t/twice", 1, None, None)
+        await create(node, "t/busy")
         node.start()
         try:
-            meta.gated = True
-            first = asyncio.create_task(node.controller.delete_stream("t/twice"))
-            second = asyncio.create_task(node.controller.delete_stream("t/twice"))
-            await wait_for_thread(meta.deleted)
-            while meta.deletes < 2:  # the second delete is held before the catalog too
-                await asyncio.sleep(0.001)
-            new = node.controller.create_stream("t/twice", 1, None, None)
+            meta.holding = True
+            creating = asyncio.create_task(create(node, "t/new", 2))
+            await wait_for_thread_count(meta, 1)
+            assert await node.append("t/busy", 0, make_batch(1, "meanwhile")) == 0
             meta.released.set()
-            results = await asyncio.gather(first, second, return_exceptions=True)
-            assert results[0] is None
-            assert isinstance(results[1], StreamNotFound), results[1]
-            assert node.controller.stream("t/twice") is new
-            assert [r.id for r in meta.streams()] == [new.id]
+            new = await creating
+            assert node.controller.stream("t/new") is new and len(new.segments) == 2
+            assert not meta.timed_out, "the catalog write blocked the loop"
+        finally:
+            meta.released.set()
+            await node.close()
+
+    run_checked(body())
+
+
+def test_catalog_writes_leave_the_readers_threads_free() -> None:
+    # As many stream deletions as there are reader threads are held in the catalog; a read
+    # from a chunk (a reader thread's work) still completes.
+    meta = HeldCatalog()
+    node = Node([MemoryJournal()], meta, MemoryChunkStore())
+    readers = node.read_pool._max_workers
+
+    async def body() -> None:
+        for i in range(readers):
+            await create(node, f"t/doomed{i}")
+        await create(node, "t/read")
+        node.start()
+        try:
+            batch = make_batch(2, "chunked")
+            await node.append("t/read", 0, batch)
+            await node.roll_and_move(node.containers[0])
+            meta.holding = True
+            deletes = [
+                asyncio.create_task(node.controller.delete_stream(f"t/doomed{i}"))
+                for i in range(readers)
+            ]
+            await wait_for_thread_count(meta, 1)
+            assert [values_of(b) for b in await node.read_all("t/read")] == [values_of(batch)]
+            assert not meta.timed_out, "the read waited for catalog writes"
+            meta.released.set()
+            await asyncio.gather(*deletes)
+            assert [s.name for s in node.controller.list_streams(None)] == ["t/read"]
         finally:
             meta.released.set()
             await node.close()

@@ -38,7 +38,7 @@ def test_a_time_lookup_steps_over_a_hole_in_the_middle(tmp_path: Path, moved: bo
     # Batches at times 1000, 2000 and 3000 (3 events each, 1 ms apart); the middle one is
     # lost to a damaged journal file.
     async def write(node: Node) -> None:
-        node.controller.create_stream("p/s", 1, None, None)
+        await node.controller.create_stream("p/s", 1, None, None)
         node.start()
         for i, tag in enumerate(["a", "b", "c"]):
             assert await node.append("p/s", 0, make_batch(3, tag, ts=1000 * (i + 1))) == 3 * i
@@ -67,7 +67,7 @@ def test_a_time_lookup_steps_over_a_chunk_that_is_only_a_hole(tmp_path: Path) ->
     # batch of its segment, so its hole is all its chunk holds). Batch c (time 3000) comes
     # after the restart. Once every file is a chunk, a lookup must find c past the empty one.
     async def write(node: Node) -> None:
-        node.controller.create_stream("p/s", 1, None, None)
+        await node.controller.create_stream("p/s", 1, None, None)
         node.start()
         assert await node.append("p/s", 0, make_batch(3, "a", ts=1000)) == 0
         assert await roll(node) == 0
