@@ -47,8 +47,7 @@ import slipstream
 
 from ._checker import Report, check_directory
 from ._proxy import TorturingProxy
-from ._records import Ack, Read
-from ._workers import REQUEST_TIMEOUT
+from ._records import REQUEST_TIMEOUT, Ack, Read
 
 FAULTS = ("kill", "stop", "cut", "delay", "disk", "flip", "power")
 PROCESS_FAULTS = {"kill", "stop", "flip", "power"}
@@ -87,6 +86,7 @@ class Outcome(msgspec.Struct, kw_only=True):
     counts: dict[str, int]
     harness_errors: list[str]
     work_dir: str
+    timeline: list[str]
 
     def text(self) -> str:
         report = Report(
@@ -313,6 +313,7 @@ class Run:
         self.unavailable: dict[str, str] = {}
         self.errors: list[str] = []
         self.active: list[str] = []
+        self.timeline: list[str] = []  # "<seconds into the run> s <fault>", in order
         self.flips = 0
         self.process_lock = asyncio.Lock()
         self.workers: list[subprocess.Popen[bytes]] = []
@@ -344,6 +345,7 @@ class Run:
             await self.proxy.start()
             await asyncio.to_thread(self._create_stream)
             self._start_workers()
+            await self._wait_for_workers()
             self.started = time.monotonic()
             self.phase = "faults"
             progress = asyncio.get_running_loop().create_task(self._show_progress())
@@ -389,6 +391,7 @@ class Run:
             counts={**report.counts, "flips": self.flips},
             harness_errors=self.errors,
             work_dir=str(work),
+            timeline=self.timeline,
         )
 
     def _create_stream(self) -> None:
@@ -437,6 +440,21 @@ class Run:
             name = f"reader-{i + 1}-{role}"
             self.workers.append(self._spawn(role, 1000 + i, name, self.proxy.address))
 
+    async def _wait_for_workers(self, timeout: float = 120.0) -> None:
+        """Until every worker has written its first record (Python and pyarrow take seconds
+        to import on a busy machine: faults start when the clients run)."""
+        self.phase = "starting clients"
+        deadline = time.monotonic() + timeout
+        expected = len(self.workers)
+        while time.monotonic() < deadline:
+            ready = [p for p in self.records.glob("*.jsonl") if p.stat().st_size]
+            if len(ready) >= expected:
+                return
+            if any(w.poll() is not None for w in self.workers):
+                raise RuntimeError(f"a client process exited at start: see the logs in {self.work}")
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"the client processes did not start within {timeout:g} s")
+
     async def _drain(self) -> None:
         self.stop_file.touch()
         deadline = time.monotonic() + 30
@@ -481,6 +499,7 @@ class Run:
             await asyncio.sleep(remaining)
 
     async def _fault(self, name: str, rng: random.Random) -> None:
+        self.timeline.append(f"{time.monotonic() - self.started:.1f} s {name}")
         self.active.append(name)
         try:
             await getattr(self, f"_fault_{name}")(rng)
@@ -498,7 +517,7 @@ class Run:
         async with self.process_lock:
             self.broker.signal(signal.SIGSTOP)
             try:
-                await asyncio.sleep(rng.uniform(REQUEST_TIMEOUT + 0.5, REQUEST_TIMEOUT + 3))
+                await asyncio.sleep(rng.uniform(REQUEST_TIMEOUT + 1, REQUEST_TIMEOUT + 4))
             finally:
                 self.broker.signal(signal.SIGCONT)
 

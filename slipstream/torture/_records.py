@@ -33,6 +33,7 @@ import msgspec
 
 KEYS = 16  # keys per producer: several events per key per second, on every segment
 MAX_ROUND = 20  # events per round or transaction: a batch never holds more
+REQUEST_TIMEOUT = 3.0  # seconds without an answer before a producer drops its connection
 
 
 class Round(msgspec.Struct, tag="round", tag_field="r", omit_defaults=True):

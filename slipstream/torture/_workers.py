@@ -46,6 +46,7 @@ import slipstream
 from ._records import (
     KEYS,
     MAX_ROUND,
+    REQUEST_TIMEOUT,
     Ack,
     Damage,
     Note,
@@ -59,7 +60,6 @@ from ._records import (
     event_value,
 )
 
-REQUEST_TIMEOUT = 3.0  # seconds without an answer before a producer drops its connection
 CONNECT_TIMEOUT = 3.0
 RESULT_TIMEOUT = 90.0  # longest wait for one round's acknowledgements
 HISTORY_SPAN = 2000
@@ -321,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pause", type=float, default=0.0, help="longest rest between rounds")
     args = parser.parse_args(argv)
     worker = _Worker(args)
+    worker.note("ready")  # the harness starts its faults once every worker is up
     if args.role == "verify":
         return run_reader(worker, "verify")
     targets: dict[str, Callable[[], object]] = {
