@@ -10,7 +10,22 @@ scripts/ensure-java.sh
 if [ ! -x .venv/bin/python ]; then
     "${PYTHON:-python3}" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -U pip
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[spark]"
+# Install only when pyproject.toml changed since the last install (or something is missing);
+# pip's and setuptools' output (the editable-install banner) is shown only if it fails.
+stamp=.venv/.run-sh-installed
+if ! cmp -s pyproject.toml "$stamp" || ! .venv/bin/python -c "import importlib.util as u, sys
+sys.exit(not (u.find_spec('slipstream') and u.find_spec('pyspark')))"; then
+    echo "installing slipstream and PySpark into .venv (the first time: about a minute) ..." >&2
+    log=$(mktemp)
+    if ! { .venv/bin/python -m pip install -q --disable-pip-version-check -U pip &&
+        .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[spark]"; } \
+        >"$log" 2>&1; then
+        cat "$log" >&2
+        rm -f "$log"
+        exit 1
+    fi
+    rm -f "$log"
+    cp pyproject.toml "$stamp"
+fi
 cd examples
 exec ../.venv/bin/python -m auctions live --data-dir ../.slipstream/auctions "$@"

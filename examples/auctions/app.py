@@ -40,8 +40,16 @@ from . import pipeline
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None)
 console = Console(stderr=True)
 
+#: where ./run.sh keeps the main job's data: .slipstream/auctions at the repository's root,
+#: whichever directory the commands run from
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / ".slipstream" / "auctions"
 DataDir = Annotated[
-    Path, typer.Option(help="Embedded broker's data directory; checkpoints go next to it.")
+    Path,
+    typer.Option(
+        help="Embedded broker's data directory; checkpoints go next to it. Default: "
+        ".slipstream/auctions at the repository's root, where ./run.sh keeps it.",
+        show_default=False,
+    ),
 ]
 Broker = Annotated[
     str | None, typer.Option(help="Use this running broker (host:port); start none.")
@@ -202,7 +210,7 @@ def live(
         float | None, typer.Option(min=0, help="Stop after this many seconds (default: Ctrl-C).")
     ] = None,
     broker: Broker = None,
-    data_dir: DataDir = Path(".slipstream/auctions"),
+    data_dir: DataDir = DEFAULT_DATA_DIR,
     as_json: AsJson = False,
 ) -> None:
     """The live auctions pipeline: broker, bid generator, both Spark jobs, a live view."""
@@ -338,7 +346,7 @@ def replay(
         "auctions/windows-v2"
     ),
     broker: Broker = None,
-    data_dir: DataDir = Path(".slipstream/auctions"),
+    data_dir: DataDir = DEFAULT_DATA_DIR,
     as_json: AsJson = False,
 ) -> None:
     """Replay the bids history through version 2 of job 1 and compare with version 1."""

@@ -199,13 +199,19 @@ def start_prices(spark: SparkSession, broker: str, checkpoint: str, **kw: Any) -
 
 class BidGenerator:
     """Realistic bids: a few hot auctions and a long tail; each auction's price wanders around
-    its level (bids up to 1.5 % apart) and now and then jumps 30-60 % (a bidding war: what job 2
-    flags). Network reality: 8 % of bids arrive 0.5-4 s late (inside the watermark) and 1 %
+    its own level (bids up to 1.5 % apart, pulled back toward the level by ``REVERSION`` of the
+    gap at each bid, in log terms: a mean-reverting walk that stays within a band for ever) and
+    now and then jumps 30-60 % (a bidding war: what job 2 flags; it fades again over a few dozen
+    bids). Network reality: 8 % of bids arrive 0.5-4 s late (inside the watermark) and 1 %
     arrive 8-20 s late (after it: Spark drops them from windows)."""
+
+    #: share of the log gap between an auction's price and its level closed at each of its bids
+    REVERSION = 0.02
 
     def __init__(self, auctions: int = 40, seed: int | None = None) -> None:
         self.random = random.Random(seed)
-        self.prices = {f"a{i:03d}": 10.0 + 5 * i for i in range(auctions)}
+        self.levels = {f"a{i:03d}": 10.0 + 5 * i for i in range(auctions)}
+        self.prices = dict(self.levels)  # unrounded: rounding each step would add a drift
         self.names = list(self.prices)
         self.weights = [1 / (i + 1) for i in range(auctions)]
 
@@ -214,7 +220,8 @@ class BidGenerator:
         rnd = self.random
         auction = rnd.choices(self.names, self.weights)[0]
         jump = rnd.uniform(1.3, 1.6) if rnd.random() < 0.002 else rnd.uniform(0.985, 1.015)
-        self.prices[auction] = round(self.prices[auction] * jump, 2)
+        gap = math.log(self.levels[auction] / self.prices[auction])
+        self.prices[auction] *= jump * math.exp(self.REVERSION * gap)
         lateness = rnd.random()
         if lateness < 0.01:
             now_ms -= rnd.randint(8_000, 20_000)
@@ -222,7 +229,7 @@ class BidGenerator:
             now_ms -= rnd.randint(500, 4_000)
         value = (
             f'{{"auction": "{auction}", "bidder": "u{rnd.randint(1, 500)}", '
-            f'"price": {self.prices[auction]}}}'
+            f'"price": {round(self.prices[auction], 2)}}}'
         )
         return auction, value.encode(), now_ms
 

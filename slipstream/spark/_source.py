@@ -112,9 +112,10 @@ class SlipstreamDataSource(DataSource):
     127.0.0.1:7070), ``stream`` (required), ``startingPosition`` (streaming: earliest, latest,
     an ISO time, a time relative to when the query starts such as ``-1h``, or a StreamCut JSON;
     default latest), ``from``/``to`` (batch reads, the same forms, relative to when the read
-    is planned; default the whole stream), ``maxEventsPerTrigger``, ``maxBytesPerTrigger``, ``maxEventsPerPartition``,
-    ``schema`` (a DDL string: JSON values parsed into these extra columns) and ``mode``
-    (PERMISSIVE: malformed values give null columns; FAILFAST: they fail the query).
+    is planned; default the whole stream), ``maxEventsPerTrigger``, ``maxBytesPerTrigger``,
+    ``maxEventsPerPartition``, ``schema`` (a DDL string: JSON values parsed into these extra
+    columns) and ``mode`` (PERMISSIVE: malformed values give null columns; FAILFAST: they fail
+    the query).
     Writes: see :mod:`slipstream.spark._sink`.
     """
 

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+#: what ./run.sh used to print besides the job's own output
+NOISE = ("Traceback", "NativeCodeLoader", "Setting default log level", "log4j profile")
 
 
 def auctions(*args: str, timeout: float) -> dict:
@@ -23,6 +25,8 @@ def auctions(*args: str, timeout: float) -> dict:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    for noise in NOISE:  # the run is quiet: errors only
+        assert noise not in done.stderr, done.stderr[-3000:]
     return json.loads(done.stdout)
 
 
