@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 import zlib
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -387,8 +388,9 @@ def _expired_chunks(stream: Stream, now_ms: int) -> list[tuple[Segment, Chunk]]:
         total = sum(s.bytes for s in stream.segments.values()) - sum(
             c.record.bytes for _, c in doomed
         )
+        expired = {chunk for _, chunk in doomed}
         fronts = {
-            s.number: [c for c in s.chunks if (s, c) not in doomed]
+            s.number: deque(c for c in s.chunks if c not in expired)
             for s in stream.segments.values()
         }
         while total > stream.retention_bytes:
@@ -396,7 +398,7 @@ def _expired_chunks(stream: Stream, now_ms: int) -> list[tuple[Segment, Chunk]]:
             if not heads:
                 break
             _, number = min(heads)
-            chunk = fronts[number].pop(0)
+            chunk = fronts[number].popleft()
             doomed.append((stream.segments[number], chunk))
             total -= chunk.record.bytes
     return doomed
