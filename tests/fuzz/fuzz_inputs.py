@@ -17,9 +17,11 @@ from hypothesis import strategies as st
 
 from slipstream.format import (
     FLAG_TRANSACTIONAL,
+    BodyParts,
     binary_array,
     check_event_schema,
     encode_body,
+    encode_body_parts,
     encode_header,
     events_of,
     headers_array,
@@ -65,7 +67,11 @@ def _batch(
     flags: int = 0,
     base_offset: int = 0,
     value_bytes: int = 0,
+    event_message: bool = True,
 ) -> bytes:
+    """One batch; ``event_message``: the body form producers send today (one record batch
+    message, all-null columns left out, compressed only where it pays), else a whole Arrow IPC
+    stream, as earlier producers did and stored data may still hold."""
     keys = [f"key-{i % 3}".encode() if keyed else None for i in range(count)]
     values = [
         f"value {i} ".encode() * (1 + i % 4) + bytes([i % 251]) * value_bytes for i in range(count)
@@ -79,7 +85,11 @@ def _batch(
     record = make_record_batch(
         binary_array(keys), binary_array(values), timestamp_array(stamps), headers
     )
-    body = encode_body(record, compression)
+    body = (
+        encode_body_parts(record, compression)
+        if event_message
+        else BodyParts([encode_body(record, compression)])
+    )
     producer_id, producer_epoch, sequence = producer
     head = encode_header(
         body,
@@ -92,7 +102,7 @@ def _batch(
         producer_epoch=producer_epoch,
         sequence=sequence,
     )
-    return head + bytes(body.to_pybytes())
+    return head + b"".join(bytes(part) for part in body)
 
 
 @cache
@@ -102,7 +112,7 @@ def real_batches() -> tuple[bytes, ...]:
         _batch(1, keyed=False, with_headers=False, compression=None),
         _batch(5, keyed=True, with_headers=False, compression=None, base_offset=40),
         _batch(4, keyed=True, with_headers=True, compression=None, producer=(7, 2, 11)),
-        _batch(6, keyed=True, with_headers=True, compression="lz4"),
+        _batch(6, keyed=True, with_headers=True, compression="lz4", value_bytes=64),
         _batch(3, keyed=False, with_headers=False, compression="zstd", base_offset=9),
         _batch(
             2,
@@ -112,6 +122,9 @@ def real_batches() -> tuple[bytes, ...]:
             producer=(9, 0, 0),
             flags=FLAG_TRANSACTIONAL,
         ),
+        # whole Arrow IPC streams, as 0.1.0 producers wrote them
+        _batch(3, keyed=True, with_headers=True, compression=None, event_message=False),
+        _batch(4, keyed=False, with_headers=False, compression="lz4", event_message=False),
     )
 
 

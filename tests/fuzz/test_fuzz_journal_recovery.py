@@ -62,7 +62,11 @@ Written = list[list[tuple[JournalAddress, bytes]]]  # per file, its entries in o
 
 layouts = st.lists(  # files, each a list of appends, each a list of (segment, batch index)
     st.lists(
-        st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5)), min_size=1, max_size=3),
+        st.lists(
+            st.tuples(st.integers(0, 3), st.integers(0, len(real_batches()) - 1)),
+            min_size=1,
+            max_size=3,
+        ),
         min_size=1,
         max_size=3,
     ),
