@@ -156,3 +156,14 @@ def test_from_a_relative_time_reads_the_recent_events(broker: BrokerProcess) -> 
         end = client.tail("cli/recent")
         with client.reader("cli/recent", start="-1h", end=end) as reader:
             assert [event.value for event in reader] == [b"new-0", b"new-1"]
+
+
+def test_the_progress_line_counts_acknowledged_events_not_only_sent_ones() -> None:
+    from slipstream.cli._produce import ProduceStats, ProgressReport
+
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=200, color_system=None)
+    report = ProgressReport(console, io.BytesIO(), every=0.0)
+    report.update(ProduceStats("demo/x", events=196_802, acknowledged=9_651))
+    report.close()
+    assert "9,651 of 196,802 events acknowledged" in buffer.getvalue()
