@@ -48,7 +48,7 @@ _IPC_OPTIONS = {
     "zstd": pa.ipc.IpcWriteOptions(compression="zstd"),
 }
 COMPRESSIONS = tuple(name for name in _IPC_OPTIONS if name)
-_NO_HEADER_ITEMS = pa.array([], HEADER_TYPE.value_type)
+_NO_HEADER_ITEMS = pa.nulls(0, HEADER_TYPE.value_type)  # (pa.array would import pandas)
 
 
 class Event(msgspec.Struct, frozen=True, gc=False):
