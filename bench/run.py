@@ -33,6 +33,7 @@ WORKLOADS = [
     "latency",
     "transactions",
     "streams",
+    "storage",
 ]
 SIZES = {
     "full": {
@@ -564,10 +565,17 @@ def main(argv: list[str] | None = None) -> int:
                 sizes["disk_bytes"],
                 sizes["fsync_iterations"],
             )
-        if "jetstream" in peers and only - {"machine", "streams", "transactions"}:
+        timed = only - {"machine", "streams", "transactions", "storage"}
+        if "jetstream" in peers and timed:
             results["jetstream"] = run_jetstream(root, sizes, only, args)
-        if "slipstream" in peers and only - {"machine"}:
+        if "slipstream" in peers and only - {"machine", "storage"}:
             results["slipstream"] = run_slipstream(root, sizes, only, args)
+        if "storage" in only:  # bytes on disk per event, both peers (bench/storage.py)
+            import storage
+
+            print("storage: bytes on disk per event (bench/storage.py)")
+            chosen = tuple(p for p in storage.PEERS if p in peers)
+            attempt(results, "storage", storage.measure, root / "storage", args.quick, chosen)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results["meta"]["load_after"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -575,6 +583,10 @@ def main(argv: list[str] | None = None) -> int:
     results["rows"] = rows
     print()
     print_report(results, rows)
+    if "slipstream" in results.get("storage", {}):
+        import storage
+
+        storage.print_results(results["storage"])
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
         print(f"results written to {args.json}")
