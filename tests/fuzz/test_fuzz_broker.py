@@ -5,7 +5,7 @@ batches, a follow, a transaction) on a fresh connection to one broker process, r
 comes back until the broker falls quiet or hangs up, and closes. Then, over a clean
 connection: the broker still answers, and every stream it holds reads back through the
 client's checks (CRC32C, Arrow body, offsets in sequence) with only events that some real
-batch carried. A damaged byte that still passes
+batch carried; and the broker's log gains no traceback. A damaged byte that still passes
 a batch's CRC can only sit in what the CRC leaves out (the base offset, which the broker
 overwrites) or in the frame around it, so nothing else may ever be stored.
 """
@@ -13,15 +13,18 @@ overwrites) or in the frame around it, so nothing else may ever be stored.
 from __future__ import annotations
 
 import socket
+import struct
 
 import pytest
 from conftest import BrokerProcess
 from fuzz_inputs import client_stream, mutated, read_like_a_client, real_batches
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from raw import RawConnection
 
 import slipstream
 from slipstream.format import iter_batches, read_body
+from slipstream.protocol import KIND_OF, CreateStream, Error, Welcome
 
 
 def sent_values() -> set[bytes | None]:
@@ -32,6 +35,10 @@ def sent_values() -> set[bytes | None]:
     return values
 
 
+# Known bug, open: invalid UTF-8 in a frame's meta kills the session with a traceback
+# (test_invalid_utf8_in_a_request_gets_a_protocol_error, xfail). Tolerated in the log check
+# only so the fuzzing still finds other bugs meanwhile; remove it with that test's xfail mark.
+KNOWN_TRACEBACKS = ("UnicodeDecodeError:",)
 QUIET_SECONDS = 0.2  # no answer for this long: the broker is done with the session
 
 
@@ -90,7 +97,31 @@ def test_mutated_sessions_never_crash_the_broker_or_store_garbage(
     fuzzed: BrokerProcess, data: st.DataObject
 ) -> None:
     damaged = data.draw(mutated(client_stream()), label="damaged")
+    logged = len(fuzzed.log())
     send_and_drain(fuzzed.address, damaged.data)
     assert fuzzed.proc is not None and fuzzed.proc.poll() is None, fuzzed.log()[-4000:]
     with fuzzed.client() as client:
         check_everything_stored(client, sent_values())
+    new = fuzzed.log()[logged:]
+    known = sum(new.count(f"\n{name}") for name in KNOWN_TRACEBACKS)
+    assert new.count("Traceback (most recent call last)") == known, new[-4000:]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: invalid UTF-8 in a frame's meta raises UnicodeDecodeError out of "
+    "FrameDecoder (slipstream/protocol/_frames.py, _decode), which the session does not "
+    "catch: 'Fatal error on transport', the connection drops without a typed error",
+)
+def test_invalid_utf8_in_a_request_gets_a_protocol_error(fuzzed: BrokerProcess) -> None:
+    raw = RawConnection(fuzzed.address)
+    assert isinstance(raw.receive().message, Welcome)
+    meta = b"\x94\xa2\xc0x\x01\xc0\xc0"  # CreateStream("\xc0x", 1, nil, nil): not UTF-8
+    head = struct.pack("<IHHII", 12 + len(meta), KIND_OF[CreateStream], 0, 7, len(meta))
+    raw.sock.sendall(head + meta)
+    try:
+        frame = raw.receive()
+        assert frame.correlation_id == 7 and isinstance(frame.message, Error), frame.message
+        assert frame.message.code == "protocol"
+    finally:
+        raw.close()
