@@ -85,6 +85,7 @@ def load_producer_key(data_dir: Path, *, fsync: bool = True) -> bytes:
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as out:
         out.write(key)
+        out.flush()  # fsync syncs only what left Python's buffer
         if fsync:
             os.fsync(out.fileno())
     os.replace(tmp, path)
