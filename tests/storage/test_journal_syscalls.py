@@ -237,6 +237,8 @@ def test_an_append_is_acknowledged_only_after_its_fdatasync_returns(
 ) -> None:
     broker = start_broker()
     connection = open_stream(broker.address, "t/acks")
+    recorder.scope = str(tmp_path / "data" / "journal")  # the containers' journals only
+    recorder.paths.clear()
     recorder.hold()
     connection.send_frame(Append("t/acks", 0), 3, batch(3, b"durable"))
     assert recorder.entered.wait(20), "the append's group never called fdatasync"
@@ -252,10 +254,14 @@ def test_an_append_is_acknowledged_only_after_its_fdatasync_returns(
 
 
 def test_a_full_disk_at_fdatasync_fails_the_append_and_later_appends_go_on(
-    recorder: FdatasyncRecorder, start_broker: Callable[[], InProcessBroker]
+    tmp_path: Path,
+    recorder: FdatasyncRecorder,
+    start_broker: Callable[[], InProcessBroker],
 ) -> None:
     broker = start_broker()
     connection = open_stream(broker.address, "t/full")
+    recorder.scope = str(tmp_path / "data" / "journal")  # the containers' journals only
+    recorder.paths.clear()
     connection.send_frame(Append("t/full", 0), 3, batch(2, b"first"))
     assert connection.receive().message == AppendAck(0, 2)
     recorder.fail_next(errno.ENOSPC)
