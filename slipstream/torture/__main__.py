@@ -47,11 +47,13 @@ DESCRIPTION = textwrap.dedent(
       inconsistent      two reads disagree on a position, or an acknowledgement lied
       phantom           an event nobody sent
       unexpected_damage CorruptData without a flipped byte, or wider than one batch
+      broker_down       the broker did not come back after a fault (its log is quoted)
 
     Data destroyed on purpose by `flip` is counted apart (lost_to_damage), as long as the
     broker reported it (CorruptData) instead of serving it.
 
-    Exit status: 0 when every check passed, 1 on any anomaly or harness error.
+    Exit status: 0 when every check passed, 1 on any anomaly or harness error, 2 on bad
+    arguments.
     Available faults: {", ".join(FAULTS)}.
     """
 )
@@ -173,18 +175,22 @@ def main(argv: list[str] | None = None) -> int:
         f"slipstream torture: seed {options.seed}, {options.duration:g} s, "
         f"faults {','.join(options.faults)}"
     )
-    if console.is_terminal:
-        with Live(console=console, refresh_per_second=4, transient=True) as live:
-            outcome = run_sync(options, lambda status: live.update(_table(status)))
-    else:
-        last = [0.0]
+    try:
+        if console.is_terminal:
+            with Live(console=console, refresh_per_second=4, transient=True) as live:
+                outcome = run_sync(options, lambda status: live.update(_table(status)))
+        else:
+            last = [0.0]
 
-        def show(status: Status) -> None:
-            if status.elapsed - last[0] >= 10:
-                last[0] = status.elapsed
-                console.print(_table(status))
+            def show(status: Status) -> None:
+                if status.elapsed - last[0] >= 10:
+                    last[0] = status.elapsed
+                    console.print(_table(status))
 
-        outcome = run_sync(options, show)
+            outcome = run_sync(options, show)
+    except ValueError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
     if as_json:
         sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(outcome)) + b"\n")
     else:

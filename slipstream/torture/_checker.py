@@ -92,7 +92,7 @@ class Report(msgspec.Struct, kw_only=True):
         """A human summary: counts, then up to ``EXAMPLES`` examples of each anomaly."""
         lines = ["history: " + ("OK, no anomalies" if self.ok else "ANOMALIES FOUND")]
         lines.append("  " + ", ".join(f"{k} {v}" for k, v in self.counts.items()))
-        for kind in ANOMALIES:
+        for kind in [*ANOMALIES, *sorted(set(self.anomalies) - set(ANOMALIES))]:
             count = self.anomalies.get(kind, 0)
             if count:
                 lines.append(f"  {kind}: {count}")

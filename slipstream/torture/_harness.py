@@ -47,7 +47,7 @@ import slipstream
 
 from ._checker import Report, check_directory
 from ._proxy import TorturingProxy
-from ._records import REQUEST_TIMEOUT, Ack, Read
+from ._records import REQUEST_TIMEOUT, Ack, Read, TxnBegin, TxnEnd
 
 FAULTS = ("kill", "stop", "cut", "delay", "disk", "flip", "power")
 PROCESS_FAULTS = {"kill", "stop", "flip", "power"}
@@ -123,6 +123,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class BrokerDown(RuntimeError):
+    """The broker did not come back after a fault (it exited, or never listened): an anomaly
+    of the broker, not of the harness."""
+
+
 class BrokerProcess:
     """The broker under test, started like a user would: ``<command> up --data-dir ...``."""
 
@@ -133,7 +138,7 @@ class BrokerProcess:
         self.fsync = fsync
         self.port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
-        self.stopped = False
+        self.starts = 0
 
     async def start(self, timeout: float = 60.0) -> None:
         with open(self.log_path, "ab") as log:
@@ -155,10 +160,12 @@ class BrokerProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
+        self.starts += 1
+        failure = RuntimeError if self.starts == 1 else BrokerDown
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(
+                raise failure(
                     f"the broker exited with {self.proc.returncode} on start:\n{self.log_tail()}"
                 )
             try:
@@ -167,7 +174,7 @@ class BrokerProcess:
                 return
             except OSError:
                 await asyncio.sleep(0.05)
-        raise RuntimeError(f"the broker did not listen within {timeout:g} s:\n{self.log_tail()}")
+        raise failure(f"the broker did not listen within {timeout:g} s:\n{self.log_tail()}")
 
     def log_tail(self, size: int = 3000) -> str:
         if not self.log_path.exists():
@@ -277,6 +284,7 @@ class _Rates:
         self.offsets: dict[Path, int] = {}
         self.acked = 0
         self.read = 0
+        self.txn_sizes: dict[tuple[int, int], int] = {}  # transactions begun, not ended
         self.history: list[tuple[float, int, int]] = []
 
     def update(self) -> tuple[float, float]:
@@ -288,14 +296,18 @@ class _Rates:
             end = data.rfind(b"\n") + 1
             self.offsets[path] = start + end
             for line in data[:end].splitlines():
-                if b'"r":"ack"' in line or b'"r":"read"' in line:
-                    record = msgspec.json.decode(line, type=Ack | Read)
+                if b'"r":"ack"' in line or b'"r":"read"' in line or b'"r":"txn' in line:
+                    record = msgspec.json.decode(line, type=Ack | Read | TxnBegin | TxnEnd)
                     if isinstance(record, Ack):
                         self.acked += sum(1 for p in record.pos if p is not None)
-                    else:
+                    elif isinstance(record, Read):
                         self.read += len(record.ids)
-                elif b'"outcome":"committed"' in line:
-                    self.acked += 1  # a transaction, counted as one
+                    elif isinstance(record, TxnBegin):
+                        self.txn_sizes[(record.w, record.txn)] = record.n
+                    else:
+                        size = self.txn_sizes.pop((record.w, record.txn), 0)
+                        if record.outcome == "committed":
+                            self.acked += size
         now = time.monotonic()
         self.history.append((now, self.acked, self.read))
         self.history = [h for h in self.history if now - h[0] <= 5]
@@ -312,6 +324,7 @@ class Run:
         self.faults: dict[str, int] = {}
         self.unavailable: dict[str, str] = {}
         self.errors: list[str] = []
+        self.broker_down: list[str] = []  # why the broker did not come back after a fault
         self.active: list[str] = []
         self.timeline: list[str] = []  # "<seconds into the run> s <fault>", in order
         self.flips = 0
@@ -325,6 +338,12 @@ class Run:
         unknown = [f for f in options.faults if f not in FAULTS]
         if unknown:
             raise ValueError(f"unknown faults {unknown}: choose from {', '.join(FAULTS)}")
+        if (
+            options.data_dir is not None
+            and options.data_dir.exists()
+            and any(options.data_dir.iterdir())
+        ):
+            raise ValueError(f"--data-dir {options.data_dir} is not empty: give a new one")
         work = options.work_dir or Path(tempfile.mkdtemp(prefix="slipstream-torture-"))
         work.mkdir(parents=True, exist_ok=True)
         self.work = work
@@ -357,6 +376,8 @@ class Run:
             self.phase = "checking"
             report = await asyncio.to_thread(check_directory, self.records, flips=self.flips)
             self.phase = "done"
+        except* BrokerDown as group:
+            self.broker_down += [str(e) for e in _leaves(group)]
         except* (RuntimeError, OSError, slipstream.SlipstreamError) as group:
             self.errors += [f"{type(e).__name__}: {e}" for e in _leaves(group)]
         finally:
@@ -377,7 +398,10 @@ class Run:
     def _outcome(self, report: Report | None, work: Path) -> Outcome:
         if report is None:
             report = Report(ok=False, anomalies={}, examples={}, counts={})
-        ok = report.ok and not self.errors
+        if self.broker_down:
+            report.anomalies["broker_down"] = len(self.broker_down)
+            report.examples["broker_down"] = self.broker_down
+        ok = report.ok and not self.errors and not self.broker_down
         if ok and not self.options.keep and self.options.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
         return Outcome(
