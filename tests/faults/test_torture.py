@@ -84,3 +84,21 @@ def test_a_broker_without_deduplication_is_caught(tmp_path: Path) -> None:
     assert any("idempotent" in e for e in result["examples"]["duplicate"])
     assert result["ok"] is False
     assert code == 1
+
+
+def test_power_loss_under_fsync_never_is_caught(tmp_path: Path) -> None:
+    # --fsync never acknowledges what only the page cache holds: a power failure loses it,
+    # and the harness must say so (lost acknowledged events), as it says nothing for always.
+    from slipstream.torture._powerfs import fuse_unusable
+
+    reason = fuse_unusable()
+    if reason:
+        pytest.skip(reason)
+    code, result = torture(
+        tmp_path, "--duration", "10", "--faults", "power", "--fsync", "never", "--seed", "3"
+    )
+    assert result["harness_errors"] == []
+    assert result["unavailable"] == {}
+    assert result["faults"]["power"] >= 1
+    assert result["anomalies"]["lost"] > 0, result
+    assert code == 1

@@ -175,11 +175,11 @@ def test_loss_inside_reported_damage_is_counted_apart_when_bytes_were_flipped() 
     assert report.counts["damaged_ranges"] == 1
 
 
-def test_damage_without_a_flipped_byte_is_reported() -> None:
+def test_damage_without_a_flipped_byte_is_reported_and_excuses_no_loss() -> None:
     history = History()
     history.verify[0] = Read(0, 0, [ident(1, 0), ident(1, 1)], T0 + 5)
     history.verify.insert(1, Damage(0, 2, 4, "corrupt data in segment 0"))
-    assert history.check() == {"unexpected_damage": 1}
+    assert history.check() == {"unexpected_damage": 1, "lost": 2}
 
 
 def test_damage_wider_than_a_batch_or_than_the_flips_is_reported() -> None:
