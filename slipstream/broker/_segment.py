@@ -3,7 +3,9 @@
 A segment's batches live first in its container's journal (``journal``: newest last, the
 recent ones with their bytes cached) and move to long-term chunks (``chunks``) in offset order.
 ``next_offset`` is the durable end: readers never see past it. Only the event loop thread
-mutates a segment.
+mutates a segment, and worker threads never read its changing fields: the mover works from a
+snapshot taken on the loop (``Container._move_file``), a reader thread gets a segment's fixed
+names and a ``Chunk``, whose index arrays never change.
 """
 
 from __future__ import annotations
