@@ -126,3 +126,20 @@ def test_a_broker_that_stays_down_exits_with_a_resume_hint_and_skip_resumes(
             values = sorted(int(event.value) for event in reader)
     # every line once, and the ones between the resume line and the kill twice (at least once)
     assert values == sorted([*range(25), *range(skip, 20)])
+
+
+def test_a_large_event_sent_just_before_close_is_acknowledged(broker: BrokerProcess) -> None:
+    """What ``produce`` does with one big line: send, then leave the block at once. The flush
+    there must wait for the batch even while the network thread is still encoding it (it
+    returned at once, and closing the client failed the batch, about 1 run in 3)."""
+    with broker.client() as client:
+        client.create_stream("cli/large")
+    for attempt in range(16):
+        with (
+            broker.client() as client,
+            client.producer("cli/large", batch_bytes=4 * 1024 * 1024) as producer,
+        ):
+            receipt = producer.send(b"x" * (3 * 1024 * 1024))
+            time.sleep(attempt * 0.0005)  # close while the batch is being encoded, at some try
+        assert receipt.done()
+        receipt.result(0)  # acknowledged, not failed by the client's close
