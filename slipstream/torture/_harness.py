@@ -517,10 +517,22 @@ class Run:
             async with asyncio.TaskGroup() as group:
                 for name, seed in zip(chosen, seeds, strict=True):
                     group.create_task(self._fault(name, random.Random(seed)))
-            await asyncio.sleep(self.rng.uniform(0.5, 2.5))
-        remaining = deadline - time.monotonic()
-        if remaining > 0:
-            await asyncio.sleep(remaining)
+            await self._quiet(self.rng.uniform(0.5, 2.5))
+        await self._quiet(deadline - time.monotonic())
+
+    async def _quiet(self, seconds: float) -> None:
+        """Sleep between faults, watching that the broker does not exit by itself."""
+        end = time.monotonic() + seconds
+        while True:
+            proc = self.broker.proc
+            if proc is not None and proc.poll() is not None:
+                raise BrokerDown(
+                    f"the broker exited with {proc.returncode} by itself:\n{self.broker.log_tail()}"
+                )
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            await asyncio.sleep(min(left, 0.2))
 
     async def _fault(self, name: str, rng: random.Random) -> None:
         self.timeline.append(f"{time.monotonic() - self.started:.1f} s {name}")
@@ -595,6 +607,7 @@ class Run:
     # --- the end -----------------------------------------------------------------------------
 
     async def _final_crash_and_verify(self) -> None:
+        await self._quiet(0)
         async with self.process_lock:
             self.broker.kill()
             if self.storage.power is not None:
