@@ -141,7 +141,8 @@ def test_corrupt_batch_among_large_ones_in_a_chunk_is_reported_after_the_good_on
     broker = broker_factory("--roll", "256KiB", "--roll-seconds", "0.2").start()
     with broker.client() as client:
         client.create_stream("faults/big", segments=1)
-        with client.producer("faults/big") as producer:
+        # uncompressed, so that the damage below finds the value's bytes in the chunk
+        with client.producer("faults/big", compression=None) as producer:
             for b in range(6):  # six batches of 100 events of 1 KiB
                 producer.send_many([f"b{b}-{i:04d}".encode().ljust(1024, b".") for i in range(100)])
                 producer.flush()

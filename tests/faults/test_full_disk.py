@@ -47,7 +47,9 @@ def test_full_disk_refuses_appends_then_recovers(
         free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
         with open(ballast, "wb") as f:
             f.write(b"\0" * (free - 2 * 1024 * 1024))
-        producer = client.producer("faults/full", linger_ms=0, batch_bytes=256 * 1024)
+        producer = client.producer(  # uncompressed: the repeated values would shrink 1000x
+            "faults/full", linger_ms=0, batch_bytes=256 * 1024, compression=None
+        )
         refused = None
         for i in range(100):
             value = f"{i:06d}".encode() * 20_000  # 120 kB events: the disk fills within a few
