@@ -293,7 +293,7 @@ class Controller:
                 resume = exc.details.get("resume")
                 if resume is None:  # damaged bytes that are not a known hole: say so
                     raise
-                offset = resume
+                offset = max(int(resume), offset + 1)  # always forward
                 continue
             except OffsetOutOfRange:
                 if offset >= segment.start_offset:
