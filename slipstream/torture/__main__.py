@@ -4,6 +4,7 @@ under faults. See ``--help``."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import shlex
 import sys
@@ -191,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        console.print("interrupted: every process stopped, every mount undone")
+        return 130
     if as_json:
         sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(outcome)) + b"\n")
     else:

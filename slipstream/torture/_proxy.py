@@ -21,6 +21,9 @@ _QUEUE = 64  # chunks held back per direction while delayed
 
 
 class _Pair:
+    """One client connection and its broker connection: four tasks, a reader and a writer
+    per direction, with a bounded queue between them."""
+
     def __init__(
         self,
         proxy: TorturingProxy,
@@ -28,44 +31,59 @@ class _Pair:
         broker: tuple[asyncio.StreamReader, asyncio.StreamWriter],
     ) -> None:
         self.proxy = proxy
-        self.writers = (client[1], broker[1])
         self.client = client
         self.broker = broker
+        self.tasks: list[asyncio.Task[None]] = []
+        self.closed = False
 
     async def run(self) -> None:
+        upstream: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(_QUEUE)
+        downstream: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(_QUEUE)
         try:
             async with asyncio.TaskGroup() as group:
-                group.create_task(self._pump(self.client[0], self.broker[1]))
-                group.create_task(self._pump(self.broker[0], self.client[1]))
-        except* (OSError, asyncio.IncompleteReadError, _Closed):
-            pass
+                self.tasks = [
+                    group.create_task(self._read(self.client[0], upstream)),
+                    group.create_task(self._write(upstream, self.broker[1])),
+                    group.create_task(self._read(self.broker[0], downstream)),
+                    group.create_task(self._write(downstream, self.client[1])),
+                ]
         finally:
             self.close(reset=False)
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(_QUEUE)
+    async def _read(
+        self, reader: asyncio.StreamReader, queue: asyncio.Queue[tuple[float, bytes]]
+    ) -> None:
+        try:
+            while data := await reader.read(256 * 1024):
+                await queue.put((time.monotonic() + self.proxy.delay, data))
+            await queue.put((time.monotonic() + self.proxy.delay, b""))  # end, after the data
+        except OSError:
+            self.close(reset=False)
 
-        async def forward() -> None:
+    async def _write(
+        self, queue: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter
+    ) -> None:
+        try:
             while True:
                 due, data = await queue.get()
                 if not data:
-                    raise _Closed
+                    break
                 wait = due - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
                 writer.write(data)
                 await writer.drain()
-
-        async with asyncio.TaskGroup() as group:
-            group.create_task(forward())
-            while True:
-                data = await reader.read(256 * 1024)
-                await queue.put((time.monotonic() + self.proxy.delay, data))
-                if not data:
-                    break
+        except OSError:
+            pass
+        self.close(reset=False)
 
     def close(self, reset: bool) -> None:
-        for writer in self.writers:
+        """Close both connections (``reset``: with RST, losing what is in flight) and end the
+        pair's tasks."""
+        if self.closed:
+            return
+        self.closed = True
+        for writer in (self.client[1], self.broker[1]):
             if reset:
                 sock = writer.get_extra_info("socket")
                 if sock is not None:
@@ -74,11 +92,11 @@ class _Pair:
                             socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
                         )
             writer.close()
+        current = asyncio.current_task()
+        for task in self.tasks:
+            if task is not current:
+                task.cancel()
         self.proxy.pairs.discard(self)
-
-
-class _Closed(Exception):
-    """One side closed its end: close the pair."""
 
 
 class TorturingProxy:
