@@ -1,12 +1,15 @@
 """slipstream: durable messaging, stream storage and stream compute on Spark, as one service.
 
 import slipstream
-client = slipstream.connect("127.0.0.1:7070")
-client.create_stream("demo/orders", segments=4)
-with client.producer("demo/orders") as producer:
-    producer.send(b"payload", key="user-42")
-for event in client.reader("demo/orders", start="earliest", end=client.tail("demo/orders")):
-    print(event.key, event.value, event.offset)
+with slipstream.connect("127.0.0.1:7070") as client:
+    client.create_stream("demo/orders", segments=4, exist_ok=True)
+    with client.producer("demo/orders") as producer:  # raises if an event was not stored
+        producer.send(b"payload", key="user-42")
+    for event in client.reader("demo/orders", start="earliest", end=client.tail("demo/orders")):
+        print(event.key, event.value, event.offset)
+
+asyncio: ``async with slipstream.connect_async(...) as client`` and the same API with
+``await``; see docs/python.md.
 """
 
 __version__ = "0.1.0"

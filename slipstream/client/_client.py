@@ -597,8 +597,12 @@ class AsyncReader:
     ) -> None:
         self._queue: asyncio.Queue[Delivery] = asyncio.Queue()
         self.core = ReaderCore(connection, stream, start, end, self._queue.put_nowait)
+        self._started = False
 
     async def _positioned(self) -> AsyncIterator[tuple[int, int, pa.RecordBatch]]:
+        if self._started:  # as the blocking Reader: a second pass would follow twice
+            raise InvalidArgument("a reader can be iterated once; create a new one to read again")
+        self._started = True
         remaining = set(await self.core.open())
         try:
             while remaining:

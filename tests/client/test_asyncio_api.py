@@ -117,3 +117,15 @@ def test_a_blocking_receipt_waits_in_a_thread_that_runs_another_loop(
             return producer.send(b"x").result(timeout=30)
 
     assert asyncio.run(main()) == slipstream.Position(0, 0)
+
+
+def test_an_async_reader_is_iterated_once_like_the_blocking_one(broker: BrokerProcess) -> None:
+    async def main() -> None:
+        async with slipstream.connect_async(broker.address) as client:
+            await client.create_stream("aio/once")
+            reader = client.reader("aio/once", end=await client.tail("aio/once"))
+            assert [event async for event in reader] == []
+            with pytest.raises(slipstream.InvalidArgument, match="iterated once"):
+                [event async for event in reader]
+
+    asyncio.run(main())
