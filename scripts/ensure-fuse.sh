@@ -4,7 +4,8 @@
 set -euo pipefail
 missing=()
 command -v fusermount3 >/dev/null 2>&1 || missing+=(fuse3)
-if ! ldconfig -p 2>/dev/null | grep -q 'libfuse3\.so\.3'; then missing+=(libfuse3-3); fi
+LDCONFIG="$(command -v ldconfig || echo /sbin/ldconfig)"
+if ! "$LDCONFIG" -p 2>/dev/null | grep 'libfuse3\.so\.3' >/dev/null; then missing+=(libfuse3-3); fi
 if [ "${#missing[@]}" -gt 0 ]; then
     echo "FUSE is missing (the power-loss tests need it): installing ${missing[*]} with apt" >&2
     SUDO=""
