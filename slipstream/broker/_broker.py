@@ -231,7 +231,10 @@ class Broker:
         return totals
 
     async def serve(self, ready: Callable[[tuple[str, int]], None] | None = None) -> None:
-        """Recover, listen, and run until ``stop()``; then close connections and sync."""
+        """Recover, listen, and run until ``stop()``; then close connections and sync.
+
+        If a background task (a container's, retention, transactions) ends by itself, the broker
+        stops the same way and then raises BrokerFailed from that task's error."""
         self.open()
         loop = asyncio.get_running_loop()
         from ._session import Session
