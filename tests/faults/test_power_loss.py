@@ -273,3 +273,31 @@ def test_files_the_broker_writes_once_survive_a_power_failure(machine: Machine) 
     written = {name: (data_dir / name).read_bytes() for name in ("broker.json", "producer.key")}
     machine.power_failure()
     assert {name: (data_dir / name).read_bytes() for name in written} == written
+
+
+def test_events_moved_to_chunks_survive_a_power_failure(machine: Machine) -> None:
+    """The mover links sealed journal files into ``chunks/<stream>/<segment>/`` and then
+    deletes them from the journal: the chunk directories must be durable before that."""
+    _with_stream(machine)
+    machine.broker.start()
+    data = machine.broker.data_dir
+    with machine.broker.client() as client, client.producer(STREAM, linger_ms=1) as producer:
+        receipts = []
+        for seq in range(300):
+            value = encode(Sent(0, f"p0-k{seq % KEYS}", seq))
+            receipts.append((value, producer.send(value, key=f"p0-k{seq % KEYS}")))
+        producer.flush(30)
+        acknowledged = {value: receipt.result() for value, receipt in receipts}
+
+    def moved() -> bool:  # both segments have chunks, and no journal holds a sealed file
+        segments = {p.parent for p in (data / "chunks").rglob("*.chunk")}
+        journals = [len(list(d.glob("*.journal"))) for d in (data / "journal").iterdir()]
+        return len(segments) == 2 and all(n <= 1 for n in journals)
+
+    deadline = time.monotonic() + 60
+    while not moved():  # --roll-seconds 0.5 seals the files; the mover moves them
+        assert time.monotonic() < deadline, "the mover never moved the data"
+        time.sleep(0.1)
+    machine.power_failure()
+    machine.broker.start()
+    assert check_history(acknowledged, _read_all(machine.broker, STREAM)) == []
