@@ -113,3 +113,22 @@ def test_create_stream_exist_ok(client: slipstream.Client, broker: BrokerProcess
             return len(info.segments)
 
     assert asyncio.run(main()) == 3
+
+
+def test_a_broker_that_stays_down_is_raised_with_the_counts(broker: BrokerProcess) -> None:
+    with slipstream.connect(broker.address, reconnect_timeout=1) as client:
+        client.create_stream("gone/down")
+        with (
+            pytest.raises(
+                slipstream.BrokerUnavailable, match="50 events sent to gone/down"
+            ) as raised,
+            client.producer("gone/down", delivery_timeout=2) as producer,
+        ):
+            for i in range(100):
+                producer.send(b"%d" % i)
+            producer.flush()
+            broker.kill()
+            for i in range(50):
+                producer.send(b"%d" % i)
+        assert producer.acknowledged == 100
+        assert raised.value.details["acknowledged"] == 100
