@@ -226,7 +226,8 @@ class FrameDecoder:
             )
         try:
             message = decoder.decode(frame[PREFIX_LENGTH:meta_end])
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        # msgspec raises a bare UnicodeDecodeError for a str field that is not UTF-8
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
             return Malformed(correlation_id, f"bad {KINDS[kind].__name__} fields: {exc}")
         payload = bytearray(frame[meta_end:]) if copy else frame[meta_end:]
         return Frame(correlation_id, message, payload)
