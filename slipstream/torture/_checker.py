@@ -36,7 +36,9 @@ fault and a final kill -9 and restart of the broker. The rules:
     An intact event that no producer recorded sending.
 ``unexpected_damage``
     CorruptData reported although no byte was flipped, more damaged ranges than flipped bytes,
-    or a damaged range wider than one batch can be (a flip damages one batch).
+    or a damaged range wider than one batch can be (a flip damages one batch); where the
+    harness knows which batch each flip hit (chunk files), damage anywhere else, or reported
+    for part of a flipped batch only.
 
 Memory grows with the number of events (a few dozen bytes each), not with their size.
 """
@@ -44,7 +46,7 @@ Memory grows with the number of events (a few dozen bytes each), not with their 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -123,6 +125,7 @@ class _Checker:
         self.key_of: dict[EventKey, int] = {}
         self.verified: dict[EventKey, Position] = {}
         self.damaged: dict[int, set[int]] = defaultdict(set)  # segment -> damaged offsets
+        self.verify_damaged: dict[int, set[int]] = defaultdict(set)  # as the verifying read saw
         self.damage_ranges: set[tuple[int, int, int]] = set()
         self.excused = True  # losses inside reported damage are the flips' doing
 
@@ -164,7 +167,10 @@ class _Checker:
         for record in records:
             if isinstance(record, Damage):
                 end = record.resume if record.resume is not None else record.off + 1
-                self.damaged[record.seg].update(range(record.off, max(end, record.off + 1)))
+                offsets = range(record.off, max(end, record.off + 1))
+                self.damaged[record.seg].update(offsets)
+                if verify:
+                    self.verify_damaged[record.seg].update(offsets)
                 self.damage_ranges.add((record.seg, record.off, end))
             elif isinstance(record, Read):
                 self._read(record, verify)
@@ -210,13 +216,15 @@ class _Checker:
 
     # --- rules over the whole history ------------------------------------------------------------
 
-    def finish(self, flips: int) -> Report:
+    def finish(self, flips: int, flipped: Sequence[tuple[int, int, int] | None]) -> Report:
         if not flips:  # damage nobody caused is a loss like any other (e.g. an unsynced write)
             self.excused = False
         self._durability()
         self._transactions()
         self._order()
         self._damage(flips)
+        if flipped and None not in flipped:
+            self._damage_where_flipped([r for r in flipped if r is not None])
         self.counts["damaged_offsets"] = sum(len(s) for s in self.damaged.values())
         ok = not any(self.anomalies.values())
         return Report(
@@ -318,6 +326,30 @@ class _Checker:
         elif ranges > flips:
             self.report("unexpected_damage", f"{ranges} damaged ranges from {flips} flipped bytes")
 
+    def _damage_where_flipped(self, flipped: list[tuple[int, int, int]]) -> None:
+        """Every flip hit a known batch: damage is reported exactly there, nowhere else, and
+        the verifying read (which reads every offset) names the whole batch or none of it."""
+        expected: dict[int, set[int]] = defaultdict(set)
+        for segment, start, end in flipped:
+            expected[segment].update(range(start, end))
+        for segment, offsets in self.damaged.items():
+            outside = sorted(offsets - expected[segment])
+            if outside:
+                self.report(
+                    "unexpected_damage",
+                    f"segment {segment} offsets {outside[0]}..{outside[-1]} reported damaged, "
+                    "outside every flipped batch",
+                )
+        for segment, start, end in flipped:
+            batch = set(range(start, end))
+            found = self.verify_damaged.get(segment, set()) & batch
+            if found and found != batch:
+                self.report(
+                    "unexpected_damage",
+                    f"segment {segment}: the flipped batch holds offsets {start}..{end - 1}, "
+                    f"damage reported for {len(found)} of them",
+                )
+
     def _one_range(self, segment: int, first: int, last: int) -> None:
         if last - first + 1 > MAX_ROUND:
             self.report(
@@ -332,11 +364,15 @@ def check_history(
     verify: Iterable[Record],
     *,
     flips: int = 0,
+    flipped: Sequence[tuple[int, int, int] | None] = (),
 ) -> Report:
     """Check one run: every producer's records, the live readers' and the verifying read's.
 
     ``flips``: how many bytes the harness flipped in stored files (0: any CorruptData report is
-    an anomaly). Producer records must all be given before reads are judged, as they are here.
+    an anomaly). ``flipped``: per flip, the batch it hit as (segment, first offset, end
+    offset), or None where unknown (a journal file); when every flip's batch is known, damage
+    must be reported exactly for those batches. Producer records must all be given before reads
+    are judged, as they are here.
     """
     checker = _Checker()
     for records in producers:
@@ -344,10 +380,12 @@ def check_history(
     checker.reads(verify, verify=True)
     for records in readers:
         checker.reads(records)
-    return checker.finish(flips)
+    return checker.finish(max(flips, len(flipped)), flipped)
 
 
-def check_directory(directory: Path, *, flips: int = 0) -> Report:
+def check_directory(
+    directory: Path, *, flips: int = 0, flipped: Sequence[tuple[int, int, int] | None] = ()
+) -> Report:
     """``check_history`` over a records directory: ``producer-*.jsonl``, ``reader-*.jsonl``
     and ``verify.jsonl`` as the harness writes them."""
     return check_history(
@@ -355,8 +393,5 @@ def check_directory(directory: Path, *, flips: int = 0) -> Report:
         (read_records(p) for p in sorted(directory.glob("reader-*.jsonl"))),
         read_records(directory / "verify.jsonl"),
         flips=flips,
+        flipped=flipped,
     )
-
-
-def merge_counts(report: Report, extra: Mapping[str, int]) -> Report:
-    return msgspec.structs.replace(report, counts={**report.counts, **extra})

@@ -45,6 +45,7 @@ import msgspec
 
 import slipstream
 
+from ..format import iter_batches
 from ._checker import Report, check_directory
 from ._proxy import TorturingProxy
 from ._records import REQUEST_TIMEOUT, Ack, Read, TxnBegin, TxnEnd
@@ -328,6 +329,7 @@ class Run:
         self.active: list[str] = []
         self.timeline: list[str] = []  # "<seconds into the run> s <fault>", in order
         self.flips = 0
+        self.flipped: list[tuple[int, int, int] | None] = []  # the batch each flip hit, if known
         self.process_lock = asyncio.Lock()
         self.workers: list[subprocess.Popen[bytes]] = []
         self.started = time.monotonic()
@@ -374,7 +376,9 @@ class Run:
             self.phase = "verifying"
             await self._final_crash_and_verify()
             self.phase = "checking"
-            report = await asyncio.to_thread(check_directory, self.records, flips=self.flips)
+            report = await asyncio.to_thread(
+                check_directory, self.records, flips=self.flips, flipped=self.flipped
+            )
             self.phase = "done"
         except* BrokerDown as group:
             self.broker_down += [str(e) for e in _leaves(group)]
@@ -412,7 +416,11 @@ class Run:
             unavailable=self.unavailable,
             anomalies=report.anomalies,
             examples=report.examples,
-            counts={**report.counts, "flips": self.flips},
+            counts={
+                **report.counts,
+                "flips": self.flips,
+                "flips_in_known_batches": sum(1 for f in self.flipped if f is not None),
+            },
             harness_errors=self.errors,
             work_dir=str(work),
             timeline=self.timeline,
@@ -586,6 +594,7 @@ class Run:
             target = _flip_target(self.storage.data_dir, rng)
             if target is not None:
                 path, at = target
+                self.flipped.append(_batch_at(path, at))
                 with open(path, "r+b") as f:
                     f.seek(at)
                     byte = f.read(1)
@@ -662,6 +671,22 @@ def _fill(ballast: Path) -> None:
                 os.write(fd, b"\0" * 65536)
     finally:
         os.close(fd)
+
+
+def _batch_at(path: Path, at: int) -> tuple[int, int, int] | None:
+    """(segment, first offset, end offset) of the batch holding byte ``at`` of a chunk file;
+    None for a journal file or a chunk that is not plain batches (a hard-linked journal file)."""
+    if path.suffix != ".chunk":
+        return None
+    try:
+        segment, position = int(path.parent.name), 0
+        for header, _ in iter_batches(path.read_bytes(), check_crc=False):
+            if position <= at < position + header.batch_length:
+                return segment, header.base_offset, header.next_offset
+            position += header.batch_length
+    except (ValueError, slipstream.SlipstreamError):
+        return None
+    return None
 
 
 def _flip_target(data_dir: Path, rng: random.Random) -> tuple[Path, int] | None:

@@ -228,3 +228,40 @@ def test_event_values_identify_themselves(worker: int, seq: int, key: int) -> No
         damaged = bytearray(value)
         damaged[i] ^= 0x04
         assert event_id(bytes(damaged), event_key(worker, key).encode()).startswith("!")
+
+
+def _with_damage(damage: Damage, read_rest: bool = False) -> History:
+    history = History()
+    history.verify[0] = Read(0, 0, [ident(1, 0), ident(1, 1)], T0 + 5)
+    history.verify.insert(1, damage)
+    if read_rest:
+        history.verify.insert(2, Read(0, 3, [ident(1, 3)], T0 + 5))
+    return history
+
+
+def check_flipped(history: History, flipped: list[tuple[int, int, int] | None]) -> dict[str, int]:
+    report = check_history(
+        [history.producer1, history.producer2], [history.live], history.verify, flipped=flipped
+    )
+    return {kind: count for kind, count in report.anomalies.items() if count}
+
+
+def test_damage_exactly_where_a_byte_was_flipped_is_no_anomaly() -> None:
+    history = _with_damage(Damage(0, 2, 4, "a hole"))
+    assert check_flipped(history, [(0, 2, 4)]) == {}
+    history = _with_damage(Damage(0, 2, None, "probe"))
+    history.verify.insert(2, Damage(0, 3, None, "probe"))
+    assert check_flipped(history, [(0, 2, 4)]) == {}
+
+
+def test_damage_outside_the_flipped_batch_is_reported() -> None:
+    history = _with_damage(Damage(0, 2, 4, "a hole"))
+    assert check_flipped(history, [(1, 2, 4)]) == {"unexpected_damage": 1}
+    # where a flip's batch is unknown (a journal file), only the coarse rules apply
+    assert check_flipped(history, [(1, 2, 4), None]) == {}
+
+
+def test_damage_for_part_of_a_flipped_batch_only_is_reported() -> None:
+    # offset 3 of the flipped batch was served although its batch failed its check
+    history = _with_damage(Damage(0, 2, None, "corrupt"), read_rest=True)
+    assert check_flipped(history, [(0, 2, 4)]) == {"unexpected_damage": 1}
