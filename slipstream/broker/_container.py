@@ -87,7 +87,7 @@ class _MoveTarget:
 
     stream_id: int
     number: int
-    #: the segment's idempotence snapshot as of its newest chunk (None: no chunk)
+    #: the segment's idempotence snapshot as of its newest chunk (None: none yet)
     producers: bytes | None
     last_timestamp: int | None
     #: offsets ``[lo, hi)`` the segment lost in the file being moved (a hole), if any
@@ -594,7 +594,7 @@ class Container:
             targets[global_id] = _MoveTarget(
                 segment.stream_id,
                 segment.number,
-                segment.chunks[-1].record.producers if segment.chunks else None,
+                segment.moved_producers,
                 segment.last_timestamp,
                 (lost[0].base_offset, lost[-1].next_offset) if lost else None,
             )
@@ -695,6 +695,7 @@ class Container:
                 moved += 1
             del segment.journal[:moved]
             segment.add_chunk(record)
+            segment.moved_producers = record.producers or None
         self._cached = deque(b for b in self._cached if b.data is not None)
         if orphans:
             await loop.run_in_executor(

@@ -140,9 +140,12 @@ class Controller:
                 for chunk in chunks_by_segment.get((record.id, s.number), []):
                     segment.add_chunk(chunk)
                     segment.note_batch(chunk.bytes, chunk.min_timestamp, chunk.max_timestamp)
-                if segment.chunks:
-                    last = segment.chunks[-1].record
-                    segment.producers = ProducerTable.from_snapshot(last.producers)
+                # catalogs before SegmentRecord.producers kept the state with the newest chunk
+                moved = s.producers or (
+                    segment.chunks[-1].record.producers if segment.chunks else b""
+                )
+                segment.moved_producers = moved or None
+                segment.producers = ProducerTable.from_snapshot(moved)
                 segment.next_offset = segment.pending_offset = max(
                     s.start_offset, segment.chunks[-1].record.next_offset if segment.chunks else 0
                 )

@@ -11,6 +11,7 @@ names and a ``Chunk``, whose index arrays never change.
 from __future__ import annotations
 
 import asyncio
+import builtins
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
@@ -77,6 +78,9 @@ class Segment:
     deleted: bool = False
     #: idempotent producers' recent batches (see streams/_idempotence.py)
     producers: ProducerTable = field(default_factory=ProducerTable)
+    #: their snapshot as of the newest chunk (the catalog's SegmentRecord.producers), which
+    #: the mover's next chunk builds on; retention does not touch it
+    moved_producers: builtins.bytes | None = None
     _waiter: asyncio.Future[None] | None = None
 
     @property

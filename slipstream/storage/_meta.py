@@ -32,6 +32,9 @@ class SegmentRecord(msgspec.Struct, frozen=True):
     container: int
     sealed: bool = False
     start_offset: int = 0
+    #: the segment's idempotent-producer state as of its newest chunk (msgpack; b"" if none),
+    #: kept when retention removes that chunk: a retry of a batch in it is still recognised
+    producers: bytes = b""
 
 
 class StreamRecord(msgspec.Struct, frozen=True):
@@ -131,7 +134,10 @@ class MetaStore(ABC):
 
     @abstractmethod
     def add_chunks(self, container: int, moved_file: int, chunks: Sequence[ChunkRecord]) -> None:
-        """Record new chunks and that journal file ``moved_file`` of ``container`` is moved."""
+        """Record new chunks and that journal file ``moved_file`` of ``container`` is moved.
+        Each chunk is its segment's newest (a segment's chunks come in offset order): its
+        ``producers`` becomes its segment's ``SegmentRecord.producers``, which retention's
+        ``remove_chunks`` leaves alone."""
 
     @abstractmethod
     def moved_file(self, container: int) -> int:
@@ -183,6 +189,11 @@ class SqliteMetaStore(MetaStore):
             if "producers" not in columns:  # catalogs written before idempotent producers
                 self._db.execute(
                     "ALTER TABLE chunks ADD COLUMN producers BLOB NOT NULL DEFAULT x''"
+                )
+            columns = [row[1] for row in self._db.execute("PRAGMA table_info(segments)")]
+            if "producers" not in columns:  # catalogs that kept it only with the chunks
+                self._db.execute(
+                    "ALTER TABLE segments ADD COLUMN producers BLOB NOT NULL DEFAULT x''"
                 )
 
     @contextmanager
@@ -274,10 +285,12 @@ class SqliteMetaStore(MetaStore):
         if row is None:
             raise StreamNotFound(f"stream {name!r} does not exist", stream=name)
         segments = [
-            SegmentRecord(number, epoch, lo + _SHIFT, hi + _SHIFT, container, bool(sealed), start)
-            for number, epoch, lo, hi, container, sealed, start in cur.execute(
-                "SELECT number, epoch, key_lo, key_hi, container, sealed, start_offset "
-                "FROM segments WHERE stream_id = ? ORDER BY number",
+            SegmentRecord(
+                number, epoch, lo + _SHIFT, hi + _SHIFT, container, bool(sealed), start, producers
+            )
+            for number, epoch, lo, hi, container, sealed, start, producers in cur.execute(
+                "SELECT number, epoch, key_lo, key_hi, container, sealed, start_offset, "
+                "producers FROM segments WHERE stream_id = ? ORDER BY number",
                 (row[0],),
             )
         ]
@@ -305,6 +318,10 @@ class SqliteMetaStore(MetaStore):
                 "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ? WHERE EXISTS "
                 "(SELECT 1 FROM streams WHERE id = ?)",
                 [(*msgspec.structs.astuple(c), c.stream_id) for c in chunks],
+            )
+            cur.executemany(
+                "UPDATE segments SET producers = ? WHERE stream_id = ? AND number = ?",
+                [(c.producers, c.stream_id, c.segment) for c in chunks],
             )
             cur.execute(
                 "INSERT INTO containers (id, moved_file) VALUES (?, ?) "
@@ -403,6 +420,7 @@ CREATE TABLE IF NOT EXISTS segments (
     container INTEGER NOT NULL,
     sealed INTEGER NOT NULL DEFAULT 0,
     start_offset INTEGER NOT NULL DEFAULT 0,
+    producers BLOB NOT NULL DEFAULT x'',
     PRIMARY KEY (stream_id, number)
 );
 CREATE TABLE IF NOT EXISTS chunks (

@@ -14,7 +14,7 @@ import pytest
 from test_container import Node, closing, make_batch, run, values_of
 
 from slipstream import OffsetOutOfRange
-from slipstream.format import decode_header
+from slipstream.format import HEADER_LENGTH, decode_header, encode_header
 from slipstream.storage import LocalChunkStore, MemoryJournal, SqliteMetaStore
 
 NOW = 1_700_000_100_000
@@ -151,3 +151,58 @@ def test_size_retention_keeps_as_much_as_fits_taking_the_oldest_first(tmp_path: 
 
     node, _ = open_node(tmp_path)
     run(closing(node, body))
+
+
+def idempotent_batch(tag: str, producer_id: int, sequence: int, ts: int) -> bytearray:
+    """One batch of 3 events of an idempotent producer (epoch 0) starting at ``sequence``."""
+    plain = make_batch(3, tag, ts=ts)
+    header, body = decode_header(plain), bytes(plain[HEADER_LENGTH:])
+    return bytearray(
+        encode_header(
+            body,
+            event_count=3,
+            min_timestamp=header.min_timestamp,
+            max_timestamp=header.max_timestamp,
+            flags=header.flags,
+            producer_id=producer_id,
+            producer_epoch=0,
+            sequence=sequence,
+        )
+        + body
+    )
+
+
+@pytest.mark.parametrize("later_chunk", [False, True], ids=["restart", "next-chunk-then-restart"])
+def test_retention_of_every_chunk_keeps_the_segments_producer_state(
+    tmp_path: Path, later_chunk: bool
+) -> None:
+    # A producer's batch becomes a chunk, and time retention removes that chunk (every chunk
+    # of the segment). Its retry, after a restart, and after the mover made another chunk
+    # from another producer's batch, is still recognised: answered with the original
+    # offset, never stored a second time.
+    first = idempotent_batch("p7", producer_id=7, sequence=0, ts=NOW - 10 * MINUTE)
+
+    async def body(node: Node) -> None:
+        await node.controller.create_stream("r/dedup", 1, 5 * MINUTE, None)
+        node.start()
+        assert await node.append("r/dedup", 0, bytearray(first)) == 0
+        await node.roll_and_move(node.containers[0])
+        assert await node.controller.enforce_retention(NOW) == 1
+        assert not node.segment("r/dedup").chunks
+        if later_chunk:
+            other = idempotent_batch("p8", producer_id=8, sequence=0, ts=NOW)
+            assert await node.append("r/dedup", 0, other) == 3
+            await node.roll_and_move(node.containers[0])
+
+    node, _ = open_node(tmp_path)
+    run(closing(node, body))
+
+    async def retry(node: Node) -> None:
+        node.start()
+        segment = node.segment("r/dedup")
+        end = segment.next_offset
+        assert await node.append("r/dedup", 0, bytearray(first)) == 0, "the original offset"
+        assert segment.next_offset == end, "the retry was stored again"
+
+    node, _ = open_node(tmp_path)
+    run(closing(node, retry))

@@ -11,6 +11,7 @@ import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -345,3 +346,21 @@ def test_chunk_producer_snapshots_round_trip(meta: MetaStore) -> None:
     record = ChunkRecord(stream_id, 0, 0, 5, 100, 1, 2, "c", b"\0" * 24, b"snapshot")
     meta.add_chunks(0, 0, [record])
     assert meta.chunks() == [record]
+
+
+def test_a_segments_producer_state_follows_its_newest_chunk_and_outlives_retention(
+    kit: Kit,
+) -> None:
+    meta = kit.meta
+    stream_id = create(meta, "s/dedup", 2)
+    older = msgspec.structs.replace(chunk(stream_id, 0, 0), producers=b"as of 10")
+    newer = msgspec.structs.replace(chunk(stream_id, 0, 10), producers=b"as of 20")
+    meta.add_chunks(0, 0, [older])
+    meta.add_chunks(0, 1, [newer])
+    meta.remove_chunks([older, newer])  # retention removes every chunk of segment 0
+    assert meta.chunks() == []
+    if kit.kind == "file":
+        meta = kit.reopen()
+    (record,) = meta.streams()
+    assert [s.producers for s in record.segments] == [b"as of 20", b""]
+    assert [s.start_offset for s in record.segments] == [20, 0]
