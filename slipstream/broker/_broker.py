@@ -326,6 +326,7 @@ class Broker:
         for container in self.containers:
             await container.close()
         self.read_pool.shutdown(wait=True)
+        self.controller.close()  # queued catalog writes finish before the catalog closes
         self.meta.close()
         if self._lock_file is not None:
             self._lock_file.close()
