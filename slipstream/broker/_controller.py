@@ -43,6 +43,9 @@ from ._segment import Chunk, Segment
 
 log = logging.getLogger("slipstream.controller")
 
+#: the largest retention limit (time in ms, or bytes) the catalog stores: a signed 64-bit integer
+MAX_RETENTION = 2**63 - 1
+
 
 class Stream:
     def __init__(
@@ -249,6 +252,36 @@ class Controller:
             self._catalog, lambda: [self.long_term.delete_chunk(c.name) for c in chunks]
         )
         log.info("deleted stream %s (%d chunks removed)", name, len(chunks))
+
+    async def update_retention(
+        self, name: str, retention_ms: int | None, retention_bytes: int | None
+    ) -> Stream:
+        """Change a stream's retention: stored in the catalog (on the catalog thread), then
+        applied to the stream, so the next retention pass uses it and a restart keeps it.
+        For each limit: None leaves it, 0 removes it, a positive value replaces it. Raises
+        StreamNotFound (also when the stream is deleted meanwhile), InvalidArgument,
+        StorageError / StorageFull when the catalog cannot be written."""
+        stream = self.stream(name)
+        for value, what in ((retention_ms, "retention time"), (retention_bytes, "retention bytes")):
+            if value is not None and not 0 <= value <= MAX_RETENTION:
+                raise InvalidArgument(
+                    f"{what} must be positive (or 0 to remove the limit), not {value}"
+                )
+        try:
+            record = await asyncio.get_running_loop().run_in_executor(
+                self._catalog, self.meta.update_retention, stream.id, retention_ms, retention_bytes
+            )
+        except StreamNotFound:
+            raise StreamNotFound(f"stream {name!r} was deleted", stream=name) from None
+        # from the record, not the arguments: updates of one limit each, racing, keep both
+        stream.retention_ms, stream.retention_bytes = record.retention_ms, record.retention_bytes
+        log.info(
+            "retention of %s is now %s ms, %s bytes (None: no limit)",
+            name,
+            record.retention_ms,
+            record.retention_bytes,
+        )
+        return stream
 
     def list_streams(self, scope: str | None) -> list[Stream]:
         if scope is not None:

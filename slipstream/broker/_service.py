@@ -144,6 +144,21 @@ class Service:
         stream = await self.controller.create_stream(name, segments, retention_ms, retention_bytes)
         return stream.info()
 
+    async def update_stream(
+        self,
+        caller: Caller,
+        name: str,
+        retention_ms: int | None = None,
+        retention_bytes: int | None = None,
+    ) -> StreamInfo:
+        """Change a stream's retention. For each limit: None leaves it as it is, 0 removes it
+        (keep forever / no size limit), a positive value replaces it. Stored in the catalog
+        before it returns (a restart keeps it); the next retention pass applies it, and what
+        an earlier pass removed stays removed. Raises StreamNotFound, InvalidName,
+        InvalidArgument (a negative or too large limit), StorageError / StorageFull."""
+        stream = await self.controller.update_retention(name, retention_ms, retention_bytes)
+        return stream.info()
+
     async def delete_stream(self, caller: Caller, name: str) -> None:
         """Delete a stream and its data; its followers get StreamNotFound."""
         await self.controller.delete_stream(name)

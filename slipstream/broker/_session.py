@@ -75,6 +75,7 @@ from ..protocol import (
     TxnBegun,
     TxnList,
     Unfollow,
+    UpdateStream,
     Welcome,
     encode_frame,
 )
@@ -417,6 +418,8 @@ class Session(asyncio.BufferedProtocol):
                 return await service.create_stream(
                     caller, name, segments, retention_ms, retention_bytes
                 )
+            case UpdateStream(name, retention_ms, retention_bytes):
+                return await service.update_stream(caller, name, retention_ms, retention_bytes)
             case DeleteStream(name):
                 await service.delete_stream(caller, name)
                 return Done()

@@ -51,7 +51,7 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 stream_app = typer.Typer(
-    help="Create, list, describe and delete streams.",
+    help="Create, update, list, describe and delete streams.",
     no_args_is_help=True,
     rich_markup_mode="rich",
 )
@@ -164,6 +164,54 @@ def stream_create(
         err.print(
             f"created [bold cyan]{escape(info.name)}[/]: {len(info.segments)} segment"
             f"{'s' if len(info.segments) != 1 else ''}, retention {retention_text(info)}",
+            highlight=False,
+        )
+
+
+@stream_app.command(
+    "update",
+    epilog=examples(
+        "slipstream stream update demo/orders --retention-time 7d --retention-bytes 10GiB",
+        "slipstream stream update demo/orders --retention-time forever",
+        "slipstream stream update demo/orders --retention-bytes unlimited --json",
+    ),
+)
+def stream_update(
+    name: StreamName,
+    retention_time: Annotated[
+        str | None,
+        typer.Option(
+            help="Keep events this long: 90s, 15m, 12h, 7d, 1h30m; 'forever' removes the limit."
+        ),
+    ] = None,
+    retention_bytes: Annotated[
+        str | None,
+        typer.Option(
+            help="Keep at most this much data: 512MiB, 10GiB, 1TB; 'unlimited' removes the limit."
+        ),
+    ] = None,
+    as_json: JsonFlag = False,
+    broker: BrokerOption = "",
+) -> None:
+    """Change a stream's retention. An option left out keeps that limit as it is. The
+    broker applies the new limits at its next retention pass (--retention-check-seconds of
+    'slipstream up'): shrinking one removes the old data then, for good."""
+    from ._streams import retention_text, stream_dict
+
+    if retention_time is None and retention_bytes is None:
+        raise typer.BadParameter(
+            "nothing to change: give --retention-time, --retention-bytes or both",
+            param_hint="'--retention-time' / '--retention-bytes'",
+        )
+    with connect(broker) as client:
+        info = client.update_stream(
+            name, retention_time=retention_time, retention_bytes=retention_bytes
+        )
+    if as_json:
+        _print_json(stream_dict(info))
+    else:
+        err.print(
+            f"updated [bold cyan]{escape(info.name)}[/]: retention {retention_text(info)}",
             highlight=False,
         )
 

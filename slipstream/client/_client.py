@@ -62,6 +62,7 @@ from ..protocol import (
     TxnEnded,
     TxnInfo,
     TxnList,
+    UpdateStream,
 )
 from ..streams import Router, StreamCut, parse_duration_ms, parse_size_bytes
 from ._connection import DEFAULT_ADDRESS, Connection
@@ -126,6 +127,23 @@ def _retention_ms(value: str | int | dt.timedelta | None) -> int | None:
 
 def _retention_bytes(value: str | int | None) -> int | None:
     return parse_size_bytes(value) if isinstance(value, str) else value
+
+
+def _retention_change_ms(value: str | int | dt.timedelta | None) -> int | None:
+    """For ``update_stream``: None keeps the limit; "forever", 0 or a zero timedelta -> 0,
+    which removes it."""
+    if isinstance(value, str) and value.strip().lower() in ("forever", "0"):
+        return 0
+    if isinstance(value, dt.timedelta) and not value:
+        return 0
+    return _retention_ms(value)
+
+
+def _retention_change_bytes(value: str | int | None) -> int | None:
+    """For ``update_stream``: None keeps the limit; "unlimited" or 0 -> 0, which removes it."""
+    if isinstance(value, str) and value.strip().lower() in ("unlimited", "0"):
+        return 0
+    return _retention_bytes(value)
 
 
 def _router(info: StreamInfo) -> Router:
@@ -255,6 +273,27 @@ class AsyncClient:
             if not exist_ok:
                 raise
             reply = await self.describe_stream(name)
+        assert isinstance(reply, StreamInfo)
+        return reply
+
+    async def update_stream(
+        self,
+        name: str,
+        *,
+        retention_time: str | int | dt.timedelta | None = None,
+        retention_bytes: str | int | None = None,
+    ) -> StreamInfo:
+        """Change the retention of an existing stream; returns the stream as it is now.
+        Same units as :meth:`create_stream` ("7d", milliseconds or a timedelta; "10GiB" or
+        bytes). A limit left None stays as it is; ``retention_time="forever"`` and
+        ``retention_bytes="unlimited"`` (or 0) remove that limit. The broker stores the
+        change before answering (a restart keeps it) and applies it from its next retention
+        pass: shrinking a limit removes the old chunks then, and data already removed never
+        comes back. Raises StreamNotFound, InvalidArgument (a bad or negative limit)."""
+        request = UpdateStream(
+            name, _retention_change_ms(retention_time), _retention_change_bytes(retention_bytes)
+        )
+        reply = await self._request(request)
         assert isinstance(reply, StreamInfo)
         return reply
 
@@ -743,6 +782,21 @@ class Client:
                 retention_time=retention_time,
                 retention_bytes=retention_bytes,
                 exist_ok=exist_ok,
+            )
+        )
+
+    def update_stream(
+        self,
+        name: str,
+        *,
+        retention_time: str | int | dt.timedelta | None = None,
+        retention_bytes: str | int | None = None,
+    ) -> StreamInfo:
+        """Change a stream's retention; see :meth:`AsyncClient.update_stream` (None keeps a
+        limit, "forever" / "unlimited" or 0 removes it)."""
+        return self._loop.run(
+            self._async.update_stream(
+                name, retention_time=retention_time, retention_bytes=retention_bytes
             )
         )
 

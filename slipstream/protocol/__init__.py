@@ -49,6 +49,7 @@ from ._messages import (
     TxnList,
     TxnRange,
     Unfollow,
+    UpdateStream,
     Welcome,
 )
 
@@ -97,6 +98,7 @@ __all__ = [
     "TxnList",
     "TxnRange",
     "Unfollow",
+    "UpdateStream",
     "Welcome",
     "encode_frame",
     "frame_bytes",

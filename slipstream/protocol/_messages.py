@@ -45,6 +45,17 @@ class DeleteStream(Message, frozen=True):
     name: str
 
 
+class UpdateStream(Message, frozen=True):
+    """Change a stream's retention -> ``StreamInfo``. For each limit: nil leaves it as it
+    is, 0 removes it (keep forever / no size limit), a positive value replaces it. The
+    change is stored in the catalog before the answer and applies from the next retention
+    pass on; data already removed does not come back."""
+
+    name: str
+    retention_ms: int | None = None
+    retention_bytes: int | None = None
+
+
 class ListStreams(Message, frozen=True):
     """-> ``StreamList``."""
 
@@ -308,6 +319,7 @@ KINDS: dict[int, type[Message]] = {
     14: ListTxns,
     15: GetIdentity,
     16: ClaimProducer,
+    17: UpdateStream,
     64: Welcome,
     65: Error,
     66: Done,

@@ -125,6 +125,14 @@ class MetaStore(ABC):
         the newer stream is left alone)."""
 
     @abstractmethod
+    def update_retention(
+        self, stream_id: int, retention_ms: int | None, retention_bytes: int | None
+    ) -> StreamRecord:
+        """Change a stream's retention and return the stream as stored. For each limit: None
+        leaves it as it is, 0 removes it (stored as no limit), a positive value replaces it.
+        Raises StreamNotFound if no live stream has that id (deleted, or never created)."""
+
+    @abstractmethod
     def streams(self) -> list[StreamRecord]:
         """Every live stream."""
 
@@ -270,6 +278,25 @@ class SqliteMetaStore(MetaStore):
                 cur.execute(f"DELETE FROM {table} WHERE stream_id = ?", (record.id,))
             cur.execute("DELETE FROM streams WHERE id = ?", (record.id,))
         return record, chunks
+
+    def update_retention(
+        self, stream_id: int, retention_ms: int | None, retention_bytes: int | None
+    ) -> StreamRecord:
+        with self._transaction() as cur:
+            row = cur.execute("SELECT name FROM streams WHERE id = ?", (stream_id,)).fetchone()
+            if row is None:
+                raise StreamNotFound(f"stream id {stream_id} does not exist", stream_id=stream_id)
+            if retention_ms is not None:
+                cur.execute(
+                    "UPDATE streams SET retention_ms = ? WHERE id = ?",
+                    (retention_ms or None, stream_id),
+                )
+            if retention_bytes is not None:
+                cur.execute(
+                    "UPDATE streams SET retention_bytes = ? WHERE id = ?",
+                    (retention_bytes or None, stream_id),
+                )
+            return self._stream(cur, row[0])
 
     def streams(self) -> list[StreamRecord]:
         with self._lock:

@@ -68,6 +68,7 @@ from slipstream.protocol import (
     TxnList,
     TxnRange,
     Unfollow,
+    UpdateStream,
     Welcome,
     encode_frame,
     frame_bytes,
@@ -129,6 +130,9 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
     DeleteStream: st.builds(DeleteStream, name=TEXT),
     ListStreams: st.builds(ListStreams, scope=st.none() | TEXT),
     DescribeStream: st.builds(DescribeStream, name=TEXT),
+    UpdateStream: st.builds(
+        UpdateStream, name=TEXT, retention_ms=OPTIONAL_I64, retention_bytes=OPTIONAL_I64
+    ),
     Append: st.builds(Append, stream=TEXT, segment=I64, txn=OPTIONAL_I64),
     GetCut: st.builds(GetCut, stream=TEXT, at=TEXT, timestamp_ms=OPTIONAL_I64),
     Follow: st.builds(

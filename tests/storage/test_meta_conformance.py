@@ -188,6 +188,45 @@ def test_delete_by_id_leaves_a_newer_stream_of_the_same_name_alone(meta: MetaSto
     assert meta.streams() == []
 
 
+def test_update_retention_changes_only_what_it_is_given(meta: MetaStore) -> None:
+    stream = create(meta, "s/ret", 2, retention_ms=60_000, retention_bytes=10**9)
+    create(meta, "s/other", 1, retention_ms=5_000)
+    before = {s.name: s for s in meta.streams()}
+    record = meta.update_retention(stream, 7_200_000, None)  # None: the size limit stays
+    assert (record.id, record.name) == (stream, "s/ret")
+    assert (record.retention_ms, record.retention_bytes) == (7_200_000, 10**9)
+    assert record.segments == before["s/ret"].segments
+    assert meta.update_retention(stream, None, 4096).retention_bytes == 4096
+    assert meta.update_retention(stream, None, None) == msgspec.structs.replace(
+        record, retention_bytes=4096
+    )
+    stored = {s.name: s for s in meta.streams()}
+    assert (stored["s/ret"].retention_ms, stored["s/ret"].retention_bytes) == (7_200_000, 4096)
+    assert stored["s/other"] == before["s/other"]  # another stream is not touched
+
+
+def test_update_retention_with_zero_removes_a_limit(meta: MetaStore) -> None:
+    stream = create(meta, "s/ret", 1, retention_ms=60_000, retention_bytes=10**9)
+    assert meta.update_retention(stream, 0, None).retention_ms is None
+    (stored,) = meta.streams()
+    assert (stored.retention_ms, stored.retention_bytes) == (None, 10**9)
+    meta.update_retention(stream, None, 0)
+    (stored,) = meta.streams()
+    assert (stored.retention_ms, stored.retention_bytes) == (None, None)
+
+
+def test_update_retention_of_a_deleted_stream_leaves_a_newer_one_alone(meta: MetaStore) -> None:
+    old = create(meta, "s/reused", 1, retention_ms=1000)
+    meta.delete_stream("s/reused")
+    new = create(meta, "s/reused", 1, retention_ms=2000)
+    with pytest.raises(StreamNotFound):
+        meta.update_retention(old, 5, 5)
+    with pytest.raises(StreamNotFound):
+        meta.update_retention(new + 1000, 5, 5)  # never created
+    (stored,) = meta.streams()
+    assert (stored.id, stored.retention_ms, stored.retention_bytes) == (new, 2000, None)
+
+
 def test_stream_ids_are_never_reused(meta: MetaStore) -> None:
     seen = {create(meta, "s/a"), create(meta, "s/b")}
     for round_ in range(3):
@@ -302,6 +341,7 @@ def test_reopen_from_a_file_keeps_everything(file_kit: Kit) -> None:
     meta.add_chunks(0, 7, [chunk(a, 0, 0), chunk(a, 0, 10), chunk(b, 0, 0)])
     meta.add_chunks(2, 1, [chunk(a, 2, 0)])
     meta.remove_chunks([chunk(a, 0, 0)])
+    meta.update_retention(b, 3_600_000, 1 << 20)
     streams, chunks = meta.streams(), meta.chunks()
 
     reopened = file_kit.reopen()
@@ -309,6 +349,10 @@ def test_reopen_from_a_file_keeps_everything(file_kit: Kit) -> None:
     assert reopened.chunks() == chunks
     assert (reopened.moved_file(0), reopened.moved_file(1), reopened.moved_file(2)) == (7, -1, 1)
     assert start_offsets(reopened, "s/a") == [10, 0, 0]
+    assert [(s.retention_ms, s.retention_bytes) for s in reopened.streams()] == [
+        (1000, None),
+        (3_600_000, 1 << 20),
+    ]
     # ids keep growing past every id ever handed out, deleted ones included
     assert create(reopened, "s/c") > max(s.id for s in streams) + 1
 
