@@ -46,7 +46,7 @@ from ..storage import (
     payload_alignment,
 )
 from ..streams import ProducerState, ProducerTable
-from ._segment import Chunk, JournalBatch, Segment
+from ._segment import Chunk, ChunkCache, JournalBatch, Segment
 
 log = logging.getLogger("slipstream.container")
 
@@ -78,6 +78,9 @@ class ContainerConfig:
     roll_bytes: int = 64 * 1024 * 1024
     roll_ms: int = 300_000
     tail_cache_bytes: int = 64 * 1024 * 1024
+    #: memory for the batch indexes of chunks that reads looked up (ChunkCache): 16 MiB holds
+    #: the indexes of about 8,000 chunks of 64 batches
+    chunk_cache_bytes: int = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +135,8 @@ class Container:
         self._cached_bytes = 0
         self._roll_started = time.monotonic()
         self._sealed = asyncio.Event()
+        #: chunks other than segments' newest, looked up from the catalog as reads need them
+        self.chunk_cache = ChunkCache(meta.chunk_at, config.chunk_cache_bytes)
         self.appended_batches = 0
         #: live segments of this container by global id; the controller keeps it current
         self.segments: dict[int, Segment] = {}
@@ -440,8 +445,10 @@ class Container:
             if offset == segment.next_offset:
                 return []
             try:
-                if segment.chunks and offset < segment.chunks[-1].record.next_offset:
-                    chunk = segment.chunks[segment.chunk_index(offset)]
+                last = segment.last_chunk
+                if last is not None and offset < last.record.next_offset:
+                    # the newest chunk is at hand; an older one is looked up in a reader thread
+                    chunk = last if offset >= last.record.base_offset else None
                     return await asyncio.get_running_loop().run_in_executor(
                         self._read_pool, self._read_chunk, segment, chunk, offset, max_bytes
                     )
@@ -504,8 +511,20 @@ class Container:
         return loaded
 
     def _read_chunk(
-        self, segment: Segment, chunk: Chunk, offset: int, max_bytes: int
+        self, segment: Segment, chunk: Chunk | None, offset: int, max_bytes: int
     ) -> list[bytes | bytearray | memoryview]:
+        """Batches from the chunk holding ``offset`` (a reader thread's work); ``chunk`` None:
+        look it up (``chunk_cache``, then the catalog)."""
+        if chunk is None:
+            chunk = self.chunk_cache.lookup(segment, offset)
+            if chunk is None or offset >= chunk.record.next_offset:
+                # retention removed it meanwhile (the caller checks the start offset again)
+                raise CorruptData(
+                    f"segment {segment.number} of {segment.stream_name!r}: no chunk holds "
+                    f"offset {offset}",
+                    segment=segment.number,
+                    offset=offset,
+                )
         if not len(chunk.offsets) or offset < chunk.offsets[0]:  # a hole begins the chunk
             after = chunk.offsets[0] if len(chunk.offsets) else chunk.record.next_offset
             raise _lost(segment, offset, int(after))
@@ -695,7 +714,6 @@ class Container:
                 moved += 1
             del segment.journal[:moved]
             segment.add_chunk(record)
-            segment.moved_producers = record.producers or None
         self._cached = deque(b for b in self._cached if b.data is not None)
         if orphans:
             await loop.run_in_executor(

@@ -12,6 +12,7 @@ takes calls from any thread (SqliteMetaStore serialises its one connection with 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import time
 import zlib
@@ -39,7 +40,7 @@ from ..streams import (
     validate_stream_name,
 )
 from ._container import Container
-from ._segment import Chunk, Segment
+from ._segment import Segment
 
 log = logging.getLogger("slipstream.controller")
 
@@ -122,10 +123,9 @@ class Controller:
     # --- startup ---------------------------------------------------------------------------
 
     def recover(self) -> dict[str, int]:
-        """Load the catalog, then let every container replay its journal."""
-        chunks_by_segment: dict[tuple[int, int], list[ChunkRecord]] = {}
-        for chunk in self.meta.chunks():
-            chunks_by_segment.setdefault((chunk.stream_id, chunk.segment), []).append(chunk)
+        """Load the catalog, then let every container replay its journal. Of a segment's
+        chunks only their totals and the newest are loaded (``MetaStore.segment_chunks``)."""
+        chunks_by_segment = {(c.stream_id, c.segment): c for c in self.meta.segment_chunks()}
         for record in self.meta.streams():
             segments = []
             for s in record.segments:
@@ -140,18 +140,16 @@ class Controller:
                     start_offset=s.start_offset,
                     sealed=s.sealed,
                 )
-                for chunk in chunks_by_segment.get((record.id, s.number), []):
-                    segment.add_chunk(chunk)
-                    segment.note_batch(chunk.bytes, chunk.min_timestamp, chunk.max_timestamp)
+                chunks = chunks_by_segment.get((record.id, s.number))
+                if chunks is not None:
+                    segment.add_chunk(chunks.newest)
+                    segment.chunk_count = chunks.count
+                    segment.note_batch(chunks.bytes, chunks.min_timestamp, chunks.max_timestamp)
                 # catalogs before SegmentRecord.producers kept the state with the newest chunk
-                moved = s.producers or (
-                    segment.chunks[-1].record.producers if segment.chunks else b""
-                )
+                moved = s.producers or (chunks.newest.producers if chunks is not None else b"")
                 segment.moved_producers = moved or None
                 segment.producers = ProducerTable.from_snapshot(moved)
-                segment.next_offset = segment.pending_offset = max(
-                    s.start_offset, segment.chunks[-1].record.next_offset if segment.chunks else 0
-                )
+                segment.next_offset = segment.pending_offset = segment.chunk_end
                 segments.append(segment)
             self._register(
                 Stream(
@@ -246,11 +244,11 @@ class Controller:
             del self.streams[name]
         for segment in stream.segments.values():
             segment.deleted = True
-            self.containers[segment.container].segments.pop(segment.global_id, None)
+            container = self.containers[segment.container]
+            container.segments.pop(segment.global_id, None)
+            container.chunk_cache.forget(segment.global_id)
             segment.notify()
-        await asyncio.get_running_loop().run_in_executor(
-            self._catalog, lambda: [self.long_term.delete_chunk(c.name) for c in chunks]
-        )
+        await asyncio.get_running_loop().run_in_executor(self._catalog, self._delete_chunks, chunks)
         log.info("deleted stream %s (%d chunks removed)", name, len(chunks))
 
     async def update_retention(
@@ -283,6 +281,11 @@ class Controller:
         )
         return stream
 
+    def _delete_chunks(self, chunks: Sequence[ChunkRecord]) -> None:
+        """Delete chunk files (on the catalog thread), in order."""
+        for chunk in chunks:
+            self.long_term.delete_chunk(chunk.name)
+
     def list_streams(self, scope: str | None) -> list[Stream]:
         if scope is not None:
             validate_scope(scope)
@@ -311,7 +314,8 @@ class Controller:
         """The first offset whose event timestamp is >= ``timestamp_ms`` (the end if none).
 
         The scan starts at the first chunk (or journal batch) whose newest event is late
-        enough: nothing before it is. It reads forward from there through the container, on
+        enough: nothing before it is (the catalog finds that chunk, in a reader thread,
+        without reading any chunk). It reads forward from there through the container, on
         the loop only batch headers (their newest timestamp); the one batch that holds the
         answer is decoded in a reader thread. A hole (offsets lost to damaged storage; their
         events and times are unknown) is stepped over: the answer is then the first readable
@@ -319,7 +323,7 @@ class Controller:
         """
         container = self.containers[segment.container]
         loop = asyncio.get_running_loop()
-        offset = _time_floor(segment, timestamp_ms)
+        offset = await self._time_floor(segment, timestamp_ms)
         while offset < segment.next_offset:
             try:
                 batches = await container.read(
@@ -348,35 +352,87 @@ class Controller:
                 offset = header.next_offset
         return segment.next_offset
 
+    async def _time_floor(self, segment: Segment, timestamp_ms: int) -> int:
+        """Where a time lookup starts: the first chunk, or else journal batch, whose newest
+        event is at or after ``timestamp_ms`` (no earlier one has such an event). A hole's
+        times are a guess (the neighbours'): journal holes are skipped, a chunk that is all
+        hole is read (and its hole stepped over)."""
+        if segment.last_chunk is not None:
+            end = segment.chunk_end
+            found = await asyncio.get_running_loop().run_in_executor(
+                self._read_pool,
+                self.meta.chunk_at_time,
+                segment.stream_id,
+                segment.number,
+                timestamp_ms,
+            )
+            if found is not None:
+                return found.base_offset
+            if segment.chunk_end != end:  # the mover made chunks meanwhile: scan them too
+                return end
+        for batch in segment.journal:
+            if not batch.lost and batch.max_timestamp >= timestamp_ms:
+                return batch.base_offset
+        return segment.next_offset
+
     # --- retention -------------------------------------------------------------------------
 
     async def enforce_retention(self, now_ms: int | None = None) -> int:
         """Remove whole old chunks of streams over their time or size limit; returns how many.
 
         Only chunks (long-term storage) are removed: data still in the journal is young by
-        construction and is retained until the mover turns it into chunks.
+        construction and is retained until the mover turns it into chunks. Each segment loses
+        a prefix of its chunks, in one catalog statement; the catalog thread plans it, reading
+        the chunks it removes (and one more) in pages, never the whole history: the work is
+        linear in what is removed.
         """
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        loop = asyncio.get_running_loop()
         removed = 0
         for stream in list(self.streams.values()):
-            doomed = _expired_chunks(stream, now_ms)
-            if not doomed:
+            if stream.retention_ms is None and stream.retention_bytes is None:
                 continue
-            records = [chunk.record for _, chunk in doomed]
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._catalog, self.meta.remove_chunks, records)
-            for segment, chunk in doomed:
-                segment.chunks.remove(chunk)
-                segment.start_offset = max(segment.start_offset, chunk.record.next_offset)
-                segment.bytes -= chunk.record.bytes
-                first = segment.chunks[0].record if segment.chunks else None
+            # what the catalog thread plans with, taken on the loop
+            horizon = None if stream.retention_ms is None else now_ms - stream.retention_ms
+            spans = {
+                s.number: (s.start_offset, s.chunk_end)
+                for s in stream.segments.values()
+                if s.last_chunk is not None
+            }
+            total = sum(s.bytes for s in stream.segments.values())
+            plan = await loop.run_in_executor(
+                self._catalog,
+                _plan_retention,
+                self.meta,
+                stream.id,
+                spans,
+                horizon,
+                stream.retention_bytes,
+                total,
+            )
+            if not plan:
+                continue
+            cuts = {number: cut for number, (cut, _) in plan.items()}
+            records = await loop.run_in_executor(
+                self._catalog, self.meta.remove_chunks_before, stream.id, cuts
+            )
+            for number, (cut, first_kept) in plan.items():
+                segment = stream.segments[number]
+                gone = [r for r in records if r.segment == number]
+                segment.start_offset = max(segment.start_offset, cut)
+                segment.bytes -= sum(r.bytes for r in gone)
+                segment.chunk_count -= len(gone)
+                if segment.last_chunk is not None and segment.last_chunk.record.next_offset <= cut:
+                    segment.last_chunk = None
+                self.containers[segment.container].chunk_cache.forget(segment.global_id, cut)
+                if first_kept is None and segment.last_chunk is not None:
+                    first_kept = segment.last_chunk.record.min_timestamp
                 segment.first_timestamp = (
-                    first.min_timestamp
-                    if first
-                    else (min((b.min_timestamp for b in segment.journal), default=None))
+                    first_kept
+                    if first_kept is not None
+                    else min((b.min_timestamp for b in segment.journal), default=None)
                 )
-            for record in records:
-                await loop.run_in_executor(self._catalog, self.long_term.delete_chunk, record.name)
+            await loop.run_in_executor(self._catalog, self._delete_chunks, records)
             removed += len(records)
             log.info("retention removed %d chunks of %s", len(records), stream.name)
         return removed
@@ -384,20 +440,6 @@ class Controller:
 
 #: how much a time lookup reads per trip through the container while it scans batch headers
 _TIME_SCAN_BYTES = 1 << 20
-
-
-def _time_floor(segment: Segment, timestamp_ms: int) -> int:
-    """Where a time lookup starts: the first chunk, or else journal batch, whose newest event
-    is at or after ``timestamp_ms`` (no earlier one has such an event). A hole's times are a
-    guess (the neighbours'): journal holes are skipped, a chunk that is all hole is read (and
-    its hole stepped over)."""
-    for chunk in segment.chunks:
-        if chunk.record.max_timestamp >= timestamp_ms:
-            return chunk.record.base_offset
-    for batch in segment.journal:
-        if not batch.lost and batch.max_timestamp >= timestamp_ms:
-            return batch.base_offset
-    return segment.next_offset
 
 
 def _first_event_at_or_after(
@@ -410,31 +452,61 @@ def _first_event_at_or_after(
     return int(hits[0]) if len(hits) else None
 
 
-def _expired_chunks(stream: Stream, now_ms: int) -> list[tuple[Segment, Chunk]]:
-    """Chunks to remove, oldest first per segment (retention only ever cuts a prefix)."""
-    doomed: list[tuple[Segment, Chunk]] = []
-    if stream.retention_ms is not None:
-        horizon = now_ms - stream.retention_ms
-        for segment in stream.segments.values():
-            for chunk in segment.chunks:
-                if chunk.record.max_timestamp >= horizon:
-                    break
-                doomed.append((segment, chunk))
-    if stream.retention_bytes is not None:
-        total = sum(s.bytes for s in stream.segments.values()) - sum(
-            c.record.bytes for _, c in doomed
-        )
-        expired = {chunk for _, chunk in doomed}
-        fronts = {
-            s.number: deque(c for c in s.chunks if c not in expired)
-            for s in stream.segments.values()
-        }
-        while total > stream.retention_bytes:
-            heads = [(chunks[0].record.max_timestamp, n) for n, chunks in fronts.items() if chunks]
-            if not heads:
-                break
-            _, number = min(heads)
-            chunk = fronts[number].popleft()
-            doomed.append((stream.segments[number], chunk))
-            total -= chunk.record.bytes
-    return doomed
+class _ChunkFront:
+    """A segment's chunks from its start, read from the catalog a page at a time, up to
+    ``end`` (the chunks the loop knew of when retention began)."""
+
+    PAGE = 512
+
+    def __init__(self, meta: MetaStore, stream_id: int, number: int, start: int, end: int):
+        self._meta, self._stream_id, self.number = meta, stream_id, number
+        self._page: deque[ChunkRecord] = deque()
+        self._next, self._end = start, end
+        self.cut = start  # where the segment starts once the chunks popped so far are gone
+
+    def head(self) -> ChunkRecord | None:
+        if not self._page and self._next < self._end:
+            page = self._meta.chunks_from(self._stream_id, self.number, self._next, self.PAGE)
+            self._page.extend(c for c in page if c.next_offset <= self._end)
+            full = len(page) == self.PAGE and len(self._page) == len(page)
+            self._next = page[-1].base_offset + 1 if full else self._end
+        return self._page[0] if self._page else None
+
+    def pop(self) -> ChunkRecord:
+        chunk = self._page.popleft()
+        self.cut = chunk.next_offset
+        return chunk
+
+
+def _plan_retention(
+    meta: MetaStore,
+    stream_id: int,
+    spans: dict[int, tuple[int, int]],
+    horizon: int | None,
+    retention_bytes: int | None,
+    total: int,
+) -> dict[int, tuple[int, int | None]]:
+    """Where each segment's retained chunks start (on the catalog thread): the segments that
+    lose chunks, each with its new start offset and the first kept chunk's oldest event time
+    (None if no chunk is kept). Time retention removes each segment's chunks up to the first
+    whose newest event is at or after ``horizon`` (only ever a prefix); size retention then
+    removes the oldest chunk of the stream (by newest event) while ``total`` is over the
+    limit, and not one more."""
+    fronts = [_ChunkFront(meta, stream_id, n, start, end) for n, (start, end) in spans.items()]
+    if horizon is not None:
+        for front in fronts:
+            while (head := front.head()) is not None and head.max_timestamp < horizon:
+                total -= front.pop().bytes
+    if retention_bytes is not None:
+        heads = [(head.max_timestamp, f.number, f) for f in fronts if (head := f.head())]
+        heapq.heapify(heads)
+        while total > retention_bytes and heads:
+            _, number, front = heapq.heappop(heads)
+            total -= front.pop().bytes
+            if (head := front.head()) is not None:
+                heapq.heappush(heads, (head.max_timestamp, number, front))
+    return {
+        f.number: (f.cut, head.min_timestamp if (head := f.head()) else None)
+        for f, (start, _) in zip(fronts, spans.values(), strict=True)
+        if f.cut > start
+    }

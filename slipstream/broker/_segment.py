@@ -1,18 +1,24 @@
 """A segment's in-memory index: where each of its batches lives, and who waits for more.
 
 A segment's batches live first in its container's journal (``journal``: newest last, the
-recent ones with their bytes cached) and move to long-term chunks (``chunks``) in offset order.
-``next_offset`` is the durable end: readers never see past it. Only the event loop thread
-mutates a segment, and worker threads never read its changing fields: the mover works from a
-snapshot taken on the loop (``Container._move_file``), a reader thread gets a segment's fixed
-names and a ``Chunk``, whose index arrays never change.
+recent ones with their bytes cached) and move to long-term chunks in offset order. Of its
+chunks the segment keeps in memory only what the hot paths need (the newest, ``last_chunk``,
+where the journal takes over; how many; their bytes and times): memory does not grow with
+retained history. Any other chunk is looked up in the catalog when a read needs it, through
+the container's bounded ``ChunkCache``. ``next_offset`` is the durable end: readers never see
+past it. Only the event loop thread mutates a segment, and worker threads never read its
+changing fields: the mover works from a snapshot taken on the loop (``Container._move_file``),
+a reader thread gets a segment's fixed names and a ``Chunk``, whose index arrays never change.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
-from bisect import bisect_right
+import threading
+from bisect import bisect_right, insort
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -50,8 +56,15 @@ class Chunk:
 
     @classmethod
     def of(cls, record: ChunkRecord) -> Chunk:
+        """The chunk of ``record``, without its idempotence snapshot (``Segment`` keeps that)."""
         triples = np.frombuffer(record.index, dtype="<i8").reshape(-1, 3)
+        record = msgspec.structs.replace(record, index=b"", producers=b"")
         return cls(record, triples[:, 0].copy(), triples[:, 1].copy(), triples[:, 2].copy())
+
+    @property
+    def size(self) -> int:
+        """Roughly the memory the chunk takes: its index arrays and a fixed overhead."""
+        return int(self.offsets.nbytes * 3) + 512
 
     def batch_containing(self, offset: int) -> int:
         return max(0, int(np.searchsorted(self.offsets, offset, side="right")) - 1)
@@ -69,7 +82,10 @@ class Segment:
     start_offset: int = 0
     next_offset: int = 0
     pending_offset: int = 0  # offsets handed to appends not yet durable
-    chunks: list[Chunk] = field(default_factory=list)
+    #: the newest chunk (None: no chunk, or retention removed them all); offsets from its
+    #: end on are in the journal
+    last_chunk: Chunk | None = None
+    chunk_count: int = 0
     journal: list[JournalBatch] = field(default_factory=list)
     bytes: int = 0
     first_timestamp: int | None = None
@@ -105,13 +121,16 @@ class Segment:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    @property
+    def chunk_end(self) -> int:
+        """Where the segment's chunks end and its journal begins."""
+        return self.start_offset if self.last_chunk is None else self.last_chunk.record.next_offset
+
     def add_chunk(self, record: ChunkRecord) -> None:
-        """Append a chunk. Only the newest chunk keeps its idempotence snapshot in memory: it is
-        the one the next chunk's snapshot builds on."""
-        if self.chunks and self.chunks[-1].record.producers:
-            last = self.chunks[-1]
-            last.record = msgspec.structs.replace(last.record, producers=b"")
-        self.chunks.append(Chunk.of(record))
+        """Note a new newest chunk (the mover's)."""
+        self.last_chunk = Chunk.of(record)
+        self.chunk_count += 1
+        self.moved_producers = record.producers or None
 
     def journal_index(self, offset: int) -> int:
         """Index in ``journal`` of the batch holding ``offset`` (journal must cover it)."""
@@ -124,9 +143,67 @@ class Segment:
                 hi = mid
         return lo
 
-    def chunk_index(self, offset: int) -> int:
-        bases = [c.record.base_offset for c in self.chunks]
-        return bisect_right(bases, offset) - 1
+
+class ChunkCache:
+    """Chunks (their batch indexes) that reads looked up, least recently used dropped first
+    beyond ``max_bytes`` (``Chunk.size``): what bounds a container's memory for chunks,
+    whatever the retained history. Safe to call from any thread (reader threads look up,
+    the loop forgets); ``load`` runs outside the lock, so a slow catalog blocks no hit."""
+
+    def __init__(self, load: Callable[[int, int, int], ChunkRecord | None], max_bytes: int) -> None:
+        self._load = load  # (stream id, segment, offset) -> the chunk at or before offset
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._chunks: OrderedDict[tuple[int, int], Chunk] = OrderedDict()
+        self._bases: dict[int, list[int]] = {}  # segment global id -> cached bases, sorted
+        self._bytes = 0
+        self.hits = self.misses = 0
+
+    def lookup(self, segment: Segment, offset: int) -> Chunk | None:
+        """The segment's chunk holding ``offset`` (the one with the greatest base offset at or
+        before it), from the cache or the catalog; None if the catalog has none."""
+        global_id = segment.global_id
+        with self._lock:
+            bases = self._bases.get(global_id, [])
+            i = bisect_right(bases, offset) - 1
+            if i >= 0:
+                chunk = self._chunks[global_id, bases[i]]
+                if offset < chunk.record.next_offset:
+                    self._chunks.move_to_end((global_id, bases[i]))
+                    self.hits += 1
+                    return chunk
+            self.misses += 1
+        record = self._load(segment.stream_id, segment.number, offset)
+        if record is None:
+            return None
+        chunk = Chunk.of(record)
+        with self._lock:
+            key = (global_id, record.base_offset)
+            if key not in self._chunks:
+                self._chunks[key] = chunk
+                insort(self._bases.setdefault(global_id, []), record.base_offset)
+                self._bytes += chunk.size
+                while self._bytes > self.max_bytes and len(self._chunks) > 1:
+                    self._drop(next(iter(self._chunks)))
+        return chunk
+
+    def forget(self, global_id: int, before: int | None = None) -> None:
+        """Drop a segment's chunks that begin before ``before`` (all of them if None)."""
+        with self._lock:
+            for base in list(self._bases.get(global_id, [])):
+                if before is None or base < before:
+                    self._drop((global_id, base))
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        chunk = self._chunks.pop(key)
+        self._bytes -= chunk.size
+        bases = self._bases[key[0]]
+        bases.remove(key[1])
+        if not bases:
+            del self._bases[key[0]]
 
 
 def segment_global_id(stream_id: int, number: int) -> int:

@@ -13,7 +13,7 @@ import builtins
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -62,6 +62,20 @@ class ChunkRecord(msgspec.Struct, frozen=True):
     index: builtins.bytes
     #: the segment's idempotent-producer state as of the chunk's end (msgpack; b"" if none)
     producers: builtins.bytes = b""
+
+
+class SegmentChunks(msgspec.Struct, frozen=True):
+    """What a segment's chunks add up to (``MetaStore.segment_chunks``): what the broker keeps
+    in memory of them, whatever the retained history; the rest is looked up on demand."""
+
+    stream_id: int
+    segment: int
+    count: int
+    bytes: int
+    min_timestamp: int
+    max_timestamp: int
+    #: the newest chunk, with its index
+    newest: ChunkRecord
 
 
 class CommitPart(msgspec.Struct, frozen=True, array_like=True):
@@ -156,6 +170,36 @@ class MetaStore(ABC):
         """Forget chunks (retention) and move their segments' start offsets past them."""
 
     @abstractmethod
+    def remove_chunks_before(self, stream_id: int, cuts: Mapping[int, int]) -> list[ChunkRecord]:
+        """Retention by range: for each ``segment: offset`` of ``cuts``, forget the segment's
+        chunks that end at or before ``offset`` and move its start offset there (never
+        back), all in one transaction. Returns the chunks forgotten (without their ``index``
+        and ``producers``), for their files to be deleted."""
+
+    @abstractmethod
+    def segment_chunks(self) -> list[SegmentChunks]:
+        """For every segment with chunks: how many, their bytes and times, and the newest."""
+
+    @abstractmethod
+    def chunk_at(self, stream_id: int, segment: int, offset: int) -> ChunkRecord | None:
+        """The segment's chunk with the greatest base offset at or before ``offset`` (None if
+        there is none), with its index: where a read of ``offset`` finds its batch."""
+
+    @abstractmethod
+    def chunk_at_time(self, stream_id: int, segment: int, timestamp: int) -> ChunkRecord | None:
+        """Where a time lookup of ``timestamp`` starts in the segment's chunks: a chunk that
+        no earlier kept chunk has an event as late as, at or before the first kept chunk that
+        has one (the first, unless retention removed a later event's chunk before it); None if
+        no kept chunk has an event that late. Found through an index, whatever the history."""
+
+    @abstractmethod
+    def chunks_from(
+        self, stream_id: int, segment: int, offset: int, limit: int
+    ) -> list[ChunkRecord]:
+        """Up to ``limit`` of the segment's chunks whose base offset is at or after
+        ``offset``, in offset order, without their ``index`` and ``producers``."""
+
+    @abstractmethod
     def reserve_ids(self, name: str, count: int) -> int:
         """Durably reserve ``count`` ids of the counter ``name``; returns the first."""
 
@@ -189,6 +233,10 @@ class SqliteMetaStore(MetaStore):
     def __init__(self, path: Path | str) -> None:
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
+        # Lookups (reads of chunks, time lookups) use a connection of their own: in WAL mode
+        # they go on while a write transaction waits for its fsync. An in-memory catalog has
+        # one connection, shared under the one lock.
+        self._reader, self._read_lock = self._db, self._lock
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
@@ -203,6 +251,18 @@ class SqliteMetaStore(MetaStore):
                 self._db.execute(
                     "ALTER TABLE segments ADD COLUMN producers BLOB NOT NULL DEFAULT x''"
                 )
+            columns = [row[1] for row in self._db.execute("PRAGMA table_info(chunks)")]
+            if "max_timestamp_so_far" not in columns:  # catalogs without the time index
+                self._db.execute("ALTER TABLE chunks ADD COLUMN max_timestamp_so_far INTEGER")
+                self._db.execute(
+                    "UPDATE chunks SET max_timestamp_so_far = w.so_far FROM (SELECT rowid AS r, "
+                    "MAX(max_timestamp) OVER (PARTITION BY stream_id, segment "
+                    "ORDER BY base_offset) AS so_far FROM chunks) AS w WHERE chunks.rowid = w.r"
+                )
+            self._db.execute(_TIME_INDEX)
+        if str(path) != ":memory:":
+            self._reader = sqlite3.connect(str(path), check_same_thread=False)
+            self._read_lock = threading.Lock()
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Cursor]:
@@ -328,23 +388,48 @@ class SqliteMetaStore(MetaStore):
             return self._chunks(self._db.cursor(), "", ())
 
     @staticmethod
-    def _chunks(cur: sqlite3.Cursor, where: str, args: tuple[int, ...]) -> list[ChunkRecord]:
+    def _chunks(
+        cur: sqlite3.Cursor,
+        where: str,
+        args: tuple[int, ...],
+        columns: str = "idx, producers",
+        order: str = "",
+    ) -> list[ChunkRecord]:
+        """Chunk records in offset order (``order``: "DESC" and/or a LIMIT); ``columns``
+        picks the index and producers or leaves them empty (``_LIGHT_COLUMNS``)."""
+        direction = "DESC" if order.startswith("DESC") else ""
         rows = cur.execute(
             "SELECT stream_id, segment, base_offset, next_offset, bytes, min_timestamp, "
-            f"max_timestamp, name, idx, producers FROM chunks {where} "
-            "ORDER BY stream_id, segment, base_offset",
+            f"max_timestamp, name, {columns} FROM chunks {where} "
+            f"ORDER BY stream_id {direction}, segment {direction}, base_offset {order}",
             args,
         )
         return [ChunkRecord(*row) for row in rows]
 
     def add_chunks(self, container: int, moved_file: int, chunks: Sequence[ChunkRecord]) -> None:
         with self._transaction() as cur:
+            # max_timestamp_so_far: the newest event time of the chunk and every earlier one
+            # still kept, which grows with the offset: what time lookups search (_TIME_INDEX)
             cur.executemany(
                 "INSERT OR REPLACE INTO chunks (stream_id, segment, base_offset, next_offset, "
-                "bytes, min_timestamp, max_timestamp, name, idx, producers) "
-                "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ? WHERE EXISTS "
+                "bytes, min_timestamp, max_timestamp, name, idx, producers, "
+                "max_timestamp_so_far) "
+                "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, MAX(?, COALESCE((SELECT "
+                "max_timestamp_so_far FROM chunks WHERE stream_id = ? AND segment = ? AND "
+                "base_offset < ? ORDER BY base_offset DESC LIMIT 1), ?)) WHERE EXISTS "
                 "(SELECT 1 FROM streams WHERE id = ?)",
-                [(*msgspec.structs.astuple(c), c.stream_id) for c in chunks],
+                [
+                    (
+                        *msgspec.structs.astuple(c),
+                        c.max_timestamp,
+                        c.stream_id,
+                        c.segment,
+                        c.base_offset,
+                        c.max_timestamp,
+                        c.stream_id,
+                    )
+                    for c in chunks
+                ],
             )
             cur.executemany(
                 "UPDATE segments SET producers = ? WHERE stream_id = ? AND number = ?",
@@ -375,6 +460,74 @@ class SqliteMetaStore(MetaStore):
                     "WHERE stream_id = ? AND number = ?",
                     (c.next_offset, c.stream_id, c.segment),
                 )
+
+    def remove_chunks_before(self, stream_id: int, cuts: Mapping[int, int]) -> list[ChunkRecord]:
+        removed: list[ChunkRecord] = []
+        with self._transaction() as cur:
+            for segment, offset in cuts.items():
+                where = "WHERE stream_id = ? AND segment = ? AND next_offset <= ?"
+                args = (stream_id, segment, offset)
+                removed += self._chunks(cur, where, args, _LIGHT_COLUMNS)
+                cur.execute(f"DELETE FROM chunks {where}", args)
+                cur.execute(
+                    "UPDATE segments SET start_offset = MAX(start_offset, ?) "
+                    "WHERE stream_id = ? AND number = ?",
+                    (offset, stream_id, segment),
+                )
+        return removed
+
+    def segment_chunks(self) -> list[SegmentChunks]:
+        with self._read_lock:
+            cur = self._reader.cursor()
+            totals = cur.execute(
+                "SELECT stream_id, segment, COUNT(*), SUM(bytes), MIN(min_timestamp), "
+                "MAX(max_timestamp), MAX(base_offset) FROM chunks GROUP BY stream_id, segment "
+                "ORDER BY stream_id, segment"
+            ).fetchall()
+            out = []
+            for stream_id, segment, count, size, lo, hi, newest in totals:
+                (last,) = self._chunks(
+                    cur,
+                    "WHERE stream_id = ? AND segment = ? AND base_offset = ?",
+                    (stream_id, segment, newest),
+                )
+                out.append(SegmentChunks(stream_id, segment, count, size, lo, hi, last))
+        return out
+
+    def chunk_at(self, stream_id: int, segment: int, offset: int) -> ChunkRecord | None:
+        with self._read_lock:
+            found = self._chunks(
+                self._reader.cursor(),
+                "WHERE stream_id = ? AND segment = ? AND base_offset <= ?",
+                (stream_id, segment, offset),
+                order="DESC LIMIT 1",
+            )
+        return found[0] if found else None
+
+    def chunk_at_time(self, stream_id: int, segment: int, timestamp: int) -> ChunkRecord | None:
+        # The first chunk whose newest event is late enough is the first whose running
+        # maximum is: one step down the time index, however long the history.
+        with self._read_lock:
+            row = self._reader.execute(
+                "SELECT stream_id, segment, base_offset, next_offset, bytes, min_timestamp, "
+                "max_timestamp, name, idx, producers FROM chunks WHERE stream_id = ? AND "
+                "segment = ? AND max_timestamp_so_far >= ? "
+                "ORDER BY max_timestamp_so_far, base_offset LIMIT 1",
+                (stream_id, segment, timestamp),
+            ).fetchone()
+        return None if row is None else ChunkRecord(*row)
+
+    def chunks_from(
+        self, stream_id: int, segment: int, offset: int, limit: int
+    ) -> list[ChunkRecord]:
+        with self._read_lock:
+            return self._chunks(
+                self._reader.cursor(),
+                "WHERE stream_id = ? AND segment = ? AND base_offset >= ?",
+                (stream_id, segment, offset),
+                _LIGHT_COLUMNS,
+                f"LIMIT {int(limit)}",
+            )
 
     def reserve_ids(self, name: str, count: int) -> int:
         with self._transaction() as cur:
@@ -428,7 +581,18 @@ class SqliteMetaStore(MetaStore):
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        if self._reader is not self._db:
+            with self._read_lock:
+                self._reader.close()
 
+
+_TIME_INDEX = (
+    "CREATE INDEX IF NOT EXISTS chunks_by_time "
+    "ON chunks (stream_id, segment, max_timestamp_so_far, base_offset)"
+)
+
+#: chunk columns a lookup leaves out when it needs neither index nor producer state
+_LIGHT_COLUMNS = "x'', x''"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS streams (
@@ -461,6 +625,7 @@ CREATE TABLE IF NOT EXISTS chunks (
     name TEXT NOT NULL,
     idx BLOB NOT NULL,
     producers BLOB NOT NULL DEFAULT x'',
+    max_timestamp_so_far INTEGER,
     PRIMARY KEY (stream_id, segment, base_offset)
 );
 CREATE TABLE IF NOT EXISTS containers (

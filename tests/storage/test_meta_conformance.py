@@ -408,3 +408,104 @@ def test_a_segments_producer_state_follows_its_newest_chunk_and_outlives_retenti
     (record,) = meta.streams()
     assert [s.producers for s in record.segments] == [b"as of 20", b""]
     assert [s.start_offset for s in record.segments] == [20, 0]
+
+
+def test_chunk_lookups_by_offset_and_time_without_loading_the_history(kit: Kit) -> None:
+    meta = kit.meta
+    stream_id = create(meta, "s/look", 2)
+    ours = [chunk(stream_id, 0, base) for base in (0, 10, 20, 30)]
+    meta.add_chunks(0, 0, [*ours[:2], chunk(stream_id, 1, 0)])
+    meta.add_chunks(0, 1, ours[2:])
+    if kit.kind == "file":
+        meta = kit.reopen()
+    assert meta.chunk_at(stream_id, 0, 0) == ours[0]
+    assert meta.chunk_at(stream_id, 0, 19) == ours[1]
+    assert meta.chunk_at(stream_id, 0, 10**9) == ours[3], "the newest at or before"
+    assert meta.chunk_at(stream_id, 1, 5) == chunk(stream_id, 1, 0)
+    assert meta.chunk_at(stream_id + 1, 0, 5) is None
+    # chunk(.., base) has its newest event at 2000 + base
+    assert meta.chunk_at_time(stream_id, 0, 0) == ours[0]
+    assert meta.chunk_at_time(stream_id, 0, 2011) == ours[2]
+    assert meta.chunk_at_time(stream_id, 0, 2030) == ours[3]
+    assert meta.chunk_at_time(stream_id, 0, 2031) is None
+    light = [msgspec.structs.replace(c, index=b"", producers=b"") for c in ours]
+    assert meta.chunks_from(stream_id, 0, 10, 2) == light[1:3]
+    assert meta.chunks_from(stream_id, 0, 11, 100) == light[2:]
+    (seg0, seg1) = meta.segment_chunks()
+    assert (seg0.stream_id, seg0.segment, seg0.count, seg0.bytes) == (stream_id, 0, 4, 600)
+    assert (seg0.min_timestamp, seg0.max_timestamp, seg0.newest) == (1000, 2030, ours[3])
+    assert (seg1.segment, seg1.count, seg1.newest) == (1, 1, chunk(stream_id, 1, 0))
+
+
+def test_retention_removes_a_range_of_chunks_in_one_call(kit: Kit) -> None:
+    meta = kit.meta
+    stream_id = create(meta, "s/range", 2)
+    ours = [chunk(stream_id, 0, base) for base in (0, 10, 20)]
+    theirs = [chunk(stream_id, 1, base) for base in (0, 10)]
+    meta.add_chunks(0, 0, [*ours, *theirs])
+    removed = meta.remove_chunks_before(stream_id, {0: 20, 1: 5})
+    assert [(c.segment, c.base_offset, c.name, c.bytes) for c in removed] == [
+        (0, 0, ours[0].name, 150),
+        (0, 10, ours[1].name, 150),
+    ]
+    assert meta.chunks() == [ours[2], *theirs], "a chunk that ends after the cut stays"
+    assert start_offsets(meta, "s/range") == [20, 5]
+    assert meta.remove_chunks_before(stream_id, {0: 15}) == []
+    assert start_offsets(meta, "s/range") == [20, 5], "start offsets never move back"
+    if kit.kind == "file":
+        meta = kit.reopen()
+    assert meta.chunks() == [ours[2], *theirs]
+    assert [c.count for c in meta.segment_chunks()] == [1, 2]
+
+
+def test_a_time_lookup_never_starts_after_a_chunk_with_a_late_enough_event(kit: Kit) -> None:
+    # Event times need not grow with offsets. The chunk found for a time has no earlier kept
+    # chunk with an event that late, and is at or before the first kept chunk that has one;
+    # also after retention removed chunks, and in a catalog reopened.
+    meta = kit.meta
+    stream_id = create(meta, "s/time", 1)
+    newest = [2000, 5000, 3000, 6000, 1000, 7000]  # newest event time of each chunk
+    kept = [
+        msgspec.structs.replace(chunk(stream_id, 0, 10 * i), max_timestamp=t)
+        for i, t in enumerate(newest)
+    ]
+    meta.add_chunks(0, 0, kept[:3])
+    meta.add_chunks(0, 1, kept[3:])
+
+    def check(meta: MetaStore) -> None:
+        for timestamp in range(0, 8000, 250):
+            found = meta.chunk_at_time(stream_id, 0, timestamp)
+            late = [c for c in kept if c.max_timestamp >= timestamp]
+            if not late:
+                assert found is None, timestamp
+                continue
+            assert found is not None and found.base_offset <= late[0].base_offset, timestamp
+            assert found in kept, timestamp
+            before = [c for c in kept if c.base_offset < found.base_offset]
+            assert all(c.max_timestamp < timestamp for c in before), timestamp
+
+    check(meta)
+    meta.remove_chunks_before(stream_id, {0: 20})  # the 5000 goes; 3000 is now first
+    del kept[:2]
+    check(meta)
+    assert meta.chunk_at_time(stream_id, 0, 2500) == kept[0]
+    if kit.kind == "file":
+        check(kit.reopen())
+
+
+def test_a_catalog_from_before_the_time_index_gets_it_on_open(file_kit: Kit) -> None:
+    meta = file_kit.meta
+    stream_id = create(meta, "s/old", 1)
+    records = [
+        msgspec.structs.replace(chunk(stream_id, 0, 10 * i), max_timestamp=t)
+        for i, t in enumerate([4000, 2000, 6000])
+    ]
+    meta.add_chunks(0, 0, records)
+    meta.close()
+    with sqlite3.connect(file_kit.path) as db:  # as an older version left it
+        db.execute("DROP INDEX chunks_by_time")
+        db.execute("ALTER TABLE chunks DROP COLUMN max_timestamp_so_far")
+    meta = file_kit.reopen()
+    assert meta.chunk_at_time(stream_id, 0, 3000) == records[0]
+    assert meta.chunk_at_time(stream_id, 0, 5000) == records[2]
+    assert meta.chunk_at_time(stream_id, 0, 7000) is None
