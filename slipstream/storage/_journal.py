@@ -57,11 +57,27 @@ at 1.5 GB/s with almost none.
 A torn rewrite of the last block cannot damage earlier entries (their bytes are rewritten
 unchanged). Readers use ordinary buffered reads, which Linux keeps coherent with direct
 writes. Where ``O_DIRECT`` is refused (``EINVAL``), the journal falls back to buffered writes.
+
+One parser, one padding rule: ``parse_entry`` is the only code that reads the layout above
+(recovery, its search for the next entry after damage and its outline of a damaged range,
+``entries``, ``heads`` and ``read``), and ``aligned_start`` (where a self-checked entry starts)
+and ``block_end`` (where a direct write's padding ends) the only padding arithmetic, the
+writer's and the parser's alike.
+
+Files and their names: a journal that syncs (``fsync=True``) makes every change to its
+directory durable before the call that made it returns: its own name (``ensure_dir``), a new
+file (the first one, ``roll``), a removed one (``delete_file``, and recovery's removals and
+cuts). A name is durable only once its directory is fsynced; fsyncing the file does not do it.
+Without the sync, a deleted file could come back after a power failure, taking its disk space
+again. Recovery tolerates that anyway: a container's file up to ``moved_through`` is removed
+again unread, and a staging file that comes back holds only entries of finished transactions,
+which the coordinator ignores.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import logging
 import mmap
@@ -73,7 +89,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import NamedTuple, Protocol, cast
 
 import crc32c
 import msgspec
@@ -206,7 +222,8 @@ class Journal(ABC):
 
     @abstractmethod
     def delete_file(self, file_id: int) -> None:
-        """Remove a sealed file whose entries have all moved to long-term storage."""
+        """Remove a sealed file whose entries have all moved to long-term storage (or are no
+        longer needed); durably, if the journal syncs (see FileJournal)."""
 
     @property
     @abstractmethod
@@ -224,6 +241,199 @@ class Journal(ABC):
 
 Resync = tuple[bytes, int]
 _Entries = list[tuple[JournalAddress, memoryview]]
+
+
+# --- the entry format: one parser, one padding rule ------------------------------------------
+#
+# Every path that reads entries (recovery, its resync scan after damage and its outline of a
+# damaged range, ``entries``, ``heads``, ``read``) goes through ``parse_entry``; every path that
+# places or skips padding (the writer's plan and staging buffer, the parser) through
+# ``aligned_start`` and ``block_end``. tests/storage/test_journal_format.py pins both to bytes
+# built by hand from the module docstring.
+
+
+def block_end(pos: int) -> int:
+    """The first block boundary at or after ``pos``: where a direct write's zero padding ends
+    (the only file sizes such padding may end)."""
+    return -(-pos // BLOCK) * BLOCK
+
+
+def aligned_start(pos: int) -> int:
+    """Where a self-checked entry goes when the previous entry ends at ``pos``: ``pos`` itself
+    on a block boundary, else the first boundary at least ENTRY_OVERHEAD bytes on, so that
+    alignment padding always begins with a zero length field, which no entry has."""
+    return pos if pos % BLOCK == 0 else block_end(pos + ENTRY_OVERHEAD)
+
+
+class Parsed(enum.Enum):
+    """What ``parse_entry`` found."""
+
+    ENTRY = "entry"  # an entry (checked, unless parsed with verify=False)
+    END = "end"  # the end of the bytes, or the zero padding a direct write leaves there
+    TORN = "torn"  # a short header, a zero length, or a payload running past the end
+    DAMAGED = "damaged"  # a whole entry that fails its CRC32C (or its check, if self-checked)
+
+
+class EntryAt(NamedTuple):
+    """``parse_entry``'s answer. For ENTRY, ``start`` is where the entry's header is (past any
+    alignment padding), ``length`` its payload length; otherwise ``start`` is the position
+    parsed and ``reason`` says what is wrong there (None at END)."""
+
+    kind: Parsed
+    start: int
+    length: int = 0
+    self_checked: bool = False
+    reason: str | None = None
+
+    @property
+    def payload_start(self) -> int:
+        return self.start + ENTRY_OVERHEAD
+
+    @property
+    def end(self) -> int:
+        """Where the next entry may start."""
+        return self.start + ENTRY_OVERHEAD + self.length
+
+
+class _Source(Protocol):
+    """The bytes ``parse_entry`` reads: ``size`` of them; ``read`` returns ``[pos, pos + n)``
+    (fewer at the end)."""
+
+    size: int
+
+    def read(self, pos: int, n: int) -> Buffer: ...
+
+
+class _InMemory:
+    """A buffer as a _Source: reads are slices, never copies."""
+
+    __slots__ = ("_view", "size")
+
+    def __init__(self, data: Buffer) -> None:
+        self._view = memoryview(data).cast("B")
+        self.size = len(self._view)
+
+    def read(self, pos: int, n: int) -> Buffer:
+        return self._view[pos : pos + n]
+
+
+class _InFile:
+    """An open file as a _Source: each read is one pread. Parsed with ``verify=False``, only
+    headers and padding are read, never payloads."""
+
+    __slots__ = ("_fd", "size")
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self.size = os.fstat(fd).st_size
+
+    def read(self, pos: int, n: int) -> Buffer:
+        return os.pread(self._fd, n, pos)
+
+
+def parse_entry(
+    data: Buffer | _Source, pos: int, check: Check | None = None, *, verify: bool = True
+) -> EntryAt:
+    """What is at byte ``pos`` of ``data`` (a file's bytes from its start; the layout is in
+    the module docstring), the one parser of the format:
+
+    * END at the end of ``data``, or where fewer than BLOCK zero bytes end it and its size is
+      a multiple of BLOCK (a direct write's padding);
+    * an ENTRY past alignment padding: zeros from ``pos`` to ``aligned_start(pos)`` followed
+      by a self-checked entry that checks out (with ``verify=False``: whose payload fits);
+    * else the entry right at ``pos``: TORN if its header is short, its length zero or its
+      payload runs past the end; DAMAGED if it fails its CRC32C, or is self-checked and there
+      is no ``check`` or the check fails; else an ENTRY.
+
+    ``verify=False`` reads framing only: no CRC32C, no check (``heads``, the damage outline).
+    """
+    source = data if isinstance(data, (_InMemory, _InFile)) else _InMemory(cast(Buffer, data))
+    size = source.size
+    if pos >= size:
+        return EntryAt(Parsed.END, pos)
+    header = source.read(pos, ENTRY_OVERHEAD)
+    if len(header) == ENTRY_OVERHEAD and _ENTRY.unpack(header)[0] != 0:
+        return _entry_at(source, pos, header, check, verify)  # the common case: no padding
+    if size - pos < BLOCK and size % BLOCK == 0 and _zeros(source.read(pos, size - pos)):
+        return EntryAt(Parsed.END, pos)
+    boundary = aligned_start(pos)
+    if (
+        boundary != pos
+        and boundary + ENTRY_OVERHEAD <= size
+        and _zeros(source.read(pos, boundary - pos))
+    ):
+        after = _entry_at(source, boundary, source.read(boundary, ENTRY_OVERHEAD), check, verify)
+        if after.kind is Parsed.ENTRY and after.self_checked:
+            return after
+    return _entry_at(source, pos, header, check, verify)
+
+
+def _entry_at(
+    source: _Source, pos: int, header: Buffer, check: Check | None, verify: bool
+) -> EntryAt:
+    """The entry whose header (read already) is at ``pos``; no padding rules."""
+    if len(header) < ENTRY_OVERHEAD:
+        return EntryAt(Parsed.TORN, pos, reason=f"torn entry header at byte {pos}")
+    field, crc = _ENTRY.unpack(header)
+    length = field & ~SELF_CHECKED
+    self_checked = bool(field & SELF_CHECKED)
+    if length == 0 or pos + ENTRY_OVERHEAD + length > source.size:
+        reason = f"torn or zero-length entry at byte {pos} (length {length})"
+        return EntryAt(Parsed.TORN, pos, length, self_checked, reason)
+    if verify:
+        payload = memoryview(source.read(pos + ENTRY_OVERHEAD, length))
+        if not _checks_out(field, crc, payload, check):
+            reason = f"CRC32C mismatch in entry at byte {pos}"
+            return EntryAt(Parsed.DAMAGED, pos, length, self_checked, reason)
+    return EntryAt(Parsed.ENTRY, pos, length, self_checked)
+
+
+def _zeros(data: Buffer) -> bool:
+    return not bytes(data).strip(b"\0")
+
+
+def checkpoint_record(file_id: int, synced: int) -> bytes:
+    """The sync checkpoint's bytes: file id and synced size (u64, u64), their CRC32C (u32)."""
+    head = _CHECKPOINT_HEAD.pack(file_id, synced)
+    return head + _CRC.pack(crc32c.crc32c(head))
+
+
+def parse_checkpoint(record: bytes) -> tuple[int, int] | None:
+    """The (file id, synced size) of a sync checkpoint's bytes; None if they do not check out."""
+    head = record[: _CHECKPOINT_HEAD.size]
+    if len(record) != len(head) + _CRC.size or len(head) != _CHECKPOINT_HEAD.size:
+        return None
+    if _CRC.unpack_from(record, len(head))[0] != crc32c.crc32c(head):
+        return None
+    file_id, synced = _CHECKPOINT_HEAD.unpack(head)
+    return int(file_id), int(synced)
+
+
+def _checks_out(field: int, crc: int, payload: memoryview, check: Check | None) -> bool:
+    if not field & SELF_CHECKED:
+        return crc32c.crc32c(payload) == crc
+    return (
+        check is not None
+        and len(payload) > CHECKED_PREFIX
+        and crc32c.crc32c(payload[:CHECKED_PREFIX]) == crc
+        and check(payload)
+    )
+
+
+def _parse_entries(
+    file_id: int, data: memoryview, check: Check | None = None, start: int = 0
+) -> tuple[_Entries, int, str | None]:
+    """Valid entries of one file's bytes from ``start``, where they end, and why they stop
+    there (None: at the end of the file, or at padding that ends it)."""
+    source = _InMemory(data)
+    found: _Entries = []
+    at = parse_entry(source, start, check)
+    while at.kind is Parsed.ENTRY:
+        found.append(
+            (JournalAddress(file_id, at.payload_start, at.length), data[at.payload_start : at.end])
+        )
+        at = parse_entry(source, at.end, check)
+    return found, at.start, at.reason
 
 
 def _parse_file(
@@ -252,19 +462,15 @@ def _parse_file(
 
 def _next_entry(data: bytes, bad: int, check: Check | None, resync: Resync) -> int:
     """Where the first valid entry after the bad one at ``bad`` starts (``len(data)`` if
-    none): a payload whose ``marker`` sits ``at`` bytes in, with a length and CRC that check
-    out."""
+    none): a payload whose ``marker`` sits ``at`` bytes in, that ``parse_entry`` takes."""
     marker, at = resync
     lead = ENTRY_OVERHEAD + at
+    source = _InMemory(data)
     found = data.find(marker, bad + 1 + lead)
     while found >= 0:
-        start = found - lead
-        field, crc = _ENTRY.unpack_from(data, start)
-        end = start + ENTRY_OVERHEAD + (field & ~SELF_CHECKED)
-        if field & ~SELF_CHECKED and end <= len(data):
-            payload = memoryview(data)[start + ENTRY_OVERHEAD : end]
-            if _checks_out(field, crc, payload, check):
-                return start
+        candidate = parse_entry(source, found - lead, check)
+        if candidate.kind is Parsed.ENTRY:
+            return candidate.start
         found = data.find(marker, found + 1)
     return len(data)
 
@@ -272,87 +478,14 @@ def _next_entry(data: bytes, bad: int, check: Check | None, resync: Resync) -> i
 def _outline(data: memoryview, pos: int, end: int) -> tuple[bytes, ...]:
     """The heads of the entries that the length fields in ``data[pos:end]`` outline (past
     alignment padding), unverified."""
+    source = _InMemory(data[:end])
     heads = []
-    while pos + ENTRY_OVERHEAD < end:
-        length = _ENTRY.unpack_from(data, pos)[0] & ~SELF_CHECKED
-        if length == 0 and pos < _padded_to(pos) < end:
-            pos = _padded_to(pos)  # zeros before an aligned entry
-            continue
-        if length == 0 or pos + ENTRY_OVERHEAD + length > end:
-            break
-        start = pos + ENTRY_OVERHEAD
-        heads.append(bytes(data[start : start + min(length, CHECKED_PREFIX)]))
-        pos = start + length
+    at = parse_entry(source, pos, verify=False)
+    while at.kind is Parsed.ENTRY:
+        start = at.payload_start
+        heads.append(bytes(data[start : start + min(at.length, CHECKED_PREFIX)]))
+        at = parse_entry(source, at.end, verify=False)
     return tuple(heads)
-
-
-def _parse_entries(
-    file_id: int, data: memoryview, check: Check | None = None, start: int = 0
-) -> tuple[_Entries, int, str | None]:
-    """Valid entries of one file's bytes from ``start``, where they end, and why they stop
-    there (None: at the end of the file, or at padding that ends it)."""
-    found: _Entries = []
-    pos, size = start, len(data)
-    while pos < size:
-        if size - pos < BLOCK and _is_padding(data[pos:], size):
-            return found, pos, None
-        aligned = _skip_alignment(data, pos, check)  # the entry there is checked already
-        if aligned is not None:
-            pos = aligned
-        if size - pos < ENTRY_OVERHEAD:
-            return found, pos, f"torn entry header at byte {pos}"
-        field, crc = _ENTRY.unpack_from(data, pos)
-        length = field & ~SELF_CHECKED
-        end = pos + ENTRY_OVERHEAD + length
-        if length == 0 or end > size:
-            return found, pos, f"torn or zero-length entry at byte {pos} (length {length})"
-        payload = data[pos + ENTRY_OVERHEAD : end]
-        if aligned is None and not _checks_out(field, crc, payload, check):
-            return found, pos, f"CRC32C mismatch in entry at byte {pos}"
-        found.append((JournalAddress(file_id, pos + ENTRY_OVERHEAD, length), payload))
-        pos = end
-    return found, pos, None
-
-
-def _checks_out(field: int, crc: int, payload: memoryview, check: Check | None) -> bool:
-    if not field & SELF_CHECKED:
-        return crc32c.crc32c(payload) == crc
-    return (
-        check is not None
-        and len(payload) > CHECKED_PREFIX
-        and crc32c.crc32c(payload[:CHECKED_PREFIX]) == crc
-        and check(payload)
-    )
-
-
-def _padded_to(pos: int) -> int:
-    """Where an aligned entry goes when the previous one ends at ``pos``: the next block
-    boundary at least ENTRY_OVERHEAD bytes on, so padding always begins with a zero length
-    field, which no entry has."""
-    return pos if pos % BLOCK == 0 else -(-(pos + ENTRY_OVERHEAD) // BLOCK) * BLOCK
-
-
-def _skip_alignment(data: memoryview, pos: int, check: Check | None) -> int | None:
-    """Where the entry after alignment padding at ``pos`` starts, or None if there is none:
-    zero bytes up to ``_padded_to(pos)``, followed by a valid self-checked entry (the only kind
-    written aligned). Anything else at ``pos`` is parsed, and judged, as an entry."""
-    boundary = _padded_to(pos)
-    if boundary == pos or boundary + ENTRY_OVERHEAD > len(data):
-        return None
-    if any(data[pos:boundary]):
-        return None
-    field, crc = _ENTRY.unpack_from(data, boundary)
-    end = boundary + ENTRY_OVERHEAD + (field & ~SELF_CHECKED)
-    if not field & SELF_CHECKED or end > len(data):
-        return None
-    payload = data[boundary + ENTRY_OVERHEAD : end]
-    return boundary if _checks_out(field, crc, payload, check) else None
-
-
-def _is_padding(rest: Buffer, file_size: int) -> bool:
-    """Whether ``rest``, the bytes that end a file, is a direct write's zero padding (see the
-    module docstring)."""
-    return file_size % BLOCK == 0 and len(rest) < BLOCK and not bytes(rest).strip(b"\0")
 
 
 def _entry_buffers(entry: Sequence[Buffer]) -> list[Buffer]:
@@ -480,14 +613,10 @@ class FileJournal(Journal):
             record = (self.directory / _CHECKPOINT_NAME).read_bytes()
         except FileNotFoundError:
             return 0
-        head = record[: _CHECKPOINT_HEAD.size]
-        if len(record) != len(head) + _CRC.size:
+        checkpoint = parse_checkpoint(record)
+        if checkpoint is None or checkpoint[0] != file_id:
             return 0
-        checkpoint_file, synced = _CHECKPOINT_HEAD.unpack(head)
-        if _CRC.unpack_from(record, len(head))[0] != crc32c.crc32c(head):
-            return 0
-        if checkpoint_file != file_id:
-            return 0
+        synced = checkpoint[1]
         if synced > size:
             log.error(
                 "journal %s: %d bytes synced before are missing (the file was cut short)",
@@ -499,13 +628,12 @@ class FileJournal(Journal):
     def _write_checkpoint(self) -> None:
         """Record the active file's synced size (see the module docstring). A failure only
         costs recovery the ability to tell rot from a torn write; it is logged, not raised."""
-        head = _CHECKPOINT_HEAD.pack(self._active_id, self._synced_size)
         try:
             if self._checkpoint_fd < 0:
                 path = self.directory / _CHECKPOINT_NAME
                 self._checkpoint_fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
                 fsync_dir(self.directory)
-            os.pwrite(self._checkpoint_fd, head + _CRC.pack(crc32c.crc32c(head)), 0)
+            os.pwrite(self._checkpoint_fd, checkpoint_record(self._active_id, self._synced_size), 0)
             os.fdatasync(self._checkpoint_fd)
         except OSError as exc:
             log.warning("journal %s: could not write the sync checkpoint: %s", self.directory, exc)
@@ -579,7 +707,7 @@ class FileJournal(Journal):
             if aligned is None:
                 items.extend(_entry_buffers(entry))
             else:
-                position = _padded_to(position)
+                position = aligned_start(position)
                 items.append(aligned)
             addresses.append(JournalAddress(self._active_id, position + ENTRY_OVERHEAD, length))
             position += ENTRY_OVERHEAD + length
@@ -634,7 +762,7 @@ class FileJournal(Journal):
             if not isinstance(item, _ZeroCopy):
                 stage(memoryview(item).cast("B"))
                 continue
-            stage(memoryview(bytes(_padded_to(fill) - fill)))  # zeros up to the entry
+            stage(memoryview(bytes(aligned_start(fill) - fill)))  # zeros up to the entry
             head = BLOCK - len(item.head)  # body bytes in the entry's first block
             out[fill : fill + len(item.head)] = item.head
             out[fill + len(item.head) : fill + BLOCK] = item.body[:head]
@@ -643,7 +771,7 @@ class FileJournal(Journal):
             pieces += [out[staged:fill], item.body[head : head + middle]]
             staged = fill
             stage(item.body[head + middle :])
-        end = -(-fill // BLOCK) * BLOCK
+        end = block_end(fill)
         out[fill:end] = bytes(end - fill)  # zero padding, never stale bytes
         pieces.append(out[staged:end])
         _pwritev_all(self._fd, pieces, at)
@@ -688,18 +816,15 @@ class FileJournal(Journal):
         with open(self._path(address.file_id), "rb") as f:
             f.seek(address.position - ENTRY_OVERHEAD)
             data = f.read(address.length + ENTRY_OVERHEAD)
-        field, crc = _ENTRY.unpack_from(data) if len(data) >= ENTRY_OVERHEAD else (0, 0)
-        payload = data[ENTRY_OVERHEAD:]
-        if field & ~SELF_CHECKED != address.length or not _checks_out(
-            field, crc, memoryview(payload), self._check
-        ):
+        at = parse_entry(data, 0, self._check)
+        if at.kind is not Parsed.ENTRY or at.end != len(data) or at.length != address.length:
             raise CorruptData(
                 f"journal entry at {self._path(address.file_id).name}:{address.position} "
                 "failed its CRC32C check",
                 file=address.file_id,
                 position=address.position,
             )
-        return payload
+        return data[ENTRY_OVERHEAD:]
 
     def roll(self) -> int | None:
         if self._files[self._active_id] == 0:
@@ -741,38 +866,27 @@ class FileJournal(Journal):
         return iter(found)
 
     def heads(self, file_id: int, size: int) -> Iterator[tuple[JournalAddress, bytes]]:
-        # Reads the entry headers and ``size`` bytes of each payload and seeks past the rest:
-        # the mover needs only batch headers, and reading whole files back would pull every
-        # byte written (directly, past the page cache) into memory once more.
-        path = self._path(file_id)
+        # Reads the entry headers (and padding) and ``size`` bytes of each payload, never the
+        # rest: the mover needs only batch headers, and reading whole files back would pull
+        # every byte written (directly, past the page cache) into memory once more.
         skips = dict(self._damaged.get(file_id, ()))  # start -> end of ranges recovery skipped
-        with open(path, "rb", buffering=64 * 1024) as f:
-            end = os.fstat(f.fileno()).st_size
+        with open(self._path(file_id), "rb") as f:
+            source = _InFile(f.fileno())
             pos = 0
-            while pos < end:
+            while True:
                 if pos in skips:
                     pos = skips[pos]
-                    f.seek(pos)
                     continue
-                header = f.read(ENTRY_OVERHEAD)
-                field = _ENTRY.unpack(header)[0] if len(header) == ENTRY_OVERHEAD else 0
-                length = field & ~SELF_CHECKED
-                boundary = _padded_to(pos)
-                if field == 0 and pos < boundary < end:  # alignment padding (not checked)
-                    pos = boundary
-                    f.seek(pos)
-                    continue
-                if length == 0 or pos + ENTRY_OVERHEAD + length > end:
-                    f.seek(pos)
-                    if end - pos < BLOCK and _is_padding(f.read(), end):
-                        return
+                at = parse_entry(source, pos, verify=False)
+                if at.kind is Parsed.END:
+                    return
+                if at.kind is not Parsed.ENTRY:
                     raise CorruptData(
                         f"sealed journal file {file_id}: torn entry at byte {pos}", file=file_id
                     )
-                head = f.read(min(size, length))
-                yield JournalAddress(file_id, pos + ENTRY_OVERHEAD, length), head
-                pos += ENTRY_OVERHEAD + length
-                f.seek(pos)
+                head = source.read(at.payload_start, min(size, at.length))
+                yield JournalAddress(file_id, at.payload_start, at.length), bytes(head)
+                pos = at.end
 
     def file_path(self, file_id: int) -> Path | None:
         return self._path(file_id)
@@ -783,6 +897,8 @@ class FileJournal(Journal):
         self._path(file_id).unlink(missing_ok=True)
         del self._files[file_id]
         self._damaged.pop(file_id, None)
+        if self._fsync:
+            fsync_dir(self.directory)  # the removal survives a power failure (module docstring)
 
     @property
     def active_bytes(self) -> int:
