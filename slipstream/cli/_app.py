@@ -14,7 +14,7 @@ import typer
 from rich.markup import escape
 
 from .._errors import BrokerUnavailable, SlipstreamError
-from ..broker import FSYNC_MODES
+from ..broker import FSYNC_MODES, ConnectionLimits
 from ..streams import parse_size_bytes
 from ._common import BrokerOption, connect, err, out
 
@@ -99,6 +99,17 @@ def up(
     retention_check_seconds: Annotated[
         float, typer.Option(help="How often retention runs.")
     ] = 30.0,
+    idle_timeout: Annotated[
+        float,
+        typer.Option(
+            help="Close a connection silent this many seconds with nothing open (no follow, "
+            "request or append); clients connect again when they need to."
+        ),
+    ] = 300.0,
+    max_follows: Annotated[
+        int,
+        typer.Option(help="Open follows per connection: a reader opens one per segment it reads."),
+    ] = 4096,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Start the broker in the foreground; Ctrl-C (SIGINT) or SIGTERM stops it cleanly."""
@@ -106,6 +117,10 @@ def up(
 
     if fsync not in FSYNC_MODES:
         raise typer.BadParameter(f"use one of {', '.join(FSYNC_MODES)}", param_hint="--fsync")
+    if not idle_timeout > 0:
+        raise typer.BadParameter("must be more than 0 seconds", param_hint="--idle-timeout")
+    if max_follows < 1:
+        raise typer.BadParameter("must be at least 1", param_hint="--max-follows")
     setup_logging(log_level)
     run_broker(
         data_dir,
@@ -117,6 +132,7 @@ def up(
         roll_bytes=parse_size_bytes(roll),
         roll_ms=int(roll_seconds * 1000),
         retention_check_ms=int(retention_check_seconds * 1000),
+        connection=ConnectionLimits(idle_timeout=idle_timeout, max_follows=max_follows),
     )
 
 

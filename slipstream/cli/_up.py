@@ -12,7 +12,7 @@ import logging
 import signal
 from pathlib import Path
 
-from ..broker import Broker, BrokerConfig, BrokerFailed, ContainerConfig
+from ..broker import Broker, BrokerConfig, BrokerFailed, ConnectionLimits, ContainerConfig
 
 #: exit status when the broker stopped because a background task died (sysexits EX_SOFTWARE)
 EXIT_FAILED = 70
@@ -35,6 +35,7 @@ def run_broker(
     roll_bytes: int = 64 * 1024 * 1024,
     roll_ms: int = 300_000,
     retention_check_ms: int = 30_000,
+    connection: ConnectionLimits | None = None,
 ) -> None:
     """Run a broker until a signal; raises SlipstreamError for a bad setup (locked dir) and
     SystemExit(70) if a background task died."""
@@ -46,6 +47,7 @@ def run_broker(
         max_batch_bytes=max_batch_bytes,
         retention_check_ms=retention_check_ms,
         container=ContainerConfig(fsync=fsync, roll_bytes=roll_bytes, roll_ms=roll_ms),
+        connection=connection or ConnectionLimits(),
     )
     broker = Broker(config)
 
