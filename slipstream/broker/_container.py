@@ -110,7 +110,8 @@ class Container:
     object here. The journal thread (``_io``) runs journal calls and hands back only their
     results (a roll's sealed file id included: the loop then wakes the mover); the mover
     thread (``_mover``) works from ``_MoveTarget`` snapshots; reader threads get a segment's
-    immutable fields and a ``Chunk`` (whose index arrays are never changed)."""
+    immutable fields and a ``Chunk`` (whose index arrays are never changed), or look the chunk
+    up themselves in ``chunk_cache`` (its own lock) and the catalog (its read connection)."""
 
     def __init__(
         self,
