@@ -384,59 +384,74 @@ class Controller:
         construction and is retained until the mover turns it into chunks. Each segment loses
         a prefix of its chunks, in one catalog statement; the catalog thread plans it, reading
         the chunks it removes (and one more) in pages, never the whole history: the work is
-        linear in what is removed.
+        linear in what is removed, and memory bounded by removing at most
+        ``RETENTION_BATCH`` chunks a step.
         """
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-        loop = asyncio.get_running_loop()
         removed = 0
         for stream in list(self.streams.values()):
             if stream.retention_ms is None and stream.retention_bytes is None:
                 continue
-            # what the catalog thread plans with, taken on the loop
-            horizon = None if stream.retention_ms is None else now_ms - stream.retention_ms
-            spans = {
-                s.number: (s.start_offset, s.chunk_end)
-                for s in stream.segments.values()
-                if s.last_chunk is not None
-            }
-            total = sum(s.bytes for s in stream.segments.values())
-            plan = await loop.run_in_executor(
-                self._catalog,
-                _plan_retention,
-                self.meta,
-                stream.id,
-                spans,
-                horizon,
-                stream.retention_bytes,
-                total,
-            )
-            if not plan:
-                continue
-            cuts = {number: cut for number, (cut, _) in plan.items()}
-            records = await loop.run_in_executor(
-                self._catalog, self.meta.remove_chunks_before, stream.id, cuts
-            )
-            for number, (cut, first_kept) in plan.items():
-                segment = stream.segments[number]
-                gone = [r for r in records if r.segment == number]
-                segment.start_offset = max(segment.start_offset, cut)
-                segment.bytes -= sum(r.bytes for r in gone)
-                segment.chunk_count -= len(gone)
-                if segment.last_chunk is not None and segment.last_chunk.record.next_offset <= cut:
-                    segment.last_chunk = None
-                self.containers[segment.container].chunk_cache.forget(segment.global_id, cut)
-                if first_kept is None and segment.last_chunk is not None:
-                    first_kept = segment.last_chunk.record.min_timestamp
-                segment.first_timestamp = (
-                    first_kept
-                    if first_kept is not None
-                    else min((b.min_timestamp for b in segment.journal), default=None)
-                )
-            await loop.run_in_executor(self._catalog, self._delete_chunks, records)
-            removed += len(records)
-            log.info("retention removed %d chunks of %s", len(records), stream.name)
+            while True:
+                count = await self._retain(stream, now_ms)
+                removed += count
+                if count < RETENTION_BATCH:
+                    break
         return removed
 
+    async def _retain(self, stream: Stream, now_ms: int) -> int:
+        """One step of retention for ``stream``: how many chunks it removed."""
+        loop = asyncio.get_running_loop()
+        # what the catalog thread plans with, taken on the loop
+        horizon = None if stream.retention_ms is None else now_ms - stream.retention_ms
+        spans = {
+            s.number: (s.start_offset, s.chunk_end)
+            for s in stream.segments.values()
+            if s.last_chunk is not None
+        }
+        total = sum(s.bytes for s in stream.segments.values())
+        plan = await loop.run_in_executor(
+            self._catalog,
+            _plan_retention,
+            self.meta,
+            stream.id,
+            spans,
+            horizon,
+            stream.retention_bytes,
+            total,
+        )
+        if not plan:
+            return 0
+        cuts = {number: cut for number, (cut, _) in plan.items()}
+        records = await loop.run_in_executor(
+            self._catalog, self.meta.remove_chunks_before, stream.id, cuts
+        )
+        by_segment: dict[int, list[ChunkRecord]] = {}
+        for record in records:
+            by_segment.setdefault(record.segment, []).append(record)
+        for number, (cut, first_kept) in plan.items():
+            segment = stream.segments[number]
+            gone = by_segment.get(number, [])
+            segment.start_offset = max(segment.start_offset, cut)
+            segment.bytes -= sum(r.bytes for r in gone)
+            segment.chunk_count -= len(gone)
+            if segment.last_chunk is not None and segment.last_chunk.record.next_offset <= cut:
+                segment.last_chunk = None
+            self.containers[segment.container].chunk_cache.forget(segment.global_id, cut)
+            if first_kept is None and segment.last_chunk is not None:
+                first_kept = segment.last_chunk.record.min_timestamp
+            segment.first_timestamp = (
+                first_kept
+                if first_kept is not None
+                else min((b.min_timestamp for b in segment.journal), default=None)
+            )
+        await loop.run_in_executor(self._catalog, self._delete_chunks, records)
+        log.info("retention removed %d chunks of %s", len(records), stream.name)
+        return len(records)
+
+
+#: the most chunks one retention step removes (and holds the records of)
+RETENTION_BATCH = 10_000
 
 #: how much a time lookup reads per trip through the container while it scans batch headers
 _TIME_SCAN_BYTES = 1 << 20
@@ -491,16 +506,19 @@ def _plan_retention(
     (None if no chunk is kept). Time retention removes each segment's chunks up to the first
     whose newest event is at or after ``horizon`` (only ever a prefix); size retention then
     removes the oldest chunk of the stream (by newest event) while ``total`` is over the
-    limit, and not one more."""
+    limit, and not one more. At most ``RETENTION_BATCH`` chunks in all: the caller repeats."""
     fronts = [_ChunkFront(meta, stream_id, n, start, end) for n, (start, end) in spans.items()]
+    budget = RETENTION_BATCH
     if horizon is not None:
         for front in fronts:
-            while (head := front.head()) is not None and head.max_timestamp < horizon:
+            while budget and (head := front.head()) is not None and head.max_timestamp < horizon:
                 total -= front.pop().bytes
+                budget -= 1
     if retention_bytes is not None:
         heads = [(head.max_timestamp, f.number, f) for f in fronts if (head := f.head())]
         heapq.heapify(heads)
-        while total > retention_bytes and heads:
+        while budget and total > retention_bytes and heads:
+            budget -= 1
             _, number, front = heapq.heappop(heads)
             total -= front.pop().bytes
             if (head := front.head()) is not None:

@@ -82,11 +82,13 @@ def test_reads_time_lookups_and_a_restart_use_a_bounded_chunk_cache(tmp_path: Pa
     run(closing(open_node(tmp_path, store, 3 * one_index), after_restart))
 
 
-@pytest.mark.parametrize("page", [2, 512])
+@pytest.mark.parametrize(("page", "batch"), [(2, 3), (512, 10_000)])
 def test_retention_reads_the_history_a_page_at_a_time(
-    tmp_path: Path, page: int, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, page: int, batch: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # (2, 3): pages of 2 chunks, and at most 3 chunks removed a step (the pass repeats)
     monkeypatch.setattr(_controller._ChunkFront, "PAGE", page)
+    monkeypatch.setattr(_controller, "RETENTION_BATCH", batch)
     store = MemoryChunkStore()
 
     async def body(node: Node) -> None:
