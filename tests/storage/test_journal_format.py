@@ -266,6 +266,8 @@ def test_zeros_are_the_end_only_if_short_of_a_block_and_ending_an_aligned_size()
 def test_a_file_parses_as_its_bytes_do(tmp_path: Path) -> None:
     """The file source (``heads``) and the memory source (everything else) agree."""
     image = pad_to_aligned(plain(SMALL) + plain(b"v" * 300)) + self_checked(BIG) + plain(SMALL)
+    image += b"".join(plain(bytes([n]) * (700 + n)) for n in range(150))  # across read-aheads
+    image = pad_to_aligned(image + plain(b"w" * 70_000)) + self_checked(PREFIX + body(70_000, 9))
     image = pad_to_block(image)
     path = tmp_path / "0000000000000000.journal"
     path.write_bytes(image)
@@ -275,10 +277,14 @@ def test_a_file_parses_as_its_bytes_do(tmp_path: Path) -> None:
         found = [parse_entry(source, 0, verify=False)]
         while found[-1].kind is Parsed.ENTRY:
             found.append(parse_entry(source, found[-1].end, verify=False))
+        for at in found[:-1]:  # what heads reads: each payload's first bytes
+            start = at.payload_start
+            assert bytes(source.read(start, 100)) == image[start : start + 100]
     finally:
         os.close(fd)
     assert found == walk(image, verify=False) == walk(image)
-    assert [f.kind for f in found] == [Parsed.ENTRY] * 4 + [Parsed.END]
+    assert [f.kind for f in found] == [Parsed.ENTRY] * 156 + [Parsed.END]
+    assert len(image) > 3 * journal_module._READ_AHEAD
 
 
 def test_the_sync_checkpoint_record() -> None:
