@@ -18,11 +18,17 @@ broker (``python -m slipstream up``) on it and reports:
   from that offset to the next one, through the client), median and 99th percentile;
 * ``cut``: the latency of ``client.cut(stream, at=time)`` for the time of a random sampled
   chunk's first event (the time lookup), median and 99th percentile.
+
+With ``--retention`` it then times one retention pass that removes the older half of the
+history (``Controller.enforce_retention``, in this process, over the same data directory; the
+chunk files are mostly absent, so their deletion is cheap), giving up after
+``--retention-timeout`` seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -39,6 +45,8 @@ from pathlib import Path
 import numpy as np
 
 import slipstream
+from slipstream.broker._container import Container, ContainerConfig
+from slipstream.broker._controller import Controller
 from slipstream.format import (
     binary_array,
     encode_body,
@@ -47,7 +55,7 @@ from slipstream.format import (
     set_base_offset,
     timestamp_array,
 )
-from slipstream.storage import LocalChunkStore, chunk_name
+from slipstream.storage import FileJournal, LocalChunkStore, SqliteMetaStore, chunk_name
 from slipstream.streams import StreamCut
 
 STREAM = "bench/history"
@@ -177,6 +185,45 @@ def build(data_dir: Path, chunks: int, chunk_bytes: int, batch_bytes: int, sampl
     return {"events_per_chunk": events, "sampled": sampled, "ms_per_chunk": ms_per_chunk}
 
 
+def retention_pass(data_dir: Path, chunks: int, ms_per_chunk: int, timeout: float) -> dict:
+    """Time one retention pass that removes the older half of the chunks, in this process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    layout = json.loads((data_dir / "broker.json").read_text())
+    meta = SqliteMetaStore(data_dir / "meta.db")
+    store = LocalChunkStore(data_dir / "chunks", fsync=False)
+    pool = ThreadPoolExecutor(2)
+    journals = [
+        FileJournal(data_dir / "journal" / str(cid), fsync=False)
+        for cid in range(layout["containers"])
+    ]
+    config = ContainerConfig(roll_ms=600_000)
+    containers = [Container(i, j, store, meta, pool, config) for i, j in enumerate(journals)]
+    controller = Controller(meta, store, containers, pool)
+    began = time.monotonic()
+    controller.recover()
+    recovered = time.monotonic() - began
+    controller.stream(STREAM).retention_ms = 1000
+    now = START_MS + (chunks // 2) * ms_per_chunk
+
+    async def run() -> int:
+        return await asyncio.wait_for(controller.enforce_retention(now), timeout)
+
+    began = time.monotonic()
+    try:
+        removed: int | None = asyncio.run(run())
+    except TimeoutError:
+        removed = None
+    took = time.monotonic() - began
+    controller.close()
+    pool.shutdown(wait=False, cancel_futures=True)
+    return {
+        "recover_in_process_s": round(recovered, 2),
+        "retention_removed": removed,
+        "retention_s": round(took, 2) if removed is not None else f"> {timeout}",
+    }
+
+
 def percentiles(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
     return {
@@ -185,7 +232,14 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     }
 
 
-def measure(chunk_mib: float, tib: float, batch_kib: int, sample: int, lookups: int) -> dict:
+def measure(
+    chunk_mib: float,
+    tib: float,
+    batch_kib: int,
+    sample: int,
+    lookups: int,
+    retention: float | None,
+) -> dict:
     chunk_bytes = int(chunk_mib * 2**20)
     chunks = int(tib * 2**40 // chunk_bytes)
     with tempfile.TemporaryDirectory(prefix="history-") as tmp:
@@ -221,6 +275,11 @@ def measure(chunk_mib: float, tib: float, batch_kib: int, sample: int, lookups: 
             after = broker.memory()
         finally:
             broker.stop()
+        kept = (
+            {}
+            if retention is None
+            else retention_pass(data_dir, chunks, plan["ms_per_chunk"], retention)
+        )
     return {
         "chunk_mib": chunk_mib,
         "chunks": chunks,
@@ -232,6 +291,7 @@ def measure(chunk_mib: float, tib: float, batch_kib: int, sample: int, lookups: 
         "rss_peak_mib": round(after["VmHWM"], 1),
         "read": percentiles(reads),
         "cut": percentiles(cuts),
+        **kept,
     }
 
 
@@ -242,11 +302,20 @@ def main() -> None:
     parser.add_argument("--batch-kib", type=int, default=1024)
     parser.add_argument("--sample", type=int, default=64, help="chunks with real files")
     parser.add_argument("--lookups", type=int, default=200)
+    parser.add_argument("--retention", action="store_true", help="time a retention pass")
+    parser.add_argument("--retention-timeout", type=float, default=300.0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     results = []
     for chunk_mib in args.chunk_mib:
-        result = measure(chunk_mib, args.retained_tib, args.batch_kib, args.sample, args.lookups)
+        result = measure(
+            chunk_mib,
+            args.retained_tib,
+            args.batch_kib,
+            args.sample,
+            args.lookups,
+            args.retention_timeout if args.retention else None,
+        )
         print(json.dumps(result), flush=True)
         results.append(result)
     if args.json:
