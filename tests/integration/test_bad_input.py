@@ -89,6 +89,22 @@ def test_oversized_batch_is_refused_and_nothing_is_stored(
     assert client.describe_stream("bad/input").segments[0].end_offset == 3
 
 
+def test_a_batch_just_over_the_limit_is_refused_though_its_frame_fits(
+    raw: RawConnection, client: slipstream.Client
+) -> None:
+    """Frames may be up to 64 KiB larger than a batch (room for the request's fields), so a
+    batch a few KiB over the limit reaches the broker's own batch check, not the frame's."""
+    limit = 8 * 1024 * 1024
+    over = batch(count=1, value=b"x" * (limit + 8 * 1024))
+    assert limit < len(over) < limit + 64 * 1024
+    raw.send_frame(Append("bad/input", 0), 11, over)
+    error = _error(raw.receive())
+    assert error.code == "batch_too_large" and str(limit) in error.message, error
+    raw.send_frame(Append("bad/input", 0), 12, batch())
+    assert raw.receive().correlation_id == 12
+    assert client.describe_stream("bad/input").segments[0].end_offset == 3
+
+
 def test_client_refuses_an_event_larger_than_a_batch(client: slipstream.Client) -> None:
     client.create_stream("bad/big", segments=1)
     with client.producer("bad/big") as producer, pytest.raises(slipstream.BatchTooLarge):
