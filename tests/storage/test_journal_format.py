@@ -252,6 +252,10 @@ def test_padding_is_taken_only_before_a_self_checked_entry_on_the_rule_s_boundar
     assert outcome(early, 4090) == torn(4090)
     late = pad_to_aligned(plain(SMALL)) + bytes(BLOCK) + self_checked(BIG)  # a block too far
     assert outcome(late, 19) == torn(19)
+    # an entry that ends on a boundary (or the file's start) is followed by no padding at all
+    on_boundary = plain(b"q" * (BLOCK - ENTRY_OVERHEAD)) + bytes(BLOCK) + self_checked(BIG)
+    assert outcome(on_boundary, BLOCK) == torn(BLOCK)
+    assert outcome(bytes(BLOCK) + self_checked(BIG), 0) == torn(0)
 
 
 def test_zeros_are_the_end_only_if_short_of_a_block_and_ending_an_aligned_size() -> None:
