@@ -32,6 +32,7 @@ import random
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -45,11 +46,13 @@ import msgspec
 
 import slipstream
 
-from ..format import iter_batches
+from ..format import decode_header
+from ..storage._journal import Parsed, parse_entry
 from ._checker import Report, check_directory
 from ._proxy import TorturingProxy
 from ._records import REQUEST_TIMEOUT, Ack, Read, TxnBegin, TxnEnd
 
+_GLOBAL_ID = struct.Struct("<Q")  # a journal entry's payload starts with the segment's id
 FAULTS = ("kill", "stop", "cut", "delay", "disk", "flip", "power")
 PROCESS_FAULTS = {"kill", "stop", "flip", "power"}
 STREAM = "torture/events"
@@ -673,20 +676,29 @@ def _fill(ballast: Path) -> None:
         os.close(fd)
 
 
+_NO_BATCH = (-1, 0, 0)  # a flip in padding between journal entries: no batch is damaged
+
+
 def _batch_at(path: Path, at: int) -> tuple[int, int, int] | None:
-    """(segment, first offset, end offset) of the batch holding byte ``at`` of a chunk file;
-    None for a journal file or a chunk that is not plain batches (a hard-linked journal file)."""
-    if path.suffix != ".chunk":
-        return None
+    """(segment, first offset, end offset) of the batch whose journal entry holds byte ``at``
+    of a journal or chunk file (chunks keep the journal's entries), ``_NO_BATCH`` for a byte
+    of padding, None where the file does not parse (then only the coarse rules apply)."""
+    data = path.read_bytes()
+    pos = 0
     try:
-        segment, position = int(path.parent.name), 0
-        for header, _ in iter_batches(path.read_bytes(), check_crc=False):
-            if position <= at < position + header.batch_length:
-                return segment, header.base_offset, header.next_offset
-            position += header.batch_length
-    except (ValueError, slipstream.SlipstreamError):
+        while True:
+            entry = parse_entry(data, pos, verify=False)
+            if entry.kind is not Parsed.ENTRY:
+                return _NO_BATCH if entry.kind is Parsed.END and at >= pos else None
+            if at < entry.start:
+                return _NO_BATCH
+            if at < entry.end:
+                (global_id,) = _GLOBAL_ID.unpack_from(data, entry.payload_start)
+                header = decode_header(data, entry.payload_start + _GLOBAL_ID.size)
+                return global_id & 0xFFFFFF, header.base_offset, header.next_offset
+            pos = entry.end
+    except (ValueError, struct.error, slipstream.SlipstreamError):
         return None
-    return None
 
 
 def _flip_target(data_dir: Path, rng: random.Random) -> tuple[Path, int] | None:
