@@ -37,7 +37,7 @@ fault and a final kill -9 and restart of the broker. The rules:
 ``unexpected_damage``
     CorruptData reported although no byte was flipped, more damaged ranges than flipped bytes,
     or a damaged range wider than one batch can be (a flip damages one batch); where the
-    harness knows which batch each flip hit (chunk files), damage anywhere else, or reported
+    harness knows which batch each flip hit (it parses the file), damage anywhere else, or reported
     for part of a flipped batch only.
 
 Memory grows with the number of events (a few dozen bytes each), not with their size.
