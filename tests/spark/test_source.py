@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,7 @@ def test_max_bytes_per_trigger(
     client.create_stream("t/bytes", segments=1)
     with client.producer("t/bytes") as producer:
         for _ in range(200):
-            producer.send(b"x" * 1000)
+            producer.send(os.urandom(1000))  # incompressible: stored bytes = sent bytes
     df = read_stream(
         spark, broker, "t/bytes", startingPosition="earliest", maxBytesPerTrigger=50_000
     )
