@@ -19,7 +19,10 @@ How a transaction works (docs/concepts.md tells users the same):
 A broker that crashes before step 3 loses the transaction (aborted: its staged entries are
 ignored on restart and their files deleted). One that crashes after it applies the record
 again on restart, before it serves anyone: segments that already hold some of the batches
-recognise them by their sequence numbers, so each batch lands exactly once. Readers never see
+recognise them by their sequence numbers, so each batch lands exactly once. A segment where a
+newer epoch of the owner has appended since holds all of them (that epoch's InitProducer waited
+for the commit), so the record's epoch being fenced there never stops a re-apply, nor the
+broker's start. Readers never see
 staged data, so they never see uncommitted or aborted events, and committed data reads exactly
 like any other.
 
@@ -138,6 +141,17 @@ class _Txn:
         )
 
 
+async def _settled(futures: list[asyncio.Future[int]]) -> list[int]:
+    """The futures' results, once every one is done; then the first failure, if any, raised.
+    Waiting for all of them leaves no failure unretrieved ("Future exception was never
+    retrieved") when several appends of a group fail together."""
+    results = await asyncio.gather(*futures, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return [r for r in results if not isinstance(r, BaseException)]
+
+
 class _Ids:
     """Ids handed out from blocks reserved durably in the catalog (one write per block)."""
 
@@ -233,7 +247,8 @@ class Coordinator:
                     commit.batches,
                 )
             ranges = await self._apply(commit, staged)
-            await loop.run_in_executor(self._io, self.meta.finish_txn, commit.txn_id)
+            # not marked applied (disk full): the next restart applies it again, as a no-op
+            await loop.run_in_executor(self._io, self._finish, commit.txn_id)
             log.info(
                 "applied transaction %d of %r after restart (%d segments)",
                 commit.txn_id,
@@ -553,7 +568,9 @@ class Coordinator:
 
     async def _apply(self, record: TxnCommit, staged: list[_Staged]) -> list[TxnRange]:
         """Append the staged batches to their segments, skipping any a segment already holds
-        (an apply interrupted by a crash); returns where they landed."""
+        (an apply interrupted by a crash, or one whose record was not marked applied); returns
+        where they landed. Every append is awaited, failed or not, before the first failure is
+        raised; the caller retries (a commit) or fails the start (a restart)."""
         loop = asyncio.get_running_loop()
         sequence: dict[tuple[int, int], int] = {}
         skip: dict[tuple[int, int], int] = {}
@@ -567,6 +584,12 @@ class Coordinator:
                 already = (state.next_sequence - part.start_sequence) % SEQUENCE_MODULUS
                 if already >= SEQUENCE_MODULUS // 2:
                     already = 0
+            elif state is not None and state.epoch > record.epoch:
+                # A newer epoch of the owner appended here, so the record was applied here in
+                # full (a newer epoch's InitProducer waits for a commit under way, and a
+                # restart applies pending records before it serves): skip every batch. Sending
+                # them would only be fenced, and the record, not the epoch, decided them.
+                already = SEQUENCE_MODULUS
             skip[key] = already
         in_flight: list[tuple[Segment, asyncio.Future[int], int]] = []
         window = 0
@@ -582,7 +605,7 @@ class Coordinator:
                 sequence[key] = next_sequence(sequence[key], header.event_count)
                 continue
             if sequential and first_part not in (None, key):
-                await asyncio.gather(*(f for _, f, _ in in_flight))
+                await _settled([f for _, f, _ in in_flight])
                 _crash_point("txn.mid_apply")
             first_part = first_part or key
             batch = self._release(item)
@@ -602,11 +625,11 @@ class Coordinator:
             in_flight.append((segment, future, header.event_count))
             window += len(batch)
             if window > _APPLY_WINDOW_BYTES:
-                await asyncio.gather(*(f for _, f, _ in in_flight))
+                await _settled([f for _, f, _ in in_flight])
                 window = 0
+        bases = await _settled([f for _, f, _ in in_flight])
         ranges: dict[Segment, list[int]] = {}
-        for segment, future, count in in_flight:
-            base = await future
+        for (segment, _, count), base in zip(in_flight, bases, strict=True):
             span = ranges.setdefault(segment, [base, base + count])
             span[0], span[1] = min(span[0], base), max(span[1], base + count)
         return [TxnRange(s.stream_name, s.number, lo, hi) for s, (lo, hi) in ranges.items()]
