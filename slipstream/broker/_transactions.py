@@ -196,6 +196,8 @@ class Coordinator:
         # the file, so a cleanup queued behind it never deletes a file still in use.
         self._file_users: dict[int, set[int]] = {}  # staging file id -> transactions in it
         self._held = 0  # bytes of staged batches held in memory
+        # commits under way: owned here, not by the request that asked (see ``end``)
+        self._commits: set[asyncio.Task[TxnEnded]] = set()
 
     # --- startup ---------------------------------------------------------------------------
 
@@ -430,7 +432,9 @@ class Coordinator:
         self, txn_id: int, commit: bool, metadata: bytes, merge: list[int] | None = None
     ) -> TxnEnded:
         """Commit or abort. A commit may ``merge`` open anonymous transactions: their events
-        commit with this one's, under one commit record, or not at all."""
+        commit with this one's, under one commit record, or not at all. A caller cancelled
+        while it waits (its connection lost) stops waiting, not the commit: asking again
+        gives the outcome."""
         txn = self.open.get(txn_id)
         if txn is None:
             ended = self._ended.get(txn_id)
@@ -461,18 +465,30 @@ class Coordinator:
                 "commit of one that has"
             )
         merged = [self._mergeable(m, txn_id) for m in dict.fromkeys(merge or ())]
-        txn.outcome = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        outcome = txn.outcome = loop.create_future()
         txn.state = "committing"
         for m in merged:
             m.state = "committing"
-        try:
-            result = await self._commit(txn, metadata, merged)
-        except BaseException as exc:
-            txn.outcome.set_exception(exc)
-            txn.outcome.exception()  # retrieved: only the commit's caller reports it
-            raise
-        txn.outcome.set_result(result)
-        return result
+        # The commit runs in a task of the coordinator's: a caller that goes away (its
+        # connection cut, its request cancelled) must not stop a commit whose record may be
+        # stored, half applied, while a newer epoch's InitProducer, waiting for the outcome,
+        # would go on and append to the same segments. Only ``close`` cancels it.
+        task = loop.create_task(self._commit(txn, metadata, merged), name=f"commit {txn_id}")
+        self._commits.add(task)
+
+        def settle(task: asyncio.Task[TxnEnded]) -> None:
+            self._commits.discard(task)
+            if task.cancelled():
+                outcome.cancel()
+            elif (exc := task.exception()) is not None:
+                outcome.set_exception(exc)
+                outcome.exception()  # retrieved: only the commit's caller reports it
+            else:
+                outcome.set_result(task.result())
+
+        task.add_done_callback(settle)
+        return await asyncio.shield(outcome)
 
     def _mergeable(self, txn_id: int, owner: int) -> _Txn:
         merged = self._txn(txn_id)
@@ -697,5 +713,9 @@ class Coordinator:
                     await self._abort(txn, f"timed out after {txn.timeout_ms} ms")
 
     async def close(self) -> None:
+        """Stop: commits under way are cancelled (a stored record is applied on restart)."""
+        for task in self._commits:
+            task.cancel()
+        await asyncio.gather(*self._commits, return_exceptions=True)
         await asyncio.get_running_loop().run_in_executor(self._io, self.staging.close)
         self._io.shutdown(wait=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_container import FAST, Faults, Node, make_batch, values_of
+from test_container import FAST, Faults, Node, make_batch, until, values_of
 from test_races import run_checked
 
 from slipstream import ProducerFenced, StorageFull
@@ -164,3 +164,53 @@ def test_appends_of_an_apply_that_fail_together_leave_no_exception_unretrieved(
     monkeypatch.setattr(Coordinator, "end", end)
     run_checked(body())
     assert unretrieved == [], f"appends {unretrieved} failed and nobody retrieved why"
+
+
+def test_a_commit_whose_caller_goes_away_is_applied_before_a_newer_epoch_opens(
+    tmp_path: Path,
+) -> None:
+    # The commit record is stored and the apply's group is being written when the caller's
+    # request is cancelled (its connection was cut: the session cancels its requests). The
+    # commit went down with it: a newer epoch's InitProducer, waiting for the outcome, went on
+    # while the record stayed unapplied in part and never marked applied; the newer epoch then
+    # appended, and the restart's re-apply was fenced (broker_down after a cut,delay run).
+    # Now the commit finishes, and the newer epoch opens only after it.
+    faults = Faults()
+    node = Node([MemoryJournal(fault=faults)], SqliteMetaStore(":memory:"), MemoryChunkStore())
+
+    async def body() -> None:
+        await node.controller.create_stream(STREAM, 1, None, None)
+        node.start()
+        coordinator = Coordinator(tmp_path, node.meta, node.controller, fsync=False)
+        coordinator.recover()
+        try:
+            await coordinator.apply_pending()
+            segment = node.segment(STREAM)
+            producer_id, epoch = await coordinator.init_producer("T")
+            txn = await coordinator.begin(producer_id, epoch, 60_000)
+            batches = [make_batch(2, "a"), make_batch(3, "b")]
+            for batch in batches:
+                await coordinator.stage(txn, segment, bytearray(batch), verify(batch))
+            faults.block_next("write")
+            ending = asyncio.create_task(coordinator.end(txn, True, b""))
+            await until(faults.entered.is_set)  # the record is stored, the apply under way
+            assert node.meta.pending_commits()
+            ending.cancel()
+            opening = asyncio.create_task(coordinator.init_producer("T"))
+            await asyncio.sleep(0)
+            faults.release()
+            assert (await opening)[1] == epoch + 1
+            with pytest.raises(asyncio.CancelledError):
+                await ending
+            # by the time the newer epoch may write, the commit is applied and marked so
+            assert [values_of(b) for b in await node.read_all(STREAM)] == [
+                values_of(b) for b in batches
+            ]
+            assert node.meta.pending_commits() == []
+            assert coordinator.list() == []
+            assert (await coordinator.end(txn, True, b"")).committed  # asking again: committed
+        finally:
+            await coordinator.close()
+            await node.close()
+
+    run_checked(body())
