@@ -6,7 +6,9 @@ assigns offsets, writes it with one ``writev`` and makes it durable with one ``f
 ``fsync="always"`` mode), then acknowledges the whole group and wakes the segments' followers.
 If the write or sync fails, every append of the group fails (none is acknowledged), the journal
 is cut back to its last durable byte and the offsets handed out are taken back, so the next
-group starts from a clean, gap-free state.
+group starts from a clean, gap-free state. The appends already queued behind the group by the
+same idempotent producers to the same segments fail with it: an append that failed is never
+followed by a later batch of its producer that was queued before the failure was known.
 
 Journal entry payload: ``u64 segment global id`` (little-endian) followed by the batch verbatim.
 """
@@ -247,7 +249,12 @@ class Container:
 
     def append(self, segment: Segment, batch: Payload, header: BatchHeader) -> asyncio.Future[int]:
         """Queue a verified batch; the future gives its base offset once durable, or fails with
-        StorageFull / StorageError / StreamNotFound (then nothing of it is acknowledged)."""
+        StorageFull / StorageError / StreamNotFound (then nothing of it is acknowledged).
+
+        If a batch of an idempotent producer fails to be stored, every batch of that producer
+        to that segment still queued behind it fails too (same error), so a producer that
+        queues batches without waiting finds them stored as a gap-free prefix: everything up to
+        its first failure, nothing after it."""
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._queue.append(_Append(segment, batch, header, future))
         self._wakeup.set()
@@ -329,6 +336,15 @@ class Container:
                     _fail(item.future, exc)
                 for (segment, pid), state in saved.items():
                     segment.producers.restore(pid, state)
+                # Later batches of those producers in those segments, queued meanwhile, fail
+                # too: stored, they would sit past the lost ones (a transaction's apply would
+                # find its batches with one missing in the middle, and skip it as stored).
+                queued, self._queue = self._queue, []
+                for item in queued:
+                    if (item.segment, item.header.producer_id) in saved:
+                        _fail(item.future, exc)
+                    else:
+                        self._queue.append(item)
                 continue
             self._publish(live, addresses)
             if sealed is not None:

@@ -33,6 +33,7 @@ call fails with TransactionAborted (run the transaction again).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -150,6 +151,28 @@ async def _settled(futures: list[asyncio.Future[int]]) -> list[int]:
         if isinstance(result, BaseException):
             raise result
     return [r for r in results if not isinstance(r, BaseException)]
+
+
+def _failed(future: asyncio.Future[int] | None) -> bool:
+    return (
+        future is not None
+        and future.done()
+        and (future.cancelled() or future.exception() is not None)
+    )
+
+
+def _note_range(
+    ranges: dict[Segment, list[int]],
+    segment: Segment,
+    header: BatchHeader,
+    future: asyncio.Future[int],
+) -> None:
+    """Widen ``segment``'s range in ``ranges`` by a batch once its append is stored."""
+    if _failed(future):
+        return
+    base = future.result()
+    span = ranges.setdefault(segment, [base, base + header.event_count])
+    span[0], span[1] = min(span[0], base), max(span[1], base + header.event_count)
 
 
 class _Ids:
@@ -566,9 +589,10 @@ class Coordinator:
             record.committed_ms,
         )
         txn.identity = self.identities[identity.transactional_id]
+        landed: dict[Segment, list[int]] = {}  # across attempts: a retry skips what landed
         while True:  # committed: it must be applied, however long storage trouble lasts
             try:
-                ranges = await self._apply(record, staged)
+                ranges = await self._apply(record, staged, landed)
                 break
             except (SlipstreamError, OSError) as exc:
                 log.error("applying transaction %d failed, retrying: %s", txn.txn_id, exc)
@@ -582,11 +606,22 @@ class Coordinator:
             self._forget(one, TxnEnded(one.txn_id, True))
         return TxnEnded(txn.txn_id, True, ranges)
 
-    async def _apply(self, record: TxnCommit, staged: list[_Staged]) -> list[TxnRange]:
+    async def _apply(
+        self,
+        record: TxnCommit,
+        staged: list[_Staged],
+        landed: dict[Segment, list[int]] | None = None,
+    ) -> list[TxnRange]:
         """Append the staged batches to their segments, skipping any a segment already holds
         (an apply interrupted by a crash, or one whose record was not marked applied); returns
         where they landed. Every append is awaited, failed or not, before the first failure is
-        raised; the caller retries (a commit) or fails the start (a restart)."""
+        raised; the caller retries (a commit) or fails the start (a restart).
+
+        ``landed`` gathers each segment's offsets ``[lo, hi)`` over the attempts of one commit,
+        so the reply names a segment whose batches all landed before a retry (which skips
+        them). A segment's batches land as a gap-free prefix: once one fails, no later one of
+        that segment is queued (and the container fails those already queued behind it), so
+        the retry's skip count, from the segment's next expected sequence, is exact."""
         loop = asyncio.get_running_loop()
         sequence: dict[tuple[int, int], int] = {}
         skip: dict[tuple[int, int], int] = {}
@@ -608,6 +643,8 @@ class Coordinator:
                 already = SEQUENCE_MODULUS
             skip[key] = already
         in_flight: list[tuple[Segment, asyncio.Future[int], int]] = []
+        ranges: dict[Segment, list[int]] = {} if landed is None else landed
+        latest: dict[tuple[int, int], asyncio.Future[int]] = {}  # each segment's last append
         window = 0
         sequential = _FAULT == "txn.mid_apply"
         first_part: tuple[int, int] | None = None
@@ -620,6 +657,8 @@ class Coordinator:
                 skip[key] -= header.event_count
                 sequence[key] = next_sequence(sequence[key], header.event_count)
                 continue
+            if _failed(latest.get(key)):
+                continue  # stored past the failed batch, this one would hide its loss
             if sequential and first_part not in (None, key):
                 await _settled([f for _, f, _ in in_flight])
                 _crash_point("txn.mid_apply")
@@ -638,16 +677,15 @@ class Coordinator:
             sequence[key] = next_sequence(sequence[key], header.event_count)
             container = self.controller.containers[segment.container]
             future = container.append(segment, batch, decode_header(batch))
+            future.add_done_callback(functools.partial(_note_range, ranges, segment, header))
+            latest[key] = future
             in_flight.append((segment, future, header.event_count))
             window += len(batch)
             if window > _APPLY_WINDOW_BYTES:
                 await _settled([f for _, f, _ in in_flight])
                 window = 0
-        bases = await _settled([f for _, f, _ in in_flight])
-        ranges: dict[Segment, list[int]] = {}
-        for (segment, _, count), base in zip(in_flight, bases, strict=True):
-            span = ranges.setdefault(segment, [base, base + count])
-            span[0], span[1] = min(span[0], base), max(span[1], base + count)
+        # each future's _note_range ran before _settled returns (callbacks run in order)
+        await _settled([f for _, f, _ in in_flight])
         return [TxnRange(s.stream_name, s.number, lo, hi) for s, (lo, hi) in ranges.items()]
 
     def _release(self, item: _Staged) -> Payload | None:

@@ -16,8 +16,10 @@ expected sequence and the last ``WINDOW`` batches it appended (sequence, count, 
 
 When the broker fails to store a batch (disk full), the state rolls back and is marked with a
 *hole*: the producer may already have sent later batches, so the next batch may skip the lost
-sequence numbers once. Pure logic, no IO: the container calls it, recovery replays it, and the
-mover snapshots it into each chunk record so that it survives restarts.
+sequence numbers once. (Later batches already queued in the container fail with the lost one;
+only a batch that arrives after the failure can skip. The transaction coordinator never sends
+one: it retries from the hole.) Pure logic, no IO: the container calls it, recovery replays
+it, and the mover snapshots it into each chunk record so that it survives restarts.
 """
 
 from __future__ import annotations
