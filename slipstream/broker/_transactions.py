@@ -657,8 +657,6 @@ class Coordinator:
                 skip[key] -= header.event_count
                 sequence[key] = next_sequence(sequence[key], header.event_count)
                 continue
-            if _failed(latest.get(key)):
-                continue  # stored past the failed batch, this one would hide its loss
             if sequential and first_part not in (None, key):
                 await _settled([f for _, f, _ in in_flight])
                 _crash_point("txn.mid_apply")
@@ -667,6 +665,8 @@ class Coordinator:
             if batch is None:
                 payload = await loop.run_in_executor(self._io, self.staging.read, item.address)
                 batch = bytearray(memoryview(payload)[_STAGED.size :])
+            if _failed(latest.get(key)):  # checked after the read's await: it may have failed
+                continue  # stored past the failed batch, this one would hide its loss
             restamp(
                 batch,
                 flags=FLAG_TRANSACTIONAL,

@@ -8,6 +8,7 @@ catalog file, local chunks), so "fail this fdatasync" hits exactly one group of 
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,13 @@ from slipstream.broker import _transactions
 from slipstream.broker._transactions import Coordinator
 from slipstream.format import decode_header, restamp, verify
 from slipstream.protocol import TxnRange
-from slipstream.storage import FileJournal, LocalChunkStore, MemoryJournal, SqliteMetaStore
+from slipstream.storage import (
+    FileJournal,
+    JournalAddress,
+    LocalChunkStore,
+    MemoryJournal,
+    SqliteMetaStore,
+)
 
 STREAM = "t/txn"
 
@@ -31,15 +38,17 @@ async def read_values(node: Node, number: int) -> list[bytes]:
     return [v for batch in await node.read_all(STREAM, number) for v in values_of(batch)]
 
 
-@pytest.mark.parametrize("held", [True, False], ids=["one-group", "groups-apart"])
+@pytest.mark.parametrize("mode", ["one-group", "groups-apart", "queued-after-the-failure"])
 def test_a_sync_failure_during_the_apply_loses_no_event_and_no_range(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, mode: str
 ) -> None:
     """one-group: the segment's two batches fail together while the other segment's batch is
-    stored; the retry must still report that segment's range. groups-apart: batches not held
-    in memory are read back from staging one by one, so the apply queues them with awaits in
-    between and the first can fail in a group of its own while the second waits behind it;
+    stored; the retry must still report that segment's range. Otherwise batches are not held
+    in memory but read back from staging one by one, so the apply queues them with awaits in
+    between and the first can fail in a group of its own, with the second queued behind it
+    (groups-apart) or only once the failure is known (queued-after-the-failure); either way
     the second must not be stored past the lost first."""
+    held = mode == "one-group"
     if not held:
         monkeypatch.setattr(_transactions, "_HOLD_BYTES", 0)
     disk = Disk(tmp_path / "data")
@@ -59,7 +68,7 @@ def test_a_sync_failure_during_the_apply_loses_no_event_and_no_range(
             await coordinator.apply_pending()
             producer_id, epoch = await coordinator.init_producer("tx")
             txn_id = await coordinator.begin(producer_id, epoch, 60_000)
-            # nine events: two batches in segment 0 (container 0), one in segment 1
+            # nine events: two batches in segment 0, one in segment 1 (another container)
             for tag, number in [("a1", 0), ("b1", 1), ("a2", 0)]:
                 batch = make_batch(3, tag)
                 await coordinator.stage(txn_id, segments[number], batch, verify(batch))
@@ -70,12 +79,24 @@ def test_a_sync_failure_during_the_apply_loses_no_event_and_no_range(
             segment_0 = node.containers[segments[0].container]
             faults[segments[0].container].block_next("sync")
             faults[segments[0].container].fail_next("sync")
+            read, reads, third_read = coordinator.staging.read, [0], threading.Event()
+
+            def read_third_late(address: JournalAddress) -> bytes:  # a2's, on the txn-io thread
+                reads[0] += 1
+                if reads[0] == 3 and mode == "queued-after-the-failure":
+                    third_read.wait(5)
+                return read(address)
+
+            monkeypatch.setattr(coordinator.staging, "read", read_third_late)
             ending = asyncio.ensure_future(coordinator.end(txn_id, True, b"meta"))
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, faults[segments[0].container].entered.wait, 5)
-            while not held and not segment_0._queue:
+            while mode == "groups-apart" and not segment_0._queue:
                 await asyncio.sleep(0.001)
             faults[segments[0].container].release()
+            while not any("appends failed" in r.getMessage() for r in caplog.records):
+                await asyncio.sleep(0.001)
+            third_read.set()
             ended = await ending
             assert ended.committed
             for number in (0, 1):
