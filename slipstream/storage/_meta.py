@@ -233,8 +233,9 @@ class SqliteMetaStore(MetaStore):
     Chunk lookups (``chunk_at``, ``chunk_at_time``, ``chunks_from``, ``segment_chunks``) use
     a second connection, so they never wait for a write's fsync. The first three are index
     lookups (``chunk_at_time``: the ``chunks_by_time`` index on a running maximum of the
-    chunks' newest event times, kept by ``add_chunks``); ``segment_chunks`` (at start) scans. Opening a catalog without that index builds
-    it (an UPDATE ... FROM: SQLite 3.33 or later)."""
+    chunks' newest event times, kept by ``add_chunks``); ``segment_chunks`` (at start)
+    scans. Opening a catalog without that index builds it (an UPDATE ... FROM: SQLite 3.33 or
+    later)."""
 
     def __init__(self, path: Path | str) -> None:
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
