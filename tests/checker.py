@@ -8,11 +8,14 @@ of one key appear in the order they were sent.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
 import msgspec
 
+import slipstream
 from slipstream import Event, Position
 
 
@@ -66,3 +69,51 @@ def check_history(
         if found != list(range(first, first + len(found))):
             problems.append(f"segment {segment}: offsets are not contiguous from {first}")
     return problems
+
+
+def produce_and_record(
+    address: str,
+    stream: str,
+    producer_id: int,
+    acknowledged: dict[bytes, Position],
+    lock: threading.Lock,
+    stop: threading.Event,
+    *,
+    keys: int,
+    per_round: int = 20,
+    size: int = 0,
+    linger_ms: int = 2,
+    batch_bytes: int = 32 * 1024,
+    pause: float = 0.002,
+) -> None:
+    """An idempotent producer that sends ``Sent`` values (padded with spaces to ``size``) and
+    records every acknowledged position, until ``stop`` or the first failure: these tests are
+    about what was acknowledged before a fault, so it gives up soon after one."""
+    try:
+        client = slipstream.connect(address, reconnect_timeout=0.5)
+    except slipstream.BrokerUnavailable:
+        return
+    try:
+        producer = client.producer(stream, linger_ms=linger_ms, batch_bytes=batch_bytes)
+        seq = 0
+        pending: list[tuple[bytes, slipstream.Receipt]] = []
+        while not stop.is_set():
+            for _ in range(per_round):
+                key = f"p{producer_id}-k{seq % keys}"
+                value = encode(Sent(producer_id, key, seq)).ljust(size)  # JSON allows spaces
+                pending.append((value, producer.send(value, key=key)))
+                seq += 1
+            done = [(v, r) for v, r in pending if r.done()]
+            pending = [(v, r) for v, r in pending if not r.done()]
+            for value, receipt in done:
+                try:
+                    position = receipt.result()
+                except slipstream.SlipstreamError:
+                    return
+                with lock:
+                    acknowledged[value] = position
+            time.sleep(pause)
+    except slipstream.SlipstreamError:
+        return
+    finally:
+        client.close()

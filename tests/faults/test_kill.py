@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from checker import Sent, check_history, encode
+from checker import Sent, check_history, encode, produce_and_record
 from conftest import BrokerProcess
 
 import slipstream
@@ -28,36 +28,20 @@ def _produce(
     load: str,
 ) -> None:
     batch_bytes, linger_ms, size = LOADS[load]
-    try:
-        # give up soon after the kill: this test is about what was acknowledged before it
-        # (test_exactly_once_faults.py covers producers that ride through restarts)
-        client = slipstream.connect(address, reconnect_timeout=0.5)
-    except slipstream.BrokerUnavailable:
-        return
-    try:
-        producer = client.producer("faults/kill", linger_ms=linger_ms, batch_bytes=batch_bytes)
-        seq = 0
-        pending: list[tuple[bytes, slipstream.Receipt]] = []
-        while not stop.is_set():
-            for _ in range(50):
-                key = f"p{producer_id}-k{seq % KEYS}"
-                value = encode(Sent(producer_id, key, seq)).ljust(size)  # JSON allows spaces
-                pending.append((value, producer.send(value, key=key)))
-                seq += 1
-            done = [(v, r) for v, r in pending if r.done()]
-            pending = [(v, r) for v, r in pending if not r.done()]
-            for value, receipt in done:
-                try:
-                    position = receipt.result()
-                except slipstream.SlipstreamError:
-                    return
-                with lock:
-                    acknowledged[value] = position
-            time.sleep(0.001)
-    except slipstream.SlipstreamError:
-        return
-    finally:
-        client.close()
+    produce_and_record(
+        address,
+        "faults/kill",
+        producer_id,
+        acknowledged,
+        lock,
+        stop,
+        keys=KEYS,
+        per_round=50,
+        size=size,
+        linger_ms=linger_ms,
+        batch_bytes=batch_bytes,
+        pause=0.001,
+    )
 
 
 @pytest.mark.parametrize("round_", range(3))

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from checker import Sent, check_history, encode
+from checker import Sent, check_history, encode, produce_and_record
 from conftest import BrokerProcess
 
 import slipstream
@@ -80,34 +80,7 @@ def _produce(
     stop: threading.Event,
 ) -> None:
     """An idempotent producer that records every acknowledgement until the broker dies."""
-    try:
-        client = slipstream.connect(address, reconnect_timeout=0.5)
-    except slipstream.BrokerUnavailable:
-        return
-    try:
-        producer = client.producer(STREAM, linger_ms=2, batch_bytes=32 * 1024)
-        seq = 0
-        pending: list[tuple[bytes, slipstream.Receipt]] = []
-        while not stop.is_set():
-            for _ in range(20):
-                key = f"p{producer_id}-k{seq % KEYS}"
-                value = encode(Sent(producer_id, key, seq))
-                pending.append((value, producer.send(value, key=key)))
-                seq += 1
-            done = [(v, r) for v, r in pending if r.done()]
-            pending = [(v, r) for v, r in pending if not r.done()]
-            for value, receipt in done:
-                try:
-                    position = receipt.result()
-                except slipstream.SlipstreamError:
-                    return
-                with lock:
-                    acknowledged[value] = position
-            time.sleep(0.002)
-    except slipstream.SlipstreamError:
-        return
-    finally:
-        client.close()
+    produce_and_record(address, STREAM, producer_id, acknowledged, lock, stop, keys=KEYS)
 
 
 def _transact(address: str, committed: list[int], stop: threading.Event, first: int) -> None:
