@@ -159,15 +159,11 @@ class MetaStore(ABC):
         """Record new chunks and that journal file ``moved_file`` of ``container`` is moved.
         Each chunk is its segment's newest (a segment's chunks come in offset order): its
         ``producers`` becomes its segment's ``SegmentRecord.producers``, which retention's
-        ``remove_chunks`` leaves alone."""
+        ``remove_chunks_before`` leaves alone."""
 
     @abstractmethod
     def moved_file(self, container: int) -> int:
         """The highest journal file id of a container whose entries are all in chunks (-1)."""
-
-    @abstractmethod
-    def remove_chunks(self, chunks: Sequence[ChunkRecord]) -> None:
-        """Forget chunks (retention) and move their segments' start offsets past them."""
 
     @abstractmethod
     def remove_chunks_before(self, stream_id: int, cuts: Mapping[int, int]) -> list[ChunkRecord]:
@@ -454,19 +450,6 @@ class SqliteMetaStore(MetaStore):
                 "SELECT moved_file FROM containers WHERE id = ?", (container,)
             ).fetchone()
         return -1 if row is None else int(row[0])
-
-    def remove_chunks(self, chunks: Sequence[ChunkRecord]) -> None:
-        with self._transaction() as cur:
-            for c in chunks:
-                cur.execute(
-                    "DELETE FROM chunks WHERE stream_id = ? AND segment = ? AND base_offset = ?",
-                    (c.stream_id, c.segment, c.base_offset),
-                )
-                cur.execute(
-                    "UPDATE segments SET start_offset = MAX(start_offset, ?) "
-                    "WHERE stream_id = ? AND number = ?",
-                    (c.next_offset, c.stream_id, c.segment),
-                )
 
     def remove_chunks_before(self, stream_id: int, cuts: Mapping[int, int]) -> list[ChunkRecord]:
         removed: list[ChunkRecord] = []

@@ -297,37 +297,19 @@ def test_chunks_are_ordered_by_stream_segment_and_offset(meta: MetaStore) -> Non
     assert meta.chunks() == sorted(shuffled, key=lambda c: (c.stream_id, c.segment, c.base_offset))
 
 
-def test_remove_chunks_moves_start_offsets_forward_only(meta: MetaStore) -> None:
-    stream = create(meta, "s/ret")
-    first, second, third = chunk(stream, 0, 0), chunk(stream, 0, 10), chunk(stream, 0, 20)
-    other = chunk(stream, 1, 0)
-    meta.add_chunks(0, 0, [first, second, third, other])
-
-    meta.remove_chunks([second])
-    assert start_offsets(meta, "s/ret") == [20, 0]
-    meta.remove_chunks([first])  # an older chunk after a newer one: never backward
-    assert start_offsets(meta, "s/ret") == [20, 0]
-    assert meta.chunks() == [third, other]
-    meta.remove_chunks([third, other])
-    assert start_offsets(meta, "s/ret") == [30, 10]
-    assert meta.chunks() == []
-    meta.remove_chunks([third])  # already gone: harmless
-    assert start_offsets(meta, "s/ret") == [30, 10]
-
-
-def test_remove_chunks_keeps_a_higher_start_offset(meta: MetaStore) -> None:
+def test_retention_keeps_a_higher_start_offset(meta: MetaStore) -> None:
     meta.create_stream("s/high", [SegmentRecord(0, 0, 0, MAX_KEY, 0, start_offset=500)], 1, 1, 1)
     (stream,) = meta.streams()
     meta.add_chunks(0, 0, [chunk(stream.id, 0, 0)])
-    meta.remove_chunks([chunk(stream.id, 0, 0)])
+    meta.remove_chunks_before(stream.id, {0: 10})
     assert start_offsets(meta, "s/high") == [500]
 
 
-def test_remove_chunks_of_a_deleted_stream_is_harmless(meta: MetaStore) -> None:
+def test_retention_of_a_deleted_stream_is_harmless(meta: MetaStore) -> None:
     stream = create(meta, "s/del")
     meta.add_chunks(0, 0, [chunk(stream, 0, 0)])
     meta.delete_stream("s/del")
-    meta.remove_chunks([chunk(stream, 0, 0)])
+    assert meta.remove_chunks_before(stream, {0: 10}) == []
     assert meta.streams() == []
     assert meta.chunks() == []
 
@@ -340,7 +322,7 @@ def test_reopen_from_a_file_keeps_everything(file_kit: Kit) -> None:
     meta.delete_stream("s/deleted")
     meta.add_chunks(0, 7, [chunk(a, 0, 0), chunk(a, 0, 10), chunk(b, 0, 0)])
     meta.add_chunks(2, 1, [chunk(a, 2, 0)])
-    meta.remove_chunks([chunk(a, 0, 0)])
+    meta.remove_chunks_before(a, {0: 10})
     meta.update_retention(b, 3_600_000, 1 << 20)
     streams, chunks = meta.streams(), meta.chunks()
 
@@ -401,7 +383,7 @@ def test_a_segments_producer_state_follows_its_newest_chunk_and_outlives_retenti
     newer = msgspec.structs.replace(chunk(stream_id, 0, 10), producers=b"as of 20")
     meta.add_chunks(0, 0, [older])
     meta.add_chunks(0, 1, [newer])
-    meta.remove_chunks([older, newer])  # retention removes every chunk of segment 0
+    meta.remove_chunks_before(stream_id, {0: 20})  # retention removes every chunk of segment 0
     assert meta.chunks() == []
     if kit.kind == "file":
         meta = kit.reopen()
