@@ -359,6 +359,11 @@ class Session(asyncio.BufferedProtocol):
             )
             return
         self.greeted = True
+        # from now on the idle rule applies: look first after idle_timeout, not hello_timeout
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._idle_timer = loop.call_later(self.limits.idle_timeout, self._check_idle)
         log.debug("hello from %s (%s)", self.peer, message.client_name)
         self.send(Welcome(PROTOCOL_VERSION, __version__, self.broker.config.max_batch_bytes), cid)
 

@@ -161,7 +161,8 @@ def test_a_connection_without_hello_is_closed(start: Callable[..., ThreadBroker]
 def test_a_silent_connection_is_closed_unless_it_follows(
     start: Callable[..., ThreadBroker],
 ) -> None:
-    broker = start(idle_timeout=0.3)
+    # the Hello timeout is longer than the wait for the close: the idle rule must apply on its own
+    broker = start(idle_timeout=0.3, hello_timeout=60)
     following, silent = connect(broker), connect(broker)
     assert isinstance(ask(following, Follow(1, "lim/s", 0, 0, None, 1 << 20)), Done)
     error = closed_with(silent)
