@@ -206,6 +206,60 @@ class IdleTimeout(SlipstreamError):
     code = "idle_timeout"
 
 
+class SubscriptionNotFound(SlipstreamError):
+    """No subscription of that name on the stream; ``details`` name stream and subscription."""
+
+    code = "subscription_not_found"
+
+
+class SubscriptionExists(SlipstreamError):
+    """A subscription of that name already exists on the stream."""
+
+    code = "subscription_exists"
+
+
+class ModeMismatch(InvalidArgument):
+    """A consumer joined a subscription with a mode other than the subscription's."""
+
+    code = "mode_mismatch"
+
+
+class UnknownMember(SlipstreamError):
+    """The group does not know this member: its session expired, it left, or the broker
+    restarted. The client joins again and continues from the committed positions."""
+
+    code = "unknown_member"
+    retriable = True
+
+
+class NotAssigned(SlipstreamError):
+    """A commit for a segment this member does not own (any more): it was moved to another
+    member, or the member's session expired. Nothing was committed for that segment."""
+
+    code = "not_assigned"
+
+
+class StaleGeneration(SlipstreamError):
+    """A commit carrying positions from before the subscription was reset; the reset wins and
+    the consumer restarts from the reset positions."""
+
+    code = "stale_generation"
+
+
+class GroupActive(SlipstreamError):
+    """Positions committed from outside a group (a Spark query's progress, an operator's
+    commit) while members are joined; stop the group or use another subscription."""
+
+    code = "group_active"
+
+
+class UnknownDelivery(SlipstreamError):
+    """An ack or nack for an event this member does not hold: never delivered to it, already
+    acknowledged, or redelivered elsewhere after its ack timeout."""
+
+    code = "unknown_delivery"
+
+
 def _all_subclasses(cls: type[SlipstreamError]) -> list[type[SlipstreamError]]:
     found = [cls]
     for sub in cls.__subclasses__():

@@ -104,6 +104,7 @@ def test_error_hierarchy_and_retriable_flags() -> None:
         slipstream.BrokerUnavailable,
         slipstream.BrokerShuttingDown,
         slipstream.TooManyRequests,
+        slipstream.UnknownMember,
     }
     assert SlipstreamError.code == "internal"
 

@@ -1,9 +1,10 @@
-"""MetaStore: the catalog of streams, segments and chunks, producer identities and transaction
-commit records. SQLite by default.
+"""MetaStore: the catalog of streams, segments and chunks, producer identities, transaction
+commit records and subscriptions (durable cursors and queue state). SQLite by default.
 
 Everything that must change together changes in one transaction: a stream with its segments;
 a journal file's chunks with the mark that the file has moved; retention's chunk removals with
-the new start offsets; a transaction's commit record with its transactional id's last commit.
+the new start offsets; a transaction's commit record with its transactional id's last commit and
+the subscription positions it consumed; a stream with its subscriptions.
 Key ranges are unsigned 64-bit; SQLite integers are signed, so they are stored shifted by -2**63.
 """
 
@@ -19,7 +20,15 @@ from pathlib import Path
 
 import msgspec
 
-from .._errors import StorageError, StorageFull, StreamExists, StreamNotFound
+from .._errors import (
+    StaleGeneration,
+    StorageError,
+    StorageFull,
+    StreamExists,
+    StreamNotFound,
+    SubscriptionExists,
+    SubscriptionNotFound,
+)
 
 _SHIFT = 1 << 63
 
@@ -87,6 +96,17 @@ class CommitPart(msgspec.Struct, frozen=True, array_like=True):
     start_sequence: int
 
 
+class PositionCommit(msgspec.Struct, frozen=True, array_like=True):
+    """Positions a transaction consumed: stored with its commit record, atomically, so the
+    events it wrote and the input it read become visible together. ``generation`` is the
+    subscription's reset count the positions were read under (a reset since refuses them)."""
+
+    stream_id: int
+    subscription: str
+    generation: int
+    positions: dict[int, int]
+
+
 class TxnCommit(msgspec.Struct, frozen=True):
     """The commit record of a transaction: once stored, the transaction is committed, and a
     broker that crashes before it has applied every part finishes the job on restart.
@@ -101,6 +121,48 @@ class TxnCommit(msgspec.Struct, frozen=True):
     committed_ms: int
     batches: int = 0  # staged batches, to notice staging lost after the commit record
     merged: list[int] = []  # anonymous transactions committed with it (their batches follow)
+    positions: list[PositionCommit] = []  # subscription positions committed with it
+
+
+class QueueOptions(msgspec.Struct, frozen=True):
+    """How a work queue (modes ``queue`` and ``key_ordered_queue``) redelivers: an event not
+    acknowledged within ``ack_timeout_ms`` is delivered again after a backoff (doubling from
+    ``backoff_ms`` up to ``max_backoff_ms``); after ``max_deliveries`` it goes to the stream
+    ``dead_letter``. ``max_unacked``: events one member may hold unacknowledged."""
+
+    ack_timeout_ms: int = 30_000
+    max_deliveries: int = 5
+    backoff_ms: int = 1_000
+    max_backoff_ms: int = 60_000
+    max_unacked: int = 1_000
+    dead_letter: str = ""  # "" for "<stream>.dlq"
+
+
+class QueueSegment(msgspec.Struct, frozen=True, array_like=True):
+    """A work queue's state in one segment above its floor (the subscription's position
+    there, below which every event is settled): offsets settled above the floor
+    (acknowledged or dead-lettered), and how often events still open were delivered."""
+
+    done: list[int] = []
+    deliveries: dict[int, int] = {}
+
+
+class SubscriptionRecord(msgspec.Struct, frozen=True):
+    """A named, durable cursor on one stream. ``positions``: per segment, the offset of the
+    first event not yet consumed (ordered mode: committed; queues: the floor below which
+    everything is settled, with ``queue`` holding what is settled above it). A segment
+    missing from ``positions`` starts at its first retained event. ``generation`` counts
+    resets: a reset replaces every position, and commits made under an older generation are
+    refused (``StaleGeneration``)."""
+
+    stream_id: int
+    name: str
+    mode: str
+    created_ms: int
+    positions: dict[int, int]
+    generation: int = 0
+    queue: dict[int, QueueSegment] = {}
+    options: QueueOptions | None = None
 
 
 class Identity(msgspec.Struct, frozen=True):
@@ -218,6 +280,39 @@ class MetaStore(ABC):
     @abstractmethod
     def finish_txn(self, txn_id: int) -> None:
         """Mark a committed transaction as applied to every segment."""
+
+    @abstractmethod
+    def create_subscription(self, record: SubscriptionRecord) -> None:
+        """Add a subscription. Raises StreamNotFound if no live stream has its stream id,
+        SubscriptionExists if the stream has one of that name."""
+
+    @abstractmethod
+    def subscriptions(self, stream_id: int | None = None) -> list[SubscriptionRecord]:
+        """The subscriptions of one stream (or of every stream), by stream id and name."""
+
+    @abstractmethod
+    def delete_subscription(self, stream_id: int, name: str) -> None:
+        """Remove a subscription; raises SubscriptionNotFound if there is none."""
+
+    @abstractmethod
+    def commit_positions(
+        self,
+        stream_id: int,
+        name: str,
+        generation: int,
+        positions: Mapping[int, int],
+        queue: Mapping[int, QueueSegment] | None = None,
+    ) -> None:
+        """Set the positions of the segments named (others keep theirs) and, for a queue,
+        those segments' state above the new floor. Raises SubscriptionNotFound, or
+        StaleGeneration if the subscription was reset since ``generation``."""
+
+    @abstractmethod
+    def reset_subscription(
+        self, stream_id: int, name: str, positions: Mapping[int, int]
+    ) -> SubscriptionRecord:
+        """Replace every position (and forget queue state), count one more generation, and
+        return the subscription as stored. Raises SubscriptionNotFound."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the store."""
@@ -337,7 +432,7 @@ class SqliteMetaStore(MetaStore):
                     stream=name,
                 )
             chunks = self._chunks(cur, "WHERE stream_id = ?", (record.id,))
-            for table in ("chunks", "segments"):
+            for table in ("chunks", "segments", "subscriptions"):
                 cur.execute(f"DELETE FROM {table} WHERE stream_id = ?", (record.id,))
             cur.execute("DELETE FROM streams WHERE id = ?", (record.id,))
         return record, chunks
@@ -549,6 +644,10 @@ class SqliteMetaStore(MetaStore):
 
     def commit_txn(self, commit: TxnCommit) -> None:
         with self._transaction() as cur:
+            for part in commit.positions:  # first: a stale generation refuses the whole commit
+                self._commit_positions(
+                    cur, part.stream_id, part.subscription, part.generation, part.positions, None
+                )
             cur.execute(
                 "INSERT INTO txn_commits (txn_id, record) VALUES (?, ?)",
                 (commit.txn_id, msgspec.msgpack.encode(commit)),
@@ -568,12 +667,115 @@ class SqliteMetaStore(MetaStore):
         with self._transaction() as cur:
             cur.execute("DELETE FROM txn_commits WHERE txn_id = ?", (txn_id,))
 
+    def create_subscription(self, record: SubscriptionRecord) -> None:
+        with self._transaction() as cur:
+            if not cur.execute(
+                "SELECT 1 FROM streams WHERE id = ?", (record.stream_id,)
+            ).fetchone():
+                raise StreamNotFound(f"no stream has id {record.stream_id}")
+            if cur.execute(
+                "SELECT 1 FROM subscriptions WHERE stream_id = ? AND name = ?",
+                (record.stream_id, record.name),
+            ).fetchone():
+                raise SubscriptionExists(
+                    f"subscription {record.name!r} already exists on this stream",
+                    subscription=record.name,
+                )
+            cur.execute(
+                "INSERT INTO subscriptions (stream_id, name, record) VALUES (?, ?, ?)",
+                (record.stream_id, record.name, msgspec.msgpack.encode(record)),
+            )
+
+    def subscriptions(self, stream_id: int | None = None) -> list[SubscriptionRecord]:
+        query = "SELECT record FROM subscriptions"
+        args: tuple[int, ...] = ()
+        if stream_id is not None:
+            query, args = query + " WHERE stream_id = ?", (stream_id,)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY stream_id, name", args).fetchall()
+        return [msgspec.msgpack.decode(row[0], type=SubscriptionRecord) for row in rows]
+
+    def delete_subscription(self, stream_id: int, name: str) -> None:
+        with self._transaction() as cur:
+            cur.execute(
+                "DELETE FROM subscriptions WHERE stream_id = ? AND name = ?", (stream_id, name)
+            )
+            if cur.rowcount == 0:
+                raise _no_subscription(name)
+
+    def commit_positions(
+        self,
+        stream_id: int,
+        name: str,
+        generation: int,
+        positions: Mapping[int, int],
+        queue: Mapping[int, QueueSegment] | None = None,
+    ) -> None:
+        with self._transaction() as cur:
+            self._commit_positions(cur, stream_id, name, generation, positions, queue)
+
+    def _commit_positions(
+        self,
+        cur: sqlite3.Cursor,
+        stream_id: int,
+        name: str,
+        generation: int,
+        positions: Mapping[int, int],
+        queue: Mapping[int, QueueSegment] | None,
+    ) -> None:
+        record = self._subscription(cur, stream_id, name)
+        if record.generation != generation:
+            raise StaleGeneration(
+                f"subscription {name!r} was reset (generation {record.generation}) after "
+                f"these positions were read (generation {generation}); they are dropped",
+                generation=record.generation,
+            )
+        state = dict(record.queue)
+        state.update(queue or {})
+        updated = msgspec.structs.replace(
+            record, positions={**record.positions, **positions}, queue=state
+        )
+        cur.execute(
+            "UPDATE subscriptions SET record = ? WHERE stream_id = ? AND name = ?",
+            (msgspec.msgpack.encode(updated), stream_id, name),
+        )
+
+    def reset_subscription(
+        self, stream_id: int, name: str, positions: Mapping[int, int]
+    ) -> SubscriptionRecord:
+        with self._transaction() as cur:
+            record = self._subscription(cur, stream_id, name)
+            updated = msgspec.structs.replace(
+                record, positions=dict(positions), queue={}, generation=record.generation + 1
+            )
+            cur.execute(
+                "UPDATE subscriptions SET record = ? WHERE stream_id = ? AND name = ?",
+                (msgspec.msgpack.encode(updated), stream_id, name),
+            )
+        return updated
+
+    def _subscription(self, cur: sqlite3.Cursor, stream_id: int, name: str) -> SubscriptionRecord:
+        row = cur.execute(
+            "SELECT record FROM subscriptions WHERE stream_id = ? AND name = ?", (stream_id, name)
+        ).fetchone()
+        if row is None:
+            raise _no_subscription(name)
+        return msgspec.msgpack.decode(row[0], type=SubscriptionRecord)
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
         if self._reader is not self._db:
             with self._read_lock:
                 self._reader.close()
+
+
+def _no_subscription(name: str) -> SubscriptionNotFound:
+    return SubscriptionNotFound(
+        f"no subscription {name!r} on this stream; create it first ('slipstream subscription "
+        "create')",
+        subscription=name,
+    )
 
 
 _TIME_INDEX = (
@@ -633,6 +835,12 @@ CREATE TABLE IF NOT EXISTS identities (
     last_txn_id INTEGER NOT NULL DEFAULT -1,
     last_metadata BLOB NOT NULL DEFAULT x'',
     committed_ms INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS subscriptions (
+    stream_id INTEGER NOT NULL,
+    name TEXT NOT NULL,
+    record BLOB NOT NULL,
+    PRIMARY KEY (stream_id, name)
 );
 CREATE TABLE IF NOT EXISTS txn_commits (
     txn_id INTEGER PRIMARY KEY,

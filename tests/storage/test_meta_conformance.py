@@ -2,7 +2,10 @@
 
 The contract (slipstream/storage/_meta.py): streams with their segments are created and deleted
 in one transaction; stream ids are never reused; a journal file's chunks and the mark that the
-file has moved change together; retention removes chunks and moves start offsets forward only.
+file has moved change together; retention removes chunks and moves start offsets forward only;
+subscriptions are created with their stream and deleted with it, commits change only the
+segments named, resets count generations and refuse older commits, and positions committed in a
+transaction's commit record change with it or not at all.
 """
 
 from __future__ import annotations
@@ -15,14 +18,24 @@ import msgspec
 import numpy as np
 import pytest
 
-from slipstream import StreamExists, StreamNotFound
+from slipstream import (
+    StaleGeneration,
+    StreamExists,
+    StreamNotFound,
+    SubscriptionExists,
+    SubscriptionNotFound,
+)
 from slipstream.storage import (
     ChunkRecord,
     CommitPart,
     Identity,
     MetaStore,
+    PositionCommit,
+    QueueOptions,
+    QueueSegment,
     SegmentRecord,
     SqliteMetaStore,
+    SubscriptionRecord,
     TxnCommit,
 )
 
@@ -491,3 +504,159 @@ def test_a_catalog_from_before_the_time_index_gets_it_on_open(file_kit: Kit) -> 
     assert meta.chunk_at_time(stream_id, 0, 3000) == records[0]
     assert meta.chunk_at_time(stream_id, 0, 5000) == records[2]
     assert meta.chunk_at_time(stream_id, 0, 7000) is None
+
+
+# --- subscriptions ---------------------------------------------------------------------------
+
+
+def subscription(
+    stream_id: int, name: str = "billing", positions: dict[int, int] | None = None
+) -> SubscriptionRecord:
+    return SubscriptionRecord(stream_id, name, "ordered", 1_700, positions or {0: 0, 1: 0})
+
+
+def only(meta: MetaStore, stream_id: int, name: str = "billing") -> SubscriptionRecord:
+    (record,) = [r for r in meta.subscriptions(stream_id) if r.name == name]
+    return record
+
+
+def test_a_subscription_round_trips_every_field(meta: MetaStore) -> None:
+    stream = create(meta, "s/a")
+    record = SubscriptionRecord(
+        stream,
+        "work",
+        "key_ordered_queue",
+        1_700,
+        {0: 5, 1: 7},
+        generation=0,
+        queue={0: QueueSegment([7, 9], {6: 3})},
+        options=QueueOptions(ack_timeout_ms=5_000, dead_letter="s/a.failed"),
+    )
+    meta.create_subscription(record)
+    assert meta.subscriptions(stream) == [record]
+    assert meta.subscriptions() == [record]
+
+
+def test_subscriptions_are_per_stream_and_by_name(meta: MetaStore) -> None:
+    first, second = create(meta, "s/a"), create(meta, "s/b")
+    for stream, name in [(second, "z"), (first, "b"), (first, "a")]:
+        meta.create_subscription(subscription(stream, name))
+    assert [r.name for r in meta.subscriptions(first)] == ["a", "b"]
+    assert [(r.stream_id, r.name) for r in meta.subscriptions()] == [
+        (first, "a"),
+        (first, "b"),
+        (second, "z"),
+    ]
+
+
+def test_a_duplicate_name_is_subscription_exists_and_changes_nothing(meta: MetaStore) -> None:
+    stream = create(meta, "s/a")
+    meta.create_subscription(subscription(stream))
+    with pytest.raises(SubscriptionExists):
+        meta.create_subscription(subscription(stream, positions={0: 9, 1: 9}))
+    assert only(meta, stream).positions == {0: 0, 1: 0}
+
+
+def test_a_subscription_needs_a_live_stream(meta: MetaStore) -> None:
+    with pytest.raises(StreamNotFound):
+        meta.create_subscription(subscription(12345))
+    stream = create(meta, "s/a")
+    meta.delete_stream("s/a")
+    with pytest.raises(StreamNotFound):
+        meta.create_subscription(subscription(stream))
+
+
+def test_deleting_a_stream_deletes_its_subscriptions(meta: MetaStore) -> None:
+    stream = create(meta, "s/a")
+    meta.create_subscription(subscription(stream))
+    meta.delete_stream("s/a")
+    again = create(meta, "s/a")
+    assert meta.subscriptions() == []
+    meta.create_subscription(subscription(again))  # the name is free on the new stream
+
+
+def test_commit_changes_only_the_segments_named(meta: MetaStore) -> None:
+    stream = create(meta, "s/a")
+    meta.create_subscription(subscription(stream))
+    meta.commit_positions(stream, "billing", 0, {1: 40})
+    meta.commit_positions(stream, "billing", 0, {0: 10})
+    assert only(meta, stream).positions == {0: 10, 1: 40}
+
+
+def test_commit_to_a_missing_subscription_is_not_found(meta: MetaStore) -> None:
+    stream = create(meta, "s/a")
+    with pytest.raises(SubscriptionNotFound):
+        meta.commit_positions(stream, "nobody", 0, {0: 1})
+    with pytest.raises(SubscriptionNotFound):
+        meta.reset_subscription(stream, "nobody", {0: 1})
+    with pytest.raises(SubscriptionNotFound):
+        meta.delete_subscription(stream, "nobody")
+
+
+def test_a_reset_counts_a_generation_and_refuses_older_commits(meta: MetaStore) -> None:
+    stream = create(meta, "s/a")
+    meta.create_subscription(subscription(stream))
+    meta.commit_positions(stream, "billing", 0, {0: 50, 1: 60}, {0: QueueSegment([52])})
+    reset = meta.reset_subscription(stream, "billing", {0: 3, 1: 4})
+    assert reset.generation == 1 and reset.positions == {0: 3, 1: 4} and reset.queue == {}
+    assert only(meta, stream) == reset
+    with pytest.raises(StaleGeneration) as caught:
+        meta.commit_positions(stream, "billing", 0, {0: 99})
+    assert caught.value.details == {"generation": 1}
+    assert only(meta, stream).positions == {0: 3, 1: 4}
+    meta.commit_positions(stream, "billing", 1, {0: 8})
+    assert only(meta, stream).positions == {0: 8, 1: 4}
+
+
+def test_queue_state_is_replaced_per_segment(meta: MetaStore) -> None:
+    stream = create(meta, "s/a")
+    meta.create_subscription(subscription(stream))
+    meta.commit_positions(stream, "billing", 0, {0: 5}, {0: QueueSegment([7], {6: 2})})
+    meta.commit_positions(stream, "billing", 0, {1: 2}, {1: QueueSegment([4])})
+    meta.commit_positions(stream, "billing", 0, {0: 8}, {0: QueueSegment()})
+    record = only(meta, stream)
+    assert record.positions == {0: 8, 1: 2}
+    assert record.queue == {0: QueueSegment(), 1: QueueSegment([4])}
+
+
+def test_delete_subscription_removes_only_it(meta: MetaStore) -> None:
+    stream = create(meta, "s/a")
+    meta.create_subscription(subscription(stream, "a"))
+    meta.create_subscription(subscription(stream, "b"))
+    meta.delete_subscription(stream, "a")
+    assert [r.name for r in meta.subscriptions(stream)] == ["b"]
+
+
+def test_positions_commit_with_the_transaction_or_not_at_all(file_kit: Kit) -> None:
+    meta = file_kit.meta
+    stream = create(meta, "s/a")
+    meta.create_subscription(subscription(stream))
+    meta.save_identity(Identity("app", 3, 0))
+    commit = TxnCommit(
+        7, "app", 3, 0, [CommitPart(stream, 0, 0)], b"", 1_700, 1,
+        positions=[PositionCommit(stream, "billing", 0, {0: 12})],
+    )  # fmt: skip
+    meta.commit_txn(commit)
+    meta = file_kit.reopen()
+    assert only(meta, stream).positions == {0: 12, 1: 0}
+    assert meta.pending_commits() == [commit]
+    # a reset since the positions were read: the whole commit is refused, nothing changes
+    meta.reset_subscription(stream, "billing", {0: 0, 1: 0})
+    stale = TxnCommit(
+        8, "app", 3, 0, [CommitPart(stream, 1, 0)], b"", 1_800, 1,
+        positions=[PositionCommit(stream, "billing", 0, {1: 30})],
+    )  # fmt: skip
+    with pytest.raises(StaleGeneration):
+        meta.commit_txn(stale)
+    assert [c.txn_id for c in meta.pending_commits()] == [7]
+    assert meta.identities()[0].last_txn_id == 7
+    assert only(meta, stream).positions == {0: 0, 1: 0}
+
+
+def test_subscriptions_survive_a_reopen(file_kit: Kit) -> None:
+    meta = file_kit.meta
+    stream = create(meta, "s/a")
+    meta.create_subscription(subscription(stream))
+    meta.commit_positions(stream, "billing", 0, {0: 9})
+    meta = file_kit.reopen()
+    assert only(meta, stream).positions == {0: 9, 1: 0}
