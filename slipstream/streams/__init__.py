@@ -1,6 +1,7 @@
 """The stream domain: names, routing, positions, units. Pure decisions, no IO."""
 
 from ._cuts import Position, StreamCut
+from ._groups import assign
 from ._idempotence import (
     SEQUENCE_MODULUS,
     WINDOW,
@@ -24,6 +25,7 @@ __all__ = [
     "ProducerTable",
     "Router",
     "StreamCut",
+    "assign",
     "key_hash",
     "next_sequence",
     "parse_duration_ms",
