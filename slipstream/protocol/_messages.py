@@ -158,6 +158,20 @@ class EndTxn(Message, frozen=True):
     metadata: bytes = b""
     merge: list[int] = []
     operator: bool = False
+    positions: list[TxnPositions] = []
+
+
+class TxnPositions(Message, frozen=True):
+    """Subscription positions a transaction consumed (``EndTxn.positions``): committed with
+    the transaction, atomically, if ``member_id`` still owns those segments under
+    ``generation``; otherwise the commit fails (``not_assigned``, ``stale_generation``) and
+    the transaction aborts."""
+
+    stream: str
+    subscription: str
+    member_id: int
+    generation: int
+    positions: dict[int, int]
 
 
 class ListTxns(Message, frozen=True):
@@ -168,6 +182,110 @@ class GetIdentity(Message, frozen=True):
     """-> ``IdentityInfo``: a transactional id's epoch and last committed transaction."""
 
     transactional_id: str
+
+
+class CreateSubscription(Message, frozen=True):
+    """A durable cursor on ``stream`` starting at ``at`` (``earliest``, ``latest``, ``time``
+    with ``timestamp_ms``, or ``cut`` with ``positions``) -> ``SubscriptionInfo``. ``mode``:
+    ``ordered``, ``queue`` or ``key_ordered_queue``; ``options``: the queue's settings
+    (``QueueOptions`` fields in ms and counts, and ``dead_letter``)."""
+
+    stream: str
+    name: str
+    mode: str = "ordered"
+    at: str = "earliest"
+    timestamp_ms: int | None = None
+    positions: dict[int, int] | None = None
+    options: dict[str, Any] = {}
+
+
+class ListSubscriptions(Message, frozen=True):
+    """-> ``SubscriptionList`` (without members and backlog: ``DescribeSubscription``)."""
+
+    stream: str
+
+
+class DescribeSubscription(Message, frozen=True):
+    """-> ``SubscriptionInfo`` with per-segment backlog and lag, and the members."""
+
+    stream: str
+    name: str
+
+
+class DeleteSubscription(Message, frozen=True):
+    """-> ``Done``. Joined members get ``subscription_not_found`` on their next poll."""
+
+    stream: str
+    name: str
+
+
+class ResetSubscription(Message, frozen=True):
+    """Move every position to ``at`` (as in ``CreateSubscription``) -> ``SubscriptionInfo``.
+    Live members restart from there at once; commits of older positions are refused."""
+
+    stream: str
+    name: str
+    at: str
+    timestamp_ms: int | None = None
+    positions: dict[int, int] | None = None
+
+
+class JoinGroup(Message, frozen=True):
+    """Become a member of the subscription's group -> ``GroupJoined``. The member stays while
+    it polls (``PollGroup``) at least every ``session_timeout_ms`` and its connection lives."""
+
+    stream: str
+    subscription: str
+    mode: str
+    member_name: str
+    session_timeout_ms: int = 10_000
+
+
+class PollGroup(Message, frozen=True):
+    """Heartbeat and assignment -> ``GroupAssignment``: answered at once when the member's
+    assignment or the generation changed since its last poll, else after ``wait_ms``.
+    ``released``: segments the member stopped reading because they were revoked."""
+
+    member_id: int
+    released: list[int] = []
+    wait_ms: int = 1_000
+
+
+class CommitPositions(Message, frozen=True):
+    """Store positions (segment -> offset of the next event to consume) -> ``Done``, durable
+    before the answer. ``member_id`` 0 commits from outside a group (a Spark query's
+    progress), refused with ``group_active`` while members are joined."""
+
+    stream: str
+    subscription: str
+    member_id: int
+    generation: int
+    positions: dict[int, int]
+
+
+class LeaveGroup(Message, frozen=True):
+    """-> ``Done``; the member's segments go to the others at once."""
+
+    member_id: int
+
+
+class FetchEvents(Message, frozen=True):
+    """Queue modes: up to ``max_events`` events for this member -> ``EventsDelivered``,
+    waiting up to ``wait_ms`` for some."""
+
+    member_id: int
+    max_events: int
+    wait_ms: int = 1_000
+
+
+class SettleEvents(Message, frozen=True):
+    """Queue modes: acknowledge ``acks`` and give back ``nacks`` (``[segment, offset]``; to be
+    delivered again after ``delay_ms``) -> ``Settled``, durable before the answer."""
+
+    member_id: int
+    acks: list[list[int]] = []
+    nacks: list[list[int]] = []
+    delay_ms: int = 0
 
 
 # --- responses and pushes ---------------------------------------------------------------------
@@ -302,6 +420,76 @@ class IdentityInfo(Message, frozen=True):
     committed_ms: int
 
 
+class SubscriptionSegment(Message, frozen=True):
+    """One segment of a subscription: ``position`` (next offset to consume) against the
+    segment's ``end_offset``; the backlog in events and bytes; ``lag_ms``: age of the oldest
+    unconsumed event (0 without backlog); the member reading it (``owner``, 0 if none); for
+    queues, events ``in_flight``, ``waiting`` for redelivery and ``dead_lettered``."""
+
+    segment: int
+    position: int
+    end_offset: int
+    backlog_events: int
+    backlog_bytes: int
+    lag_ms: int
+    owner: int = 0
+    in_flight: int = 0
+    waiting: int = 0
+    dead_lettered: int = 0
+
+
+class MemberInfo(Message, frozen=True):
+    member_id: int
+    name: str
+    peer: str
+    segments: list[int]
+    idle_ms: int
+
+
+class SubscriptionInfo(Message, frozen=True):
+    stream: str
+    name: str
+    mode: str
+    generation: int
+    created_ms: int
+    segments: list[SubscriptionSegment] = []
+    members: list[MemberInfo] = []
+    options: dict[str, Any] = {}
+
+
+class SubscriptionList(Message, frozen=True):
+    subscriptions: list[SubscriptionInfo]
+
+
+class GroupJoined(Message, frozen=True):
+    member_id: int
+    generation: int
+
+
+class GroupAssignment(Message, frozen=True):
+    """The segments this member reads now, each with the committed position to start from
+    if it is new to the member (or ``generation`` changed: then every segment restarts
+    there); ``revoke``: segments to stop reading, commit and release in the next poll."""
+
+    generation: int
+    assigned: dict[int, int]
+    revoke: list[int] = []
+
+
+class EventsDelivered(Message, frozen=True):
+    """Payload: the batches that hold the delivered events. ``deliveries``: ``[segment,
+    offset, delivery count]`` of each event delivered, in the order to process them."""
+
+    deliveries: list[list[int]]
+
+
+class Settled(Message, frozen=True):
+    """``unknown``: acks or nacks of events this member does not hold (``[segment,
+    offset]``); every other one took effect."""
+
+    unknown: list[list[int]] = []
+
+
 KINDS: dict[int, type[Message]] = {
     1: Hello,
     2: CreateStream,
@@ -320,6 +508,17 @@ KINDS: dict[int, type[Message]] = {
     15: GetIdentity,
     16: ClaimProducer,
     17: UpdateStream,
+    18: CreateSubscription,
+    19: ListSubscriptions,
+    20: DescribeSubscription,
+    21: DeleteSubscription,
+    22: ResetSubscription,
+    23: JoinGroup,
+    24: PollGroup,
+    25: CommitPositions,
+    26: LeaveGroup,
+    27: FetchEvents,
+    28: SettleEvents,
     64: Welcome,
     65: Error,
     66: Done,
@@ -335,5 +534,11 @@ KINDS: dict[int, type[Message]] = {
     76: TxnEnded,
     77: TxnList,
     78: IdentityInfo,
+    79: SubscriptionInfo,
+    80: SubscriptionList,
+    81: GroupJoined,
+    82: GroupAssignment,
+    83: EventsDelivered,
+    84: Settled,
 }
 KIND_OF: dict[type[Message], int] = {cls: kind for kind, cls in KINDS.items()}

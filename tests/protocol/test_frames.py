@@ -34,15 +34,21 @@ from slipstream.protocol import (
     AppendAck,
     BeginTxn,
     ClaimProducer,
+    CommitPositions,
     CreateStream,
+    CreateSubscription,
     Credit,
     Cut,
     Data,
     DeleteStream,
+    DeleteSubscription,
     DescribeStream,
+    DescribeSubscription,
     Done,
     EndTxn,
     Error,
+    EventsDelivered,
+    FetchEvents,
     Follow,
     FollowEnded,
     FollowFailed,
@@ -50,22 +56,36 @@ from slipstream.protocol import (
     FrameDecoder,
     GetCut,
     GetIdentity,
+    GroupAssignment,
+    GroupJoined,
     Hello,
     IdentityInfo,
     InitProducer,
+    JoinGroup,
+    LeaveGroup,
     ListStreams,
+    ListSubscriptions,
     ListTxns,
     Malformed,
+    MemberInfo,
     Message,
     Oversized,
+    PollGroup,
     ProducerGrant,
+    ResetSubscription,
     SegmentInfo,
+    Settled,
+    SettleEvents,
     StreamInfo,
     StreamList,
+    SubscriptionInfo,
+    SubscriptionList,
+    SubscriptionSegment,
     TxnBegun,
     TxnEnded,
     TxnInfo,
     TxnList,
+    TxnPositions,
     TxnRange,
     Unfollow,
     UpdateStream,
@@ -113,7 +133,110 @@ stream_infos = st.builds(
     created_ms=I64,
 )
 
+POSITIONS = st.dictionaries(I64, OFFSETS, max_size=4)
+PAIRS = st.lists(st.lists(OFFSETS, min_size=2, max_size=2), max_size=3)
+txn_positions = st.builds(
+    TxnPositions,
+    stream=TEXT,
+    subscription=TEXT,
+    member_id=I64,
+    generation=I64,
+    positions=POSITIONS,
+)
+subscription_infos = st.builds(
+    SubscriptionInfo,
+    stream=TEXT,
+    name=TEXT,
+    mode=TEXT,
+    generation=I64,
+    created_ms=I64,
+    segments=st.lists(
+        st.builds(
+            SubscriptionSegment,
+            segment=I64,
+            position=OFFSETS,
+            end_offset=OFFSETS,
+            backlog_events=I64,
+            backlog_bytes=I64,
+            lag_ms=I64,
+            owner=I64,
+            in_flight=I64,
+            waiting=I64,
+            dead_lettered=I64,
+        ),
+        max_size=2,
+    ),
+    members=st.lists(
+        st.builds(
+            MemberInfo,
+            member_id=I64,
+            name=TEXT,
+            peer=TEXT,
+            segments=st.lists(I64, max_size=3),
+            idle_ms=I64,
+        ),
+        max_size=2,
+    ),
+    options=DETAILS,
+)
+
 MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
+    CreateSubscription: st.builds(
+        CreateSubscription,
+        stream=TEXT,
+        name=TEXT,
+        mode=TEXT,
+        at=TEXT,
+        timestamp_ms=OPTIONAL_I64,
+        positions=st.none() | POSITIONS,
+        options=DETAILS,
+    ),
+    ListSubscriptions: st.builds(ListSubscriptions, stream=TEXT),
+    DescribeSubscription: st.builds(DescribeSubscription, stream=TEXT, name=TEXT),
+    DeleteSubscription: st.builds(DeleteSubscription, stream=TEXT, name=TEXT),
+    ResetSubscription: st.builds(
+        ResetSubscription,
+        stream=TEXT,
+        name=TEXT,
+        at=TEXT,
+        timestamp_ms=OPTIONAL_I64,
+        positions=st.none() | POSITIONS,
+    ),
+    JoinGroup: st.builds(
+        JoinGroup,
+        stream=TEXT,
+        subscription=TEXT,
+        mode=TEXT,
+        member_name=TEXT,
+        session_timeout_ms=I64,
+    ),
+    PollGroup: st.builds(PollGroup, member_id=I64, released=st.lists(I64, max_size=3), wait_ms=I64),
+    CommitPositions: st.builds(
+        CommitPositions,
+        stream=TEXT,
+        subscription=TEXT,
+        member_id=I64,
+        generation=I64,
+        positions=POSITIONS,
+    ),
+    LeaveGroup: st.builds(LeaveGroup, member_id=I64),
+    FetchEvents: st.builds(FetchEvents, member_id=I64, max_events=I64, wait_ms=I64),
+    SettleEvents: st.builds(SettleEvents, member_id=I64, acks=PAIRS, nacks=PAIRS, delay_ms=I64),
+    SubscriptionInfo: subscription_infos,
+    SubscriptionList: st.builds(
+        SubscriptionList, subscriptions=st.lists(subscription_infos, max_size=2)
+    ),
+    GroupJoined: st.builds(GroupJoined, member_id=I64, generation=I64),
+    GroupAssignment: st.builds(
+        GroupAssignment,
+        generation=I64,
+        assigned=POSITIONS,
+        revoke=st.lists(I64, max_size=3),
+    ),
+    EventsDelivered: st.builds(
+        EventsDelivered, deliveries=st.lists(st.lists(OFFSETS, min_size=3, max_size=3), max_size=3)
+    ),
+    Settled: st.builds(Settled, unknown=PAIRS),
     Hello: st.builds(
         Hello,
         protocol_version=I64,
@@ -168,6 +291,7 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
         metadata=st.binary(max_size=64),
         merge=st.lists(I64, max_size=3),
         operator=st.booleans(),
+        positions=st.lists(txn_positions, max_size=2),
     ),
     ListTxns: st.builds(ListTxns),
     GetIdentity: st.builds(GetIdentity, transactional_id=TEXT),
@@ -308,9 +432,15 @@ def test_append_frame_head_is_the_documented_golden_bytes() -> None:
 def test_kinds_are_a_bijection_covering_every_message() -> None:
     assert {KIND_OF[cls] for cls in KINDS.values()} == set(KINDS)
     assert set(KINDS.values()) == set(MESSAGES)
-    # SegmentInfo, TxnInfo and TxnRange only travel inside other messages; every other message
-    # has a kind of its own.
-    assert set(Message.__subclasses__()) - set(KINDS.values()) == {SegmentInfo, TxnInfo, TxnRange}
+    # these only travel inside other messages; every other message has a kind of its own
+    assert set(Message.__subclasses__()) - set(KINDS.values()) == {
+        MemberInfo,
+        SegmentInfo,
+        SubscriptionSegment,
+        TxnInfo,
+        TxnPositions,
+        TxnRange,
+    }
     assert all(0 < kind < 2**16 for kind in KINDS)
     assert PROTOCOL_VERSION == 1
 
