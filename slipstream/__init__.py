@@ -56,12 +56,14 @@ from ._errors import (
 )
 from .client import (
     AsyncClient,
+    AsyncConsumer,
     AsyncProducer,
     AsyncReader,
     AsyncTransaction,
     BulkReceipt,
     Client,
     CommitInfo,
+    Consumer,
     Producer,
     Reader,
     Receipt,
@@ -75,6 +77,7 @@ from .streams import Position, StreamCut
 
 __all__ = [
     "AsyncClient",
+    "AsyncConsumer",
     "AsyncProducer",
     "AsyncReader",
     "AsyncTransaction",
@@ -85,6 +88,7 @@ __all__ = [
     "BulkReceipt",
     "Client",
     "CommitInfo",
+    "Consumer",
     "CorruptBatch",
     "CorruptData",
     "CreditLimitExceeded",

@@ -211,6 +211,7 @@ class Broker:
         started = time.monotonic()
         totals = self.controller.recover()
         totals.update(self.coordinator.recover())
+        totals["subscriptions"] = self.service.subscriptions.recover()
         totals["cut_bytes"] = sum(j.report.cut_bytes for j in self.journals)
         totals["damaged_bytes"] = sum(
             d.end - d.start for j in self.journals for d in j.report.damaged
@@ -225,7 +226,8 @@ class Broker:
             "recovered %(streams)d streams, %(batches)d journal batches in %(ms)d ms "
             "(%(cut_bytes)d torn bytes cut, %(damaged_bytes)d damaged bytes skipped; "
             "%(skipped)d entries skipped: deleted streams, or logged above); "
-            "%(identities)d transactional ids, %(commits)d commits to finish",
+            "%(identities)d transactional ids, %(commits)d commits to finish, "
+            "%(subscriptions)d subscriptions",
             totals,
         )
         return totals
@@ -276,6 +278,9 @@ class Broker:
                 ready(self.address)
             background.append(loop.create_task(self._retention_loop(), name="retention"))
             background.append(loop.create_task(self.coordinator.run(), name="transactions"))
+            background.append(
+                loop.create_task(self.service.subscriptions.run(), name="group sessions")
+            )
             stopped = loop.create_task(self._stop.wait())
             done, _ = await asyncio.wait([stopped, *background], return_when="FIRST_COMPLETED")
             # a background loop that ends, by an error or not, stops the broker: never limp on

@@ -17,8 +17,9 @@ import logging
 import time
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -43,6 +44,7 @@ from ._container import Container
 from ._segment import Segment
 
 log = logging.getLogger("slipstream.controller")
+T = TypeVar("T")
 
 #: the largest retention limit (time in ms, or bytes) the catalog stores: a signed 64-bit integer
 MAX_RETENTION = 2**63 - 1
@@ -119,6 +121,10 @@ class Controller:
         """Finish the catalog writes under way and stop their thread (before the catalog is
         closed)."""
         self._catalog.shutdown(wait=True)
+
+    async def in_catalog(self, call: Callable[..., T], *args: Any) -> T:
+        """Run a catalog write on the catalog thread, after the ones before it."""
+        return await asyncio.get_running_loop().run_in_executor(self._catalog, call, *args)
 
     # --- startup ---------------------------------------------------------------------------
 

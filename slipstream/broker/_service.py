@@ -20,6 +20,7 @@ security issue), that flag is trusted as sent, and the broker logs who used it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import itertools
@@ -31,10 +32,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .._errors import BatchTooLarge, CorruptBatch, InvalidArgument, NotOwner
+import msgspec
+
+from .._errors import BatchTooLarge, CorruptBatch, InvalidArgument, NotOwner, SlipstreamError
 from ..format import BatchHeader, verify
-from ..protocol import IdentityInfo, Payload, StreamInfo, TxnEnded, TxnInfo
-from ..storage import fsync_dir
+from ..protocol import (
+    GroupAssignment,
+    IdentityInfo,
+    Payload,
+    StreamInfo,
+    SubscriptionInfo,
+    TxnEnded,
+    TxnInfo,
+    TxnPositions,
+)
+from ..storage import QueueOptions, fsync_dir
+from ..streams import validate_stream_name
+from ._groups import Subscriptions
 
 if TYPE_CHECKING:
     from ._container import Container
@@ -116,6 +130,7 @@ class Service:
         self._key = producer_key
         self._owners: dict[int, Caller] = {}  # producer id -> the caller that owns it
         self._connection_ids = itertools.count(1)
+        self.subscriptions = Subscriptions(controller)
 
     # --- callers -----------------------------------------------------------------------------
 
@@ -124,7 +139,9 @@ class Service:
         return Caller(next(self._connection_ids), peer, principal)
 
     def disconnect(self, caller: Caller) -> None:
-        """The caller is gone: its producer ids are owned by nobody until claimed again."""
+        """The caller is gone: its producer ids are owned by nobody until claimed again, and
+        its group members leave (their segments move to the others at once)."""
+        self.subscriptions.disconnect(caller)
         for producer_id in caller.producers:
             if self._owners.get(producer_id) is caller:
                 del self._owners[producer_id]
@@ -160,8 +177,11 @@ class Service:
         return stream.info()
 
     async def delete_stream(self, caller: Caller, name: str) -> None:
-        """Delete a stream and its data; its followers get StreamNotFound."""
+        """Delete a stream, its data and its subscriptions; its followers get StreamNotFound,
+        its groups' members SubscriptionNotFound on their next poll."""
+        stream = self.controller.stream(name)
         await self.controller.delete_stream(name)
+        self.subscriptions.forget_stream(stream)
 
     def list_streams(self, caller: Caller, scope: str | None = None) -> list[StreamInfo]:
         return [s.info() for s in self.controller.list_streams(scope)]
@@ -267,9 +287,12 @@ class Service:
         merge: Sequence[int] = (),
         *,
         operator: bool = False,
+        positions: Sequence[TxnPositions] = (),
     ) -> TxnEnded:
         """Commit or abort. Only the owner may end an open transaction, except an operator's
-        abort; asking again about one that already ended is answered to anyone."""
+        abort; asking again about one that already ended is answered to anyone. A commit's
+        ``positions`` (subscription positions consumed) are stored with it, atomically;
+        NotAssigned / StaleGeneration / UnknownMember abort the transaction instead."""
         if operator:
             if commit:
                 raise InvalidArgument("an operator may abort a transaction, not commit it")
@@ -282,13 +305,124 @@ class Service:
                 log.warning("transaction %d aborted by an operator (%s)", txn_id, caller)
         else:
             self._check_txn_owner(caller, txn_id)
-        return await self.coordinator.end(txn_id, commit, metadata, list(merge))
+        if not (commit and positions and txn_id in self.coordinator.open):
+            return await self.coordinator.end(txn_id, commit, metadata, list(merge))
+        # positions consumed: stored with the commit record if this caller's members still
+        # hold those segments; if not (a zombie), the transaction aborts
+        checked = False
+        try:
+            async with self.subscriptions.committing(caller, positions) as commits:
+                checked = True
+                return await self.coordinator.end(txn_id, True, metadata, list(merge), commits)
+        except SlipstreamError:
+            if not checked:
+                with contextlib.suppress(SlipstreamError):
+                    await self.coordinator.end(txn_id, False, b"")
+            raise
 
     def list_txns(self, caller: Caller) -> list[TxnInfo]:
         return self.coordinator.list()
 
     def identity(self, caller: Caller, transactional_id: str) -> IdentityInfo:
         return self.coordinator.identity(transactional_id)
+
+    # --- subscriptions and groups ------------------------------------------------------------
+
+    async def create_subscription(
+        self,
+        caller: Caller,
+        stream: str,
+        name: str,
+        mode: str = "ordered",
+        at: str = "earliest",
+        timestamp_ms: int | None = None,
+        positions: dict[int, int] | None = None,
+        options: dict[str, object] | None = None,
+    ) -> SubscriptionInfo:
+        """A durable cursor starting at ``at`` ("earliest", "latest", "time" with
+        ``timestamp_ms``, "cut" with ``positions``). Raises StreamNotFound,
+        SubscriptionExists, InvalidName, InvalidArgument, OffsetOutOfRange."""
+        start = await self._start(caller, stream, at, timestamp_ms, positions)
+        queue = _queue_options(stream, options or {}) if mode != "ordered" else None
+        if mode == "ordered" and options:
+            raise InvalidArgument("options are for the queue modes; an ordered one has none")
+        return await self.subscriptions.create(stream, name, mode, start, queue)
+
+    def list_subscriptions(self, caller: Caller, stream: str) -> list[SubscriptionInfo]:
+        return self.subscriptions.of_stream(stream)
+
+    async def describe_subscription(
+        self, caller: Caller, stream: str, name: str
+    ) -> SubscriptionInfo:
+        """Per segment: position, backlog (events, bytes), lag; and the members."""
+        return await self.subscriptions.describe(stream, name)
+
+    async def delete_subscription(self, caller: Caller, stream: str, name: str) -> None:
+        await self.subscriptions.delete(stream, name)
+
+    async def reset_subscription(
+        self,
+        caller: Caller,
+        stream: str,
+        name: str,
+        at: str,
+        timestamp_ms: int | None = None,
+        positions: dict[int, int] | None = None,
+    ) -> SubscriptionInfo:
+        """Move every position to ``at``; live members restart from there."""
+        start = await self._start(caller, stream, at, timestamp_ms, positions)
+        return await self.subscriptions.reset(stream, name, start)
+
+    async def _start(
+        self,
+        caller: Caller,
+        stream: str,
+        at: str,
+        timestamp_ms: int | None,
+        positions: dict[int, int] | None,
+    ) -> dict[int, int]:
+        if at != "cut":
+            return await self.cut(caller, stream, at, timestamp_ms)
+        if positions is None:
+            raise InvalidArgument("a start at a StreamCut needs its positions")
+        segments = self.controller.stream(stream).segments
+        # segments the cut does not name start at their first retained event
+        return {n: positions.get(n, s.start_offset) for n, s in segments.items()}
+
+    def join_group(
+        self,
+        caller: Caller,
+        stream: str,
+        subscription: str,
+        mode: str,
+        member_name: str,
+        session_timeout_ms: int,
+    ) -> tuple[int, int]:
+        """Join the subscription's group -> (member id, generation)."""
+        return self.subscriptions.join(
+            caller, stream, subscription, mode, member_name, session_timeout_ms
+        )
+
+    async def poll_group(
+        self, caller: Caller, member_id: int, released: Sequence[int], wait_ms: int
+    ) -> GroupAssignment:
+        return await self.subscriptions.poll(caller, member_id, released, wait_ms)
+
+    async def commit_positions(
+        self,
+        caller: Caller,
+        stream: str,
+        subscription: str,
+        member_id: int,
+        generation: int,
+        positions: dict[int, int],
+    ) -> None:
+        await self.subscriptions.commit(
+            caller, stream, subscription, member_id, generation, positions
+        )
+
+    def leave_group(self, caller: Caller, member_id: int) -> None:
+        self.subscriptions.leave(caller, member_id)
 
     # --- ownership ---------------------------------------------------------------------------
 
@@ -330,3 +464,26 @@ class Service:
     def _token(self, producer_id: int, epoch: int) -> bytes:
         message = f"{producer_id}:{epoch}".encode()
         return hmac.new(self._key, message, hashlib.sha256).digest()[:_TOKEN_BYTES]
+
+
+def _queue_options(stream: str, given: dict[str, object]) -> QueueOptions:
+    """A queue's options from the request, checked: counts and times positive, a dead-letter
+    stream name (default ``<stream>.dlq``)."""
+    unknown = sorted(set(given) - set(QueueOptions.__struct_fields__))
+    if unknown:
+        raise InvalidArgument(
+            f"unknown queue option(s) {unknown}; known: {', '.join(QueueOptions.__struct_fields__)}"
+        )
+    try:
+        options = msgspec.convert(given, QueueOptions)
+    except msgspec.ValidationError as exc:
+        raise InvalidArgument(f"bad queue option: {exc}") from None
+    for name in QueueOptions.__struct_fields__:
+        value = getattr(options, name)
+        if isinstance(value, int) and value <= 0:
+            raise InvalidArgument(f"queue option {name} must be positive, not {value}")
+    if options.backoff_ms > options.max_backoff_ms:
+        raise InvalidArgument("backoff_ms must not be above max_backoff_ms")
+    dead_letter = options.dead_letter or f"{stream}.dlq"
+    validate_stream_name(dead_letter)
+    return msgspec.structs.replace(options, dead_letter=dead_letter)

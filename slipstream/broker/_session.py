@@ -46,12 +46,16 @@ from ..protocol import (
     AppendAck,
     BeginTxn,
     ClaimProducer,
+    CommitPositions,
     CreateStream,
+    CreateSubscription,
     Credit,
     Cut,
     Data,
     DeleteStream,
+    DeleteSubscription,
     DescribeStream,
+    DescribeSubscription,
     Done,
     EndTxn,
     Error,
@@ -62,16 +66,23 @@ from ..protocol import (
     FrameDecoder,
     GetCut,
     GetIdentity,
+    GroupJoined,
     Hello,
     InitProducer,
+    JoinGroup,
+    LeaveGroup,
     ListStreams,
+    ListSubscriptions,
     ListTxns,
     Malformed,
     Message,
     Oversized,
     Payload,
+    PollGroup,
     ProducerGrant,
+    ResetSubscription,
     StreamList,
+    SubscriptionList,
     TxnBegun,
     TxnList,
     Unfollow,
@@ -450,10 +461,41 @@ class Session(asyncio.BufferedProtocol):
                 return TxnBegun(
                     await service.begin_txn(caller, producer_id, epoch, timeout_ms, label)
                 )
-            case EndTxn(txn_id, commit, metadata, merge, operator):
+            case EndTxn(txn_id, commit, metadata, merge, operator, positions):
                 return await service.end_txn(
-                    caller, txn_id, commit, metadata, merge, operator=operator
+                    caller, txn_id, commit, metadata, merge, operator=operator, positions=positions
                 )
+            case CreateSubscription(stream, name, mode, at, timestamp_ms, positions, options):
+                return await service.create_subscription(
+                    caller, stream, name, mode, at, timestamp_ms, positions, options
+                )
+            case ListSubscriptions(stream):
+                return SubscriptionList(service.list_subscriptions(caller, stream))
+            case DescribeSubscription(stream, name):
+                return await service.describe_subscription(caller, stream, name)
+            case DeleteSubscription(stream, name):
+                await service.delete_subscription(caller, stream, name)
+                return Done()
+            case ResetSubscription(stream, name, at, timestamp_ms, positions):
+                return await service.reset_subscription(
+                    caller, stream, name, at, timestamp_ms, positions
+                )
+            case JoinGroup(stream, subscription, mode, member_name, session_timeout_ms):
+                return GroupJoined(
+                    *service.join_group(
+                        caller, stream, subscription, mode, member_name, session_timeout_ms
+                    )
+                )
+            case PollGroup(member_id, released, wait_ms):
+                return await service.poll_group(caller, member_id, released, wait_ms)
+            case CommitPositions(stream, subscription, member_id, generation, positions):
+                await service.commit_positions(
+                    caller, stream, subscription, member_id, generation, positions
+                )
+                return Done()
+            case LeaveGroup(member_id):
+                service.leave_group(caller, member_id)
+                return Done()
             case ListTxns():
                 return TxnList(service.list_txns(caller))
             case GetIdentity(transactional_id):

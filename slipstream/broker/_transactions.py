@@ -61,6 +61,7 @@ from ..storage import (
     Identity,
     JournalAddress,
     MetaStore,
+    PositionCommit,
     TxnCommit,
 )
 from ..streams import SEQUENCE_MODULUS, next_sequence
@@ -452,10 +453,16 @@ class Coordinator:
         return addresses
 
     async def end(
-        self, txn_id: int, commit: bool, metadata: bytes, merge: list[int] | None = None
+        self,
+        txn_id: int,
+        commit: bool,
+        metadata: bytes,
+        merge: list[int] | None = None,
+        positions: list[PositionCommit] | None = None,
     ) -> TxnEnded:
         """Commit or abort. A commit may ``merge`` open anonymous transactions: their events
-        commit with this one's, under one commit record, or not at all. A caller cancelled
+        commit with this one's, under one commit record, or not at all; ``positions``
+        (subscription positions consumed) are stored in that record. A caller cancelled
         while it waits (its connection lost) stops waiting, not the commit: asking again
         gives the outcome."""
         txn = self.open.get(txn_id)
@@ -497,7 +504,9 @@ class Coordinator:
         # connection cut, its request cancelled) must not stop a commit whose record may be
         # stored, half applied, while a newer epoch's InitProducer, waiting for the outcome,
         # would go on and append to the same segments. Only ``close`` cancels it.
-        task = loop.create_task(self._commit(txn, metadata, merged), name=f"commit {txn_id}")
+        task = loop.create_task(
+            self._commit(txn, metadata, merged, positions or []), name=f"commit {txn_id}"
+        )
         self._commits.add(task)
 
         def settle(task: asyncio.Task[TxnEnded]) -> None:
@@ -522,7 +531,9 @@ class Coordinator:
             )
         return merged
 
-    async def _commit(self, txn: _Txn, metadata: bytes, merged: list[_Txn]) -> TxnEnded:
+    async def _commit(
+        self, txn: _Txn, metadata: bytes, merged: list[_Txn], positions: list[PositionCommit]
+    ) -> TxnEnded:
         loop = asyncio.get_running_loop()
         identity = txn.identity
         everyone = [txn, *merged]
@@ -572,6 +583,7 @@ class Coordinator:
             int(time.time() * 1000),
             len(staged),
             [m.txn_id for m in merged],
+            positions,
         )
         _crash_point("txn.before_commit_record")
         try:

@@ -15,17 +15,20 @@ from ._client import (
     default_address,
 )
 from ._connection import DEFAULT_ADDRESS, parse_address
+from ._consumer import AsyncConsumer, Consumer
 from ._producer import BulkReceipt, Receipt
 
 __all__ = [
     "DEFAULT_ADDRESS",
     "AsyncClient",
+    "AsyncConsumer",
     "AsyncProducer",
     "AsyncReader",
     "AsyncTransaction",
     "BulkReceipt",
     "Client",
     "CommitInfo",
+    "Consumer",
     "Producer",
     "Reader",
     "Receipt",

@@ -38,6 +38,7 @@ from .._errors import (
     ProducerFenced,
     SlipstreamError,
     StreamExists,
+    SubscriptionExists,
     TransactionAborted,
     TransactionNotFound,
 )
@@ -45,29 +46,54 @@ from ..format import Event, events_of
 from ..protocol import (
     BeginTxn,
     ClaimProducer,
+    CommitPositions,
     CreateStream,
+    CreateSubscription,
     DeleteStream,
+    DeleteSubscription,
     DescribeStream,
+    DescribeSubscription,
     EndTxn,
     GetIdentity,
     IdentityInfo,
     InitProducer,
     ListStreams,
+    ListSubscriptions,
     ListTxns,
     Message,
     ProducerGrant,
+    ResetSubscription,
     StreamInfo,
     StreamList,
+    SubscriptionInfo,
+    SubscriptionList,
     TxnBegun,
     TxnEnded,
     TxnInfo,
     TxnList,
+    TxnPositions,
     UpdateStream,
 )
 from ..streams import Router, StreamCut, parse_duration_ms, parse_size_bytes
 from ._connection import DEFAULT_ADDRESS, Connection
+from ._consumer import (
+    AsyncConsumer,
+    Consumer,
+    ConsumerCore,
+    CoreFactory,
+    _Item,
+    cut_positions,
+)
 from ._producer import BulkReceipt, ProducerCore, Receipt
-from ._reader import Delivery, ReaderCore, Start, cut_at, decode_delivery, with_position
+from ._reader import (
+    Delivery,
+    ReaderCore,
+    Start,
+    cut_at,
+    decode_delivery,
+    parse_start,
+    with_position,
+)
 
 T = TypeVar("T")
 
@@ -144,6 +170,32 @@ def _retention_change_bytes(value: str | int | None) -> int | None:
     if isinstance(value, str) and value.strip().lower() in ("unlimited", "0"):
         return 0
     return _retention_bytes(value)
+
+
+#: queue options in the API's units (seconds) -> the protocol's (ms)
+_SECONDS = {
+    "ack_timeout": "ack_timeout_ms",
+    "backoff": "backoff_ms",
+    "max_backoff": "max_backoff_ms",
+}
+_COUNTS = ("max_deliveries", "max_unacked", "dead_letter")
+
+
+def _queue_options(given: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(given) - set(_SECONDS) - set(_COUNTS))
+    if unknown:
+        raise InvalidArgument(
+            f"unknown option(s) {unknown}; queue options are {', '.join([*_SECONDS, *_COUNTS])}"
+        )
+    options: dict[str, Any] = {}
+    for key, value in given.items():
+        if value is None:
+            continue
+        if key in _SECONDS:
+            options[_SECONDS[key]] = int(value * 1000)
+        else:
+            options[key] = value
+    return options
 
 
 def _router(info: StreamInfo) -> Router:
@@ -380,6 +432,96 @@ class AsyncClient:
         """An async iterator of events; see :class:`Reader`."""
         return AsyncReader(self.connection, stream, start, end)
 
+    # --- subscriptions and consumers -------------------------------------------------------
+
+    async def create_subscription(
+        self,
+        stream: str,
+        name: str,
+        start: Start = "earliest",
+        mode: str = "ordered",
+        *,
+        exist_ok: bool = False,
+        **queue_options: Any,
+    ) -> SubscriptionInfo:
+        """A named, durable cursor on ``stream``; see :meth:`Client.create_subscription`."""
+        kind, timestamp_ms, cut = parse_start(start)
+        positions = None
+        if cut is not None:
+            positions = cut_positions(stream, cut)
+        request = CreateSubscription(
+            stream, name, mode, kind, timestamp_ms, positions, _queue_options(queue_options)
+        )
+        try:
+            reply = await self._request(request)
+        except SubscriptionExists:
+            if not exist_ok:
+                raise
+            reply = await self.describe_subscription(stream, name)
+        assert isinstance(reply, SubscriptionInfo)
+        return reply
+
+    async def list_subscriptions(self, stream: str) -> list[SubscriptionInfo]:
+        reply = await self._request(ListSubscriptions(stream))
+        assert isinstance(reply, SubscriptionList)
+        return reply.subscriptions
+
+    async def describe_subscription(self, stream: str, name: str) -> SubscriptionInfo:
+        """Per segment: position, backlog in events and bytes, lag; and the members."""
+        reply = await self._request(DescribeSubscription(stream, name))
+        assert isinstance(reply, SubscriptionInfo)
+        return reply
+
+    async def delete_subscription(self, stream: str, name: str) -> None:
+        await self._request(DeleteSubscription(stream, name))
+
+    async def reset_subscription(self, stream: str, name: str, to: Start) -> SubscriptionInfo:
+        """Move every position to ``to``; live consumers restart from there at once."""
+        kind, timestamp_ms, cut = parse_start(to)
+        positions = cut_positions(stream, cut) if cut is not None else None
+        reply = await self._request(ResetSubscription(stream, name, kind, timestamp_ms, positions))
+        assert isinstance(reply, SubscriptionInfo)
+        return reply
+
+    async def commit_subscription(
+        self, stream: str, name: str, positions: StreamCut | Mapping[int, int]
+    ) -> None:
+        """Store positions from outside a group (a job's progress, an operator's fix);
+        refused with GroupActive while consumers are joined."""
+        info = await self.describe_subscription(stream, name)
+        await self._request(
+            CommitPositions(stream, name, 0, info.generation, cut_positions(stream, positions))
+        )
+
+    def consumer(
+        self,
+        stream: str,
+        subscription: str,
+        *,
+        commit: str = "auto",
+        name: str | None = None,
+        session_timeout: float = 10.0,
+    ) -> Opening[AsyncConsumer]:
+        """Join the subscription's group: ``async with client.consumer(...) as consumer``
+        (leaving the block commits and leaves) or ``consumer = await client.consumer(...)``.
+        See :meth:`Client.consumer`."""
+        return Opening(self._open_consumer(stream, subscription, commit, name, session_timeout))
+
+    async def _open_consumer(
+        self, stream: str, subscription: str, commit: str, name: str | None, timeout: float
+    ) -> AsyncConsumer:
+        consumer = AsyncConsumer(self._core_factory(stream, subscription, commit, name, timeout))
+        await consumer.core.start()
+        return consumer
+
+    def _core_factory(
+        self, stream: str, subscription: str, commit: str, name: str | None, timeout: float
+    ) -> CoreFactory:
+        def make(deliver: Callable[[_Item], None]) -> ConsumerCore:
+            return ConsumerCore(self, stream, subscription, commit, name, timeout, deliver)
+
+        return make
+
     # --- transactions ----------------------------------------------------------------------
 
     def transaction(
@@ -432,11 +574,16 @@ class AsyncClient:
         await self._request(EndTxn(txn_id, False, operator=True))
 
     async def _end(
-        self, txn_id: int, commit: bool, metadata: bytes, merge: Sequence[int] = ()
+        self,
+        txn_id: int,
+        commit: bool,
+        metadata: bytes,
+        merge: Sequence[int] = (),
+        positions: Sequence[TxnPositions] = (),
     ) -> TxnEnded:
         """End a transaction; a commit whose answer was lost with the connection is asked
         again (the broker answers a repeated commit with the first one's outcome)."""
-        message = EndTxn(txn_id, commit, metadata, list(merge))
+        message = EndTxn(txn_id, commit, metadata, list(merge), False, list(positions))
         try:
             reply = await self._request(message)
         except BrokerUnavailable:
@@ -470,8 +617,20 @@ class AsyncTransaction:
         self.transactional_id = transactional_id
         self._options = options
         self._cores: dict[str, ProducerCore] = {}
+        self._consumed: dict[ConsumerCore, dict[int, int]] = {}
         self.metadata: Any = None
         self.result: TxnEnded | None = None
+
+    def commit_position(
+        self, consumer: AsyncConsumer, positions: StreamCut | Mapping[int, int] | None = None
+    ) -> None:
+        """Commit the consumer's position (everything it handed out so far, or
+        ``positions``) with this transaction: the events the transaction writes and the input
+        it consumed become visible together, or neither (exactly-once consume-transform-
+        produce). If the consumer lost those segments meanwhile (a rebalance, an expired
+        session) the commit fails with NotAssigned and the transaction aborts."""
+        chosen = consumer.positions() if positions is None else positions
+        self._consumed[consumer.core] = cut_positions(consumer.core.stream, chosen)
 
     async def _core(self, stream: str) -> ProducerCore:
         core = self._cores.get(stream)
@@ -536,7 +695,10 @@ class AsyncTransaction:
             raise
         data = metadata if metadata is not None else self.metadata
         encoded = b"" if data is None else json.dumps(data).encode()
-        self.result = await self.client._end(self.txn_id, True, encoded, merge)
+        consumed = [core.txn_positions(p) for core, p in self._consumed.items()]
+        self.result = await self.client._end(self.txn_id, True, encoded, merge, consumed)
+        for core, p in self._consumed.items():
+            core.committed.update(p)
         self._close_cores()
         return self.result
 
@@ -920,6 +1082,93 @@ class Client:
         """
         return Reader(self._loop, self._loop.run(self._async.live_connection()), stream, start, end)
 
+    # --- subscriptions and consumers -------------------------------------------------------
+
+    def create_subscription(
+        self,
+        stream: str,
+        name: str,
+        start: Start = "earliest",
+        mode: str = "ordered",
+        *,
+        exist_ok: bool = False,
+        **queue_options: Any,
+    ) -> SubscriptionInfo:
+        """A named, durable cursor on ``stream``, starting at ``start`` ("earliest",
+        "latest", a time or a StreamCut, as for :meth:`reader`). Any number of subscriptions
+        read one stream independently; each receives every event. Consumers join it with
+        :meth:`consumer`.
+
+        ``mode``: ``"ordered"`` (a consumer group: each segment is read by one member at a
+        time, in order), ``"queue"`` or ``"key_ordered_queue"`` (work queues: events are
+        spread over every member and acknowledged one by one). Queue options:
+        ``ack_timeout``, ``backoff`` and ``max_backoff`` (seconds), ``max_deliveries``,
+        ``max_unacked``, ``dead_letter`` (a stream name; default ``<stream>.dlq``).
+        Raises StreamNotFound, SubscriptionExists (unless ``exist_ok``), InvalidName."""
+        return self._loop.run(
+            self._async.create_subscription(
+                stream, name, start, mode, exist_ok=exist_ok, **queue_options
+            )
+        )
+
+    def list_subscriptions(self, stream: str) -> list[SubscriptionInfo]:
+        """The subscriptions of ``stream`` (name, mode, generation)."""
+        return self._loop.run(self._async.list_subscriptions(stream))
+
+    def describe_subscription(self, stream: str, name: str) -> SubscriptionInfo:
+        """Per segment: the committed position, the backlog in events and bytes (bytes are
+        estimated from the segment's average event size), the lag (``lag_ms``: age of the
+        oldest unconsumed event) and which member reads it; and the members."""
+        return self._loop.run(self._async.describe_subscription(stream, name))
+
+    def delete_subscription(self, stream: str, name: str) -> None:
+        """Delete a subscription; its consumers get SubscriptionNotFound."""
+        self._loop.run(self._async.delete_subscription(stream, name))
+
+    def reset_subscription(self, stream: str, name: str, to: Start) -> SubscriptionInfo:
+        """Move every position of the subscription to ``to`` ("earliest", "latest", a time
+        such as "-1d" or "2026-11-23T00:00Z", or a StreamCut). Live consumers restart from
+        there without a restart of their own: how a team reprocesses yesterday."""
+        return self._loop.run(self._async.reset_subscription(stream, name, to))
+
+    def commit_subscription(
+        self, stream: str, name: str, positions: StreamCut | Mapping[int, int]
+    ) -> None:
+        """Store positions from outside a group (a Spark query's progress, an operator's
+        fix); refused with GroupActive while consumers are joined."""
+        self._loop.run(self._async.commit_subscription(stream, name, positions))
+
+    def consumer(
+        self,
+        stream: str,
+        subscription: str,
+        *,
+        commit: str = "auto",
+        name: str | None = None,
+        session_timeout: float = 10.0,
+    ) -> Consumer:
+        """Join the group of an ``ordered`` subscription and consume its share of segments::
+
+            with client.consumer("demo/orders", "billing") as consumer:
+                for event in consumer:
+                    handle(event)
+
+        The broker spreads the stream's segments over the group's members (balanced and
+        sticky) and moves them when members join, leave or crash (no poll for
+        ``session_timeout`` seconds, or the connection closes): only moved segments pause.
+        Each segment's events arrive in order, from the subscription's committed position.
+
+        ``commit``: ``"auto"`` (what the application has finished with, i.e. every batch
+        before the one it asked for next, is committed about once a second, on a rebalance
+        and on close: at-least-once), ``"manual"`` (``consumer.commit()``, or
+        ``txn.commit_position(consumer)`` for exactly-once), or ``"at_most_once"`` (each
+        batch is committed before it is handed out). ``name`` shows in ``describe`` (default
+        host:pid). Raises SubscriptionNotFound, ModeMismatch (a queue subscription)."""
+        make = self._async._core_factory(stream, subscription, commit, name, session_timeout)
+        consumer = Consumer(self._loop, make)
+        self._loop.run(consumer.core.start())
+        return consumer
+
 
 class Producer:
     """The blocking producer; see :meth:`Client.producer`. Use as a context manager: leaving
@@ -1042,6 +1291,17 @@ class Transaction:
     def flush(self) -> None:
         """Block until every event sent so far is staged (still invisible until commit)."""
         self._loop.run(self._async.flush())
+
+    def commit_position(
+        self, consumer: Consumer, positions: StreamCut | Mapping[int, int] | None = None
+    ) -> None:
+        """Commit the consumer's position (everything it handed out so far, or
+        ``positions``) with this transaction: its output and the input it consumed become
+        visible together, or neither. Use with ``commit="manual"`` consumers for an
+        exactly-once consume-transform-produce loop. If the consumer lost those segments
+        meanwhile, the commit raises NotAssigned and the transaction aborts."""
+        chosen = consumer.positions() if positions is None else positions
+        self._async._consumed[consumer.core] = cut_positions(consumer.core.stream, chosen)
 
     @property
     def metadata(self) -> Any:

@@ -13,6 +13,7 @@ import datetime as dt
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -166,8 +167,18 @@ class ReaderCore:
                     await self.connection.request(Unfollow(sub_id))
 
 
+class ReadState(Protocol):
+    """Where each segment's reading started, ends, and the offset its next batch must hold
+    (a ReaderCore; a consumer keeps one per grant of a segment)."""
+
+    stream: str
+    starts: dict[int, int]
+    ends: dict[int, int | None]
+    positions: dict[int, int]
+
+
 def decode_delivery(
-    delivery: Delivery, core: ReaderCore
+    delivery: Delivery, core: ReadState
 ) -> Iterator[tuple[int, int, pa.RecordBatch]]:
     """The record batches of one payload as ``(segment, base offset, batch)``, trimmed to the
     reader's start and end.

@@ -18,7 +18,12 @@ from ._idempotence import (
     ProducerTable,
     next_sequence,
 )
-from ._names import MAX_NAME_LENGTH, validate_scope, validate_stream_name
+from ._names import (
+    MAX_NAME_LENGTH,
+    validate_scope,
+    validate_stream_name,
+    validate_subscription_name,
+)
 from ._routing import KEY_SPACE, MAX_KEY_HASH, MAX_SEGMENTS, Router, key_hash, split_key_space
 from ._scaling import (
     Rates,
@@ -74,4 +79,5 @@ __all__ = [
     "split_range",
     "validate_scope",
     "validate_stream_name",
+    "validate_subscription_name",
 ]

@@ -48,3 +48,16 @@ def validate_scope(scope: str) -> str:
             "lowercase letters, digits, '.', '_', '-'"
         )
     return scope
+
+
+def validate_subscription_name(name: str) -> str:
+    """Return ``name`` or raise :class:`InvalidName`: one part of the rules above (a
+    lowercase letter or a digit, then ``[a-z0-9._-]``), at most 255 characters."""
+    if not isinstance(name, str) or len(name) > MAX_NAME_LENGTH or not _PART.fullmatch(name):
+        raise InvalidName(
+            f"subscription name {str(name)[:64]!r} must start with a lowercase letter or a "
+            "digit and use only lowercase letters, digits, '.', '_' and '-' (at most "
+            f"{MAX_NAME_LENGTH} characters), for example 'billing'",
+            name=str(name)[:64],
+        )
+    return name

@@ -1,0 +1,531 @@
+"""Subscriptions and consumer groups on the broker: durable cursors, members, assignments.
+
+A subscription is a named, durable cursor on one stream (``SubscriptionRecord`` in the
+MetaStore: a position per segment and a reset ``generation``). Its members form a group. In
+``ordered`` mode the broker only coordinates: it assigns each segment to one member
+(``streams.assign``: balanced and sticky), and members read their segments themselves with
+follows from the committed positions, committing as they go.
+
+Rebalancing is incremental and cooperative. A member learns its assignment by polling
+(``poll``: a heartbeat that is answered at once when something changed for it, else after
+``wait_ms``). When a segment must move, its current holder is told to revoke it; the holder
+stops reading, commits, and releases it in its next poll; only then is it granted to its new
+member, with the position committed by then. Segments that do not move never pause. A member
+that leaves, loses its connection, or does not poll within its session timeout is removed and
+its segments are granted at once (from their committed positions: what it had not committed is
+delivered again, at-least-once).
+
+Every commit (a member's, a transaction's positions, an operator's or a Spark query's) and
+every grant runs under the group's lock, so a segment is never granted from a position older
+than a commit in progress, and a commit by a member that no longer holds the segment (or from
+before a reset) is refused with ``NotAssigned`` / ``StaleGeneration``: zombies cannot commit.
+
+State and threads: everything here lives on the event loop. The durable part goes through the
+controller's catalog thread (``Controller.in_catalog``); the in-memory records are updated only
+after the MetaStore accepted a change, so they never run ahead of what a restart would find.
+Members are not durable: after a broker restart, consumers join again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from .._errors import (
+    GroupActive,
+    InvalidArgument,
+    ModeMismatch,
+    NotAssigned,
+    OffsetOutOfRange,
+    StaleGeneration,
+    SubscriptionNotFound,
+    UnknownMember,
+)
+from ..format import decode_header
+from ..protocol import (
+    GroupAssignment,
+    MemberInfo,
+    SubscriptionInfo,
+    SubscriptionSegment,
+    TxnPositions,
+)
+from ..storage import PositionCommit, QueueOptions, SubscriptionRecord
+from ..streams import assign, validate_subscription_name
+
+if TYPE_CHECKING:
+    from ._controller import Controller, Stream
+    from ._service import Caller
+
+log = logging.getLogger("slipstream.groups")
+
+MODES = ("ordered", "queue", "key_ordered_queue")
+MIN_SESSION_TIMEOUT_MS = 1_000
+MAX_SESSION_TIMEOUT_MS = 300_000
+MAX_POLL_WAIT_MS = 30_000
+#: how often sessions are checked for expiry
+EXPIRY_CHECK_S = 0.25
+
+
+@dataclass(eq=False)
+class Member:
+    id: int
+    name: str
+    caller: Caller
+    group: Group
+    session_timeout: float
+    last_seen: float
+    #: what the member was last told: (generation, assigned segments, revoked segments)
+    seen: tuple[int, frozenset[int], frozenset[int]] | None = None
+
+
+@dataclass(eq=False)
+class Group:
+    """The live side of one subscription: its record as stored, its members, and which
+    member holds which segment."""
+
+    record: SubscriptionRecord
+    stream: Stream
+    members: dict[int, Member] = field(default_factory=dict)
+    holder: dict[int, int] = field(default_factory=dict)  # segment -> member id
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    deleted: str | None = None  # why it is gone (deleted, its stream deleted)
+
+    def wake(self) -> None:
+        """Answer every waiting poll: something changed for someone."""
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def position(self, segment: int) -> int:
+        """Where a member granted ``segment`` starts: the committed position, never below
+        the segment's first retained event."""
+        start = self.stream.segments[segment].start_offset
+        return max(self.record.positions.get(segment, start), start)
+
+    def target(self) -> dict[int, int]:
+        """Which member should hold each segment (balanced, sticky to the holders)."""
+        members = {str(m): m for m in self.members}
+        current = {s: str(m) for s, m in self.holder.items()}
+        return {s: members[m] for s, m in assign(self.stream.segments, members, current).items()}
+
+    def view(self, member: Member) -> tuple[int, frozenset[int], frozenset[int]]:
+        """What ``member`` should do now; grants it the free segments it is the target of."""
+        target = self.target()
+        for segment, owner in target.items():
+            if owner == member.id and segment not in self.holder:
+                self.holder[segment] = member.id
+        held = {s for s, m in self.holder.items() if m == member.id}
+        revoke = {s for s in held if target.get(s) != member.id}
+        return self.record.generation, frozenset(held - revoke), frozenset(revoke)
+
+    def remove(self, member: Member) -> None:
+        if self.members.pop(member.id, None) is None:
+            return
+        for segment in [s for s, m in self.holder.items() if m == member.id]:
+            del self.holder[segment]
+        self.wake()
+
+
+class Subscriptions:
+    """Subscriptions and their groups, for the service layer (on the event loop)."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+        self.groups: dict[tuple[int, str], Group] = {}
+        self.members: dict[int, Member] = {}
+        self._member_ids = itertools.count(1)
+
+    def recover(self) -> int:
+        """Load every subscription of a live stream (at start, before serving)."""
+        by_id = {s.id: s for s in self.controller.streams.values()}
+        for record in self.controller.meta.subscriptions():
+            stream = by_id.get(record.stream_id)
+            if stream is not None:
+                self.groups[(stream.id, record.name)] = Group(record, stream)
+        return len(self.groups)
+
+    async def run(self) -> None:
+        """Remove members whose session expired (they stopped polling), forever."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(EXPIRY_CHECK_S)
+            now = loop.time()
+            for member in [
+                m for m in self.members.values() if now - m.last_seen > m.session_timeout
+            ]:
+                log.info(
+                    "member %d (%s) of %s left: no poll for %.1f s (session timeout)",
+                    member.id,
+                    member.name,
+                    self._label(member.group),
+                    now - member.last_seen,
+                )
+                self._remove(member)
+
+    # --- subscriptions -----------------------------------------------------------------------
+
+    async def create(
+        self,
+        stream_name: str,
+        name: str,
+        mode: str,
+        positions: Mapping[int, int],
+        options: QueueOptions | None,
+    ) -> SubscriptionInfo:
+        """Raises StreamNotFound, SubscriptionExists, InvalidArgument (name, mode)."""
+        stream = self.controller.stream(stream_name)
+        validate_subscription_name(name)
+        if mode not in MODES:
+            raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+        self._check_positions(stream, positions)
+        record = SubscriptionRecord(
+            stream.id,
+            name,
+            mode,
+            int(time.time() * 1000),
+            dict(positions),
+            options=options if mode != "ordered" else None,
+        )
+        await self.controller.in_catalog(self.controller.meta.create_subscription, record)
+        group = self.groups[(stream.id, name)] = Group(record, stream)
+        log.info("created subscription %s (%s)", self._label(group), mode)
+        return self.info(group, detail=False)
+
+    def of_stream(self, stream_name: str) -> list[SubscriptionInfo]:
+        stream = self.controller.stream(stream_name)
+        return [
+            self.info(g, detail=False)
+            for (sid, _), g in sorted(self.groups.items())
+            if sid == stream.id
+        ]
+
+    async def describe(self, stream_name: str, name: str) -> SubscriptionInfo:
+        group = self.group(stream_name, name)
+        info = self.info(group, detail=True)
+        now_ms = int(time.time() * 1000)
+        segments = []
+        for one in info.segments:  # the lag: the age of the oldest unconsumed event
+            lag_ms = 0
+            if one.backlog_events:
+                segment = group.stream.segments[one.segment]
+                with contextlib.suppress(Exception):  # a damaged batch: no lag, not no answer
+                    container = self.controller.containers[segment.container]
+                    batches = await container.read(segment, one.position, 1)
+                    if batches:
+                        lag_ms = max(0, now_ms - decode_header(batches[0]).min_timestamp)
+            segments.append(msgspec.structs.replace(one, lag_ms=lag_ms))
+        return msgspec.structs.replace(info, segments=segments)
+
+    async def delete(self, stream_name: str, name: str) -> None:
+        group = self.group(stream_name, name)
+        async with group.lock:
+            await self.controller.in_catalog(
+                self.controller.meta.delete_subscription, group.record.stream_id, name
+            )
+            self._drop(group, f"subscription {name!r} was deleted")
+        log.info("deleted subscription %s", self._label(group))
+
+    async def reset(
+        self, stream_name: str, name: str, positions: Mapping[int, int]
+    ) -> SubscriptionInfo:
+        """Replace every position; live members restart from there (a new generation)."""
+        group = self.group(stream_name, name)
+        self._check_positions(group.stream, positions)
+        async with group.lock:
+            group.record = await self.controller.in_catalog(
+                self.controller.meta.reset_subscription, group.record.stream_id, name, positions
+            )
+            group.wake()
+        log.info("reset subscription %s to %s", self._label(group), dict(positions))
+        return self.info(group, detail=False)
+
+    def forget_stream(self, stream: Stream) -> None:
+        """The stream was deleted (its subscriptions with it, in the catalog)."""
+        for key in [k for k in self.groups if k[0] == stream.id]:
+            self._drop(self.groups[key], f"stream {stream.name!r} was deleted")
+
+    def _drop(self, group: Group, why: str) -> None:
+        group.deleted = why
+        self.groups.pop((group.record.stream_id, group.record.name), None)
+        for member in list(group.members.values()):
+            self.members.pop(member.id, None)
+        group.members.clear()
+        group.holder.clear()
+        group.wake()
+
+    # --- members -----------------------------------------------------------------------------
+
+    def join(
+        self,
+        caller: Caller,
+        stream_name: str,
+        name: str,
+        mode: str,
+        member_name: str,
+        session_timeout_ms: int,
+    ) -> tuple[int, int]:
+        """A new member of the group -> (member id, generation)."""
+        group = self.group(stream_name, name)
+        if mode != group.record.mode:
+            raise ModeMismatch(
+                f"subscription {name!r} is a {group.record.mode!r} subscription; join it with "
+                f"mode={group.record.mode!r}, or create another subscription for {mode!r}",
+                mode=group.record.mode,
+            )
+        if not MIN_SESSION_TIMEOUT_MS <= session_timeout_ms <= MAX_SESSION_TIMEOUT_MS:
+            raise InvalidArgument(
+                f"session timeout must be between {MIN_SESSION_TIMEOUT_MS} and "
+                f"{MAX_SESSION_TIMEOUT_MS} ms, not {session_timeout_ms}"
+            )
+        member = Member(
+            next(self._member_ids),
+            member_name[:200],
+            caller,
+            group,
+            session_timeout_ms / 1000,
+            asyncio.get_running_loop().time(),
+        )
+        group.members[member.id] = member
+        self.members[member.id] = member
+        group.wake()
+        log.info("member %d (%s, %s) joined %s", member.id, member.name, caller, self._label(group))
+        return member.id, group.record.generation
+
+    async def poll(
+        self, caller: Caller, member_id: int, released: Sequence[int], wait_ms: int
+    ) -> GroupAssignment:
+        """The member's assignment, answered at once if it changed since the member's last
+        poll, else when it changes or after ``wait_ms``. Raises UnknownMember (then join
+        again), SubscriptionNotFound / StreamNotFound when deleted."""
+        member = self.member(caller, member_id)
+        loop = asyncio.get_running_loop()
+        member.last_seen = loop.time()
+        group = member.group
+        wait = min(max(wait_ms, 0), MAX_POLL_WAIT_MS, int(member.session_timeout * 500)) / 1000
+        if released:
+            for segment in released:
+                if group.holder.get(segment) == member.id:
+                    del group.holder[segment]
+            group.wake()
+        deadline = loop.time() + wait
+        while True:
+            changed = group.changed
+            async with group.lock:
+                self.member(caller, member_id)  # still there (not expired or deleted)?
+                state = group.view(member)
+                if state != member.seen or loop.time() >= deadline:
+                    member.seen = state
+                    generation, held, revoke = state
+                    return GroupAssignment(
+                        generation, {s: group.position(s) for s in sorted(held)}, sorted(revoke)
+                    )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), deadline - loop.time())
+
+    def leave(self, caller: Caller, member_id: int) -> None:
+        member = self.member(caller, member_id)
+        log.info("member %d (%s) left %s", member.id, member.name, self._label(member.group))
+        self._remove(member)
+
+    def disconnect(self, caller: Caller) -> None:
+        """The caller's connection is gone: so are its members (their segments move now)."""
+        for member in [m for m in self.members.values() if m.caller is caller]:
+            log.info(
+                "member %d (%s) left %s: connection closed",
+                member.id,
+                member.name,
+                self._label(member.group),
+            )
+            self._remove(member)
+
+    def _remove(self, member: Member) -> None:
+        self.members.pop(member.id, None)
+        member.group.remove(member)
+
+    def member(self, caller: Caller, member_id: int) -> Member:
+        member = self.members.get(member_id)
+        if member is None or member.caller is not caller:
+            group = member.group if member is not None else None
+            if group is not None and group.deleted:
+                raise SubscriptionNotFound(group.deleted)
+            raise UnknownMember(
+                f"member {member_id} is not in the group (it left, its session expired, or the "
+                "broker restarted); join again",
+                member_id=member_id,
+            )
+        if member.group.deleted:
+            raise SubscriptionNotFound(member.group.deleted)
+        return member
+
+    # --- commits -----------------------------------------------------------------------------
+
+    async def commit(
+        self,
+        caller: Caller,
+        stream_name: str,
+        name: str,
+        member_id: int,
+        generation: int,
+        positions: Mapping[int, int],
+    ) -> None:
+        """Store positions, durable before it returns. A member commits only segments it
+        holds; ``member_id`` 0 commits from outside the group (only while nobody is joined)."""
+        group = self.group(stream_name, name)
+        async with group.lock:
+            self._check_commit(caller, group, member_id, generation, positions)
+            await self.controller.in_catalog(
+                self.controller.meta.commit_positions,
+                group.record.stream_id,
+                name,
+                generation,
+                positions,
+            )
+            self._committed(group, positions)
+
+    @contextlib.asynccontextmanager
+    async def committing(
+        self, caller: Caller, consumed: Sequence[TxnPositions]
+    ) -> AsyncIterator[list[PositionCommit]]:
+        """For a transaction's commit: check the positions it consumed and hold their groups
+        still (no grant, commit or reset) while the body stores them with the transaction;
+        record them once it did."""
+        groups = [self.group(p.stream, p.subscription) for p in consumed]
+        async with contextlib.AsyncExitStack() as stack:
+            for group in sorted(set(groups), key=id):  # one order: no deadlock between two
+                await stack.enter_async_context(group.lock)
+            for group, p in zip(groups, consumed, strict=True):
+                self._check_commit(caller, group, p.member_id, p.generation, p.positions)
+            yield [
+                PositionCommit(g.record.stream_id, g.record.name, p.generation, dict(p.positions))
+                for g, p in zip(groups, consumed, strict=True)
+            ]
+            for group, p in zip(groups, consumed, strict=True):
+                self._committed(group, p.positions)
+
+    def _check_commit(
+        self,
+        caller: Caller,
+        group: Group,
+        member_id: int,
+        generation: int,
+        positions: Mapping[int, int],
+    ) -> None:
+        name = group.record.name
+        if generation != group.record.generation:
+            raise StaleGeneration(
+                f"subscription {name!r} was reset (generation {group.record.generation}) after "
+                f"these positions were read (generation {generation}); they are dropped",
+                generation=group.record.generation,
+            )
+        self._check_positions(group.stream, positions)
+        if member_id == 0:
+            if group.members:
+                raise GroupActive(
+                    f"subscription {name!r} has {len(group.members)} members joined; positions "
+                    "are committed by them, not from outside the group",
+                    members=len(group.members),
+                )
+            return
+        member = self.member(caller, member_id)
+        if member.group is not group:
+            raise NotAssigned(f"member {member_id} is not a member of {name!r}")
+        foreign = sorted(s for s in positions if group.holder.get(s) != member_id)
+        if foreign:
+            raise NotAssigned(
+                f"member {member_id} does not hold segment(s) {foreign} of {name!r} (moved to "
+                "another member, or its session expired); nothing was committed",
+                segments=foreign,
+            )
+
+    def _committed(self, group: Group, positions: Mapping[int, int]) -> None:
+        group.record = msgspec.structs.replace(
+            group.record, positions={**group.record.positions, **positions}
+        )
+
+    def _check_positions(self, stream: Stream, positions: Mapping[int, int]) -> None:
+        for segment, offset in positions.items():
+            end = stream.segment(segment).next_offset
+            if not 0 <= offset <= end:
+                raise OffsetOutOfRange(
+                    f"position {offset} of segment {segment} is outside 0..{end} (the end of "
+                    "what the segment holds)",
+                    segment=segment,
+                    offset=offset,
+                    end=end,
+                )
+
+    # --- lookups -----------------------------------------------------------------------------
+
+    def group(self, stream_name: str, name: str) -> Group:
+        stream = self.controller.stream(stream_name)
+        group = self.groups.get((stream.id, name))
+        if group is None:
+            raise SubscriptionNotFound(
+                f"stream {stream_name!r} has no subscription {name!r}; create it with "
+                f"'slipstream subscription create {stream_name} {name}'",
+                stream=stream_name,
+                subscription=name,
+            )
+        return group
+
+    def info(self, group: Group, *, detail: bool) -> SubscriptionInfo:
+        record = group.record
+        options = msgspec.structs.asdict(record.options) if record.options else {}
+        if not detail:
+            return SubscriptionInfo(
+                group.stream.name,
+                record.name,
+                record.mode,
+                record.generation,
+                record.created_ms,
+                options=options,
+            )
+        segments = []
+        for number, segment in sorted(group.stream.segments.items()):
+            position = group.position(number)
+            end = segment.next_offset
+            backlog = max(0, end - position)
+            held = segment.next_offset - segment.start_offset
+            segments.append(
+                SubscriptionSegment(
+                    number,
+                    position,
+                    end,
+                    backlog,
+                    segment.bytes * backlog // held if held > 0 else 0,
+                    0,
+                    group.holder.get(number, 0),
+                )
+            )
+        now = asyncio.get_running_loop().time()
+        members = [
+            MemberInfo(
+                m.id,
+                m.name,
+                m.caller.peer,
+                sorted(s for s, h in group.holder.items() if h == m.id),
+                int((now - m.last_seen) * 1000),
+            )
+            for m in group.members.values()
+        ]
+        return SubscriptionInfo(
+            group.stream.name,
+            record.name,
+            record.mode,
+            record.generation,
+            record.created_ms,
+            segments,
+            members,
+            options,
+        )
+
+    def _label(self, group: Group) -> str:
+        return f"{group.stream.name}:{group.record.name}"
