@@ -333,6 +333,9 @@ class RateTracker:
     counted in the newest bucket. A broker that restarts starts new trackers; their windows
     fill again before the rules that need them apply (``Rates.measured_ms``), so a restart
     delays scaling, never causes it.
+
+    Use a monotonic clock here and in :func:`decide`: a wall clock that steps forward reads as
+    a silent gap, after which cold-looking neighbours would merge (and split again).
     """
 
     __slots__ = ("_coarse", "_fine", "started_ms")
@@ -403,7 +406,9 @@ def _window(
 
 class SegmentLoad(msgspec.Struct, frozen=True):
     """An open segment as the decision rule sees it: its key range, when it was opened (the
-    last scaling that touched its keys) and its rates."""
+    last scaling that touched its keys; on the rule's clock, so for a segment opened before
+    the broker started, its tracker's start) and its rates. A segment counts as old enough
+    for a window only when both ``now_ms - opened_ms`` and ``rates.measured_ms`` cover it."""
 
     segment: int
     key_range: KeyRange

@@ -275,6 +275,13 @@ class ReadThroughScaling(RuleBasedStateMachine):
             self.finished.add(segment)
 
     @invariant()
+    def every_epoch_tiles_the_key_space(self) -> None:
+        alive = self.graph.segments_at(self.graph.epoch)
+        assert alive[0].key_range.lo == 0 and alive[-1].key_range.hi == MAX_KEY_HASH
+        assert all(a.key_range.precedes(b.key_range) for a, b in pairwise(alive))
+        assert alive == self.graph.open_segments and not any(n.sealed for n in alive)
+
+    @invariant()
     def every_key_is_read_in_append_order(self) -> None:
         for key, sequences in self.read.items():
             assert sequences == self.appended[key][: len(sequences)], f"key {key:x}"

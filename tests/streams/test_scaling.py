@@ -537,3 +537,14 @@ def test_a_drop_merges_only_after_the_long_window(seed: int) -> None:
     assert drop_ms + LONG_WINDOW_MS <= first.at_ms <= drop_ms + LONG_WINDOW_MS + 15_000
     assert {d.action for d in sim.decisions} == {"merge"}
     assert sim.count == 2  # min_segments
+
+
+def test_a_byte_rate_policy_follows_bytes_not_events() -> None:
+    """Events of 100 bytes each: 20,000 events/s is 2 MB/s, four times a 500 kB/s target; the
+    same stream under an event target of 100,000/s does not scale."""
+    by_bytes = Simulation(ScalingPolicy.by_byte_rate(500_000), 1)
+    by_bytes.run(60, 20_000)
+    assert by_bytes.decisions[0].rule == "hot_10s" and "bytes/s" in by_bytes.decisions[0].reason
+    by_events = Simulation(ScalingPolicy.by_event_rate(100_000), 1)
+    by_events.run(60, 20_000)
+    assert by_events.decisions == []
