@@ -384,9 +384,14 @@ class AsyncConsumer:
                 if core.closed:
                     return
                 continue
-            for lease, base, record in side.decode(item):
-                if core.commit_mode == "at_most_once":
+            records = side.decode(item)
+            if records and core.commit_mode == "at_most_once":
+                lease, base, record = records[-1]
+                try:
                     await core.commit({lease.segment: base + record.num_rows})
+                except _RETRIED:  # the segment moved on meanwhile: they are not ours
+                    records = []
+            for lease, base, record in records:
                 side.hand_out(lease, base, record)
                 yield lease, base, record
             if item.lease is not None and item.payload is not None:
@@ -456,8 +461,11 @@ class Consumer:
         if item.lease is not None and item.payload is not None:
             self._loop.call(core.grant, item.lease, len(item.payload))
         if records and core.commit_mode == "at_most_once":
-            ends = {lease.segment: base + r.num_rows for lease, base, r in records}
-            self._loop.run(core.commit(ends))
+            lease, base, record = records[-1]  # an item holds batches of one segment
+            try:
+                self._loop.run(core.commit({lease.segment: base + record.num_rows}))
+            except _RETRIED:  # the segment moved on meanwhile: they are not ours
+                records = []
         for lease, base, record in records:
             side.hand_out(lease, base, record)
         return records

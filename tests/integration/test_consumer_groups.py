@@ -8,6 +8,7 @@ transaction, and the typed error of every misuse.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
@@ -400,3 +401,26 @@ def test_a_consumer_rejoins_after_a_broker_restart(
     more = take(consumer, 50, timeout=40)
     assert sorted(values(first + more)) == list(range(150))
     consumer.close()
+
+
+def test_the_asyncio_consumer_is_the_same_api(broker: BrokerProcess) -> None:
+    async def main() -> list[int]:
+        async with slipstream.connect_async(broker.address) as client:
+            await client.create_stream("cg/async", segments=2)
+            await client.create_subscription("cg/async", "app")
+            async with client.producer("cg/async") as producer:
+                for i in range(20):
+                    await producer.send(b"%d" % i, key=f"k{i}")
+            got: list[int] = []
+            async with client.consumer("cg/async", "app", commit="manual") as consumer:
+                async for event in consumer:
+                    got.append(int(event.value))
+                    if len(got) == 20:
+                        break
+                await consumer.commit()
+                assert consumer.assignment == {0, 1}
+            info = await client.describe_subscription("cg/async", "app")
+            assert sum(s.position for s in info.segments) == 20
+            return got
+
+    assert sorted(asyncio.run(main())) == list(range(20))
