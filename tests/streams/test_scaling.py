@@ -11,6 +11,7 @@ once the long window has passed.
 from __future__ import annotations
 
 import random
+from collections import defaultdict
 from collections.abc import Callable
 
 import msgspec
@@ -196,6 +197,7 @@ def test_windows_forget_what_left_them_and_the_peak_lasts_300s() -> None:
     assert tracker.rates(170_000).events.last_60s == 0.0
     assert tracker.rates(395_000).events.last_300s > 0
     # the peak keeps every 10 s bucket that overlaps the last 300 s: until 300 s after its end
+    tracker.observe(409_999, 0, 0)  # an observation trims old buckets: not this one yet
     assert tracker.rates(409_999).events.peak_10s == 1000.0
     gone = tracker.rates(410_000).events
     assert gone == WindowRates(0.0, 0.0, 0.0, 0.0)
@@ -219,6 +221,53 @@ def test_an_observation_from_the_past_counts_in_the_newest_bucket() -> None:
     assert tracker.rates(20_000).events.last_10s == pytest.approx(10 / 9)
     with pytest.raises(InvalidArgument):
         tracker.observe(21_000, -1, 0)
+
+
+def model_rates(
+    observations: list[tuple[int, int, int]], started_ms: int, now_ms: int
+) -> tuple[float, float, float, float]:
+    """The event rates a tracker should report, from every observation ever made."""
+
+    def window(width: int, window_ms: int) -> float:
+        newest = now_ms // width
+        first = newest - window_ms // width + 1
+        span = min((newest - first) * width + now_ms - newest * width, now_ms - started_ms)
+        events = sum(e for t, e, _ in observations if first <= t // width <= newest)
+        return 0.0 if span <= 0 else events * 1000 / span
+
+    buckets: dict[int, int] = defaultdict(int)
+    for t, e, _ in observations:
+        if (now_ms - LONG_WINDOW_MS) // 10_000 <= t // 10_000:
+            buckets[t // 10_000] += e
+    last_10s = window(1_000, SHORT_WINDOW_MS)
+    peak = max([last_10s, *(e / 10 for e in buckets.values())])
+    return last_10s, window(10_000, 60_000), window(10_000, LONG_WINDOW_MS), peak
+
+
+@settings(max_examples=200)
+@given(
+    start=st.integers(0, 10**6),
+    steps=st.lists(st.tuples(st.integers(0, 40_000), st.integers(0, 1000)), max_size=60),
+    later=st.integers(0, 400_000),
+)
+def test_the_tracker_agrees_with_a_model_that_keeps_every_observation(
+    start: int, steps: list[tuple[int, int]], later: int
+) -> None:
+    tracker = RateTracker(start)
+    observations: list[tuple[int, int, int]] = []
+    now = start
+    for gap, events in steps:
+        now += gap
+        tracker.observe(now, events, 0)
+        observations.append((now, events, 0))
+        got = tracker.rates(now).events
+        assert (got.last_10s, got.last_60s, got.last_300s, got.peak_10s) == pytest.approx(
+            model_rates(observations, start, now)
+        )
+    got = tracker.rates(now + later).events
+    assert (got.last_10s, got.last_60s, got.last_300s, got.peak_10s) == pytest.approx(
+        model_rates(observations, start, now + later)
+    )
 
 
 # --- decisions: single cases ----------------------------------------------------------------
