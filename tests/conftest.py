@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import slipstream
+from slipstream.torture._powerfs import PowerFS, fuse_unusable
 
 
 def free_port() -> int:
@@ -147,3 +148,22 @@ def produce_json(
     with client.producer(stream) as producer:
         for i in range(start, start + count):
             producer.send(json.dumps({"n": i, **fields}).encode(), key=f"k{i % 10}")
+
+
+# --- PowerFS: a filesystem that loses what was not made durable -----------------------------
+
+_no_fuse = fuse_unusable()
+#: Skips a module only where FUSE cannot exist (no /dev/fuse); a machine that has it but
+#: misses the library fails loudly, because the power-loss tests must run in CI.
+needs_fuse = pytest.mark.skipif(
+    _no_fuse is not None and _no_fuse.startswith("/dev/fuse"), reason=str(_no_fuse)
+)
+
+
+@pytest.fixture
+def powerfs(tmp_path: Path) -> Iterator[PowerFS]:
+    """A mounted PowerFS (backing dir ``disk``, mountpoint ``mnt`` under tmp_path)."""
+    fs = PowerFS(tmp_path / "disk", tmp_path / "mnt")
+    fs.mount()
+    yield fs
+    fs.unmount()

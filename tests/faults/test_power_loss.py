@@ -24,28 +24,17 @@ from pathlib import Path
 
 import pytest
 from checker import Sent, check_history, encode, produce_and_record
-from conftest import BrokerProcess
+from conftest import BrokerProcess, needs_fuse
 
 import slipstream
-from slipstream.torture._powerfs import PowerFS, fuse_unusable
+from slipstream.torture._powerfs import PowerFS
 
 STREAM = "power/loss"
 TXN_STREAM = "power/txns"
 KEYS = 4
 SEED = int(os.environ.get("SLIPSTREAM_POWER_SEED", random.randrange(1 << 30)))
 
-_why_not = fuse_unusable()
-pytestmark = pytest.mark.skipif(
-    _why_not is not None and _why_not.startswith("/dev/fuse"), reason=str(_why_not)
-)
-
-
-@pytest.fixture
-def powerfs(tmp_path: Path) -> Iterator[PowerFS]:
-    fs = PowerFS(tmp_path / "disk", tmp_path / "mnt")
-    fs.mount()
-    yield fs
-    fs.unmount()
+pytestmark = needs_fuse
 
 
 class Machine:

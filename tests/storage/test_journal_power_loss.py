@@ -7,24 +7,15 @@ syncs (see the module docstring of slipstream/storage/_journal.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import needs_fuse
 
 from slipstream.storage import FileJournal, _journal
-from slipstream.torture._powerfs import PowerFS, fuse_unusable
+from slipstream.torture._powerfs import PowerFS
 
-_why_not = fuse_unusable()
-pytestmark = pytest.mark.skipif(_why_not is not None, reason=str(_why_not))
-
-
-@pytest.fixture
-def powerfs(tmp_path: Path) -> Iterator[PowerFS]:
-    fs = PowerFS(tmp_path / "disk", tmp_path / "mnt")
-    fs.mount()
-    yield fs
-    fs.unmount()
+pytestmark = needs_fuse
 
 
 def test_a_deleted_journal_file_stays_deleted_after_a_power_failure(powerfs: PowerFS) -> None:
