@@ -597,3 +597,28 @@ def test_a_byte_rate_policy_follows_bytes_not_events() -> None:
     by_events = Simulation(ScalingPolicy.by_event_rate(100_000), 1)
     by_events.run(60, 20_000)
     assert by_events.decisions == []
+
+
+def test_one_hot_key_churns_a_bounded_number_of_times_then_settles() -> None:
+    """The documented limit: one key at 3x the target cannot be split away. Its segment keeps
+    splitting (each split halves the range that holds it, so at most 64 times) and the cold
+    halves merge back; then nothing changes."""
+
+    class HotKey(Simulation):
+        def run(self, seconds: int, events_per_s: float) -> None:
+            hot = 0x1234_5678_9ABC_DEF0
+            for _ in range(seconds):
+                self.now_ms += 1000
+                for node in self.graph.open_segments:
+                    jitter = self.random.uniform(0.7, 1.3)
+                    share = node.key_range.width / 2**64 * events_per_s
+                    events = round(jitter * (share + (3 * TARGET if hot in node.key_range else 0)))
+                    self.trackers[node.number].observe(self.now_ms - 1, events, events * 100)
+                if (self.now_ms // 1000) % self.check_s == 0:
+                    self.scale()
+
+    sim = HotKey(EVENTS, 1, check_s=5)
+    sim.run(3 * HOUR, 0.2 * TARGET)
+    splits = [d for d in sim.decisions if d.action == "split"]
+    assert 0 < len(splits) <= 64
+    assert sim.since(HOUR * 1000) == []
