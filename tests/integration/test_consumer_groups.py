@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 
 import pytest
 from conftest import BrokerProcess
+from raw import RawConnection
 
 import slipstream
 from slipstream import (
@@ -33,6 +34,7 @@ from slipstream import (
     SubscriptionNotFound,
     UnknownMember,
 )
+from slipstream.protocol import CommitPositions, Error, JoinGroup, LeaveGroup, PollGroup
 
 
 def produce(client: slipstream.Client, stream: str, count: int, start: int = 0) -> None:
@@ -424,3 +426,39 @@ def test_the_asyncio_consumer_is_the_same_api(broker: BrokerProcess) -> None:
             return got
 
     assert sorted(asyncio.run(main())) == list(range(20))
+
+
+def test_misuse_of_the_group_protocol_gets_typed_errors(
+    client: slipstream.Client, broker: BrokerProcess
+) -> None:
+    client.create_stream("cg/raw", segments=2)
+    client.create_subscription("cg/raw", "app")
+    with client.consumer("cg/raw", "app") as member:
+        wait_for(lambda: member.assignment == {0, 1})
+        with broker.client() as other:
+            second = other.consumer("cg/raw", "app")
+            wait_for(lambda: len(member.assignment) == 1 and len(second.assignment) == 1)
+            (foreign,) = second.assignment
+            with pytest.raises(NotAssigned) as caught:  # another member's segment
+                member.commit({foreign: 0})
+            assert caught.value.details == {"segments": [foreign]}
+            second.close()
+        raw = RawConnection(broker.address)
+        raw.receive()
+        try:
+            for message, error in [
+                (PollGroup(member.core.member_id), UnknownMember),  # another connection's member
+                (LeaveGroup(424242), UnknownMember),
+                (JoinGroup("cg/raw", "app", "ordered", "x", 10), slipstream.InvalidArgument),
+                (JoinGroup("cg/raw", "nobody", "ordered", "x"), SubscriptionNotFound),
+                (CommitPositions("cg/raw", "app", 424242, 0, {0: 0}), UnknownMember),
+            ]:
+                raw.send_frame(message, 9)
+                reply = raw.receive().message
+                assert isinstance(reply, Error) and reply.code == error.code, (message, reply)
+        finally:
+            raw.close()
+        assert len(take_all([member], 0)) == 1  # the member is unharmed
+    client.delete_stream("cg/raw")
+    with pytest.raises(StreamNotFound):
+        client.reset_subscription("cg/raw", "app", "earliest")
