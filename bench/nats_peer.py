@@ -29,7 +29,9 @@ try:
 except ImportError:  # pragma: no cover
     uvloop = None
 
-_names = itertools.count(1)  # consumer and inbox names unique across connections
+#: consumer and inbox names unique across connections, and across processes (the workers of
+#: bench/consumers.py): two subscribers of one inbox subject would each get the other's replies
+_names = itertools.count((os.getpid() << 32) + 1)
 Handler = Callable[[bytes, bytes, bytes], None]  # (reply subject, headers, payload)
 
 
@@ -478,3 +480,98 @@ def latency_summary(samples_ns: list[int], rate: int, seconds: float, lost: int)
         "p99_ms": pick(0.99),
         "max_ms": ms[-1],
     }
+
+
+# -- durable consumers (bench/consumers.py) ----------------------------------------------------
+
+
+async def create_durable(
+    conn: Connection,
+    stream: str,
+    durable: str,
+    ack_policy: str = "none",
+    deliver_policy: str = "all",
+    max_ack_pending: int = 65_536,
+    ack_wait_s: float = 30.0,
+) -> None:
+    """A durable pull consumer on ``stream``: ``ack_policy`` "none", "all" (an ack covers every
+    earlier message: a cursor committed per fetch, like a subscription's commit of a batch) or
+    "explicit" (each message acked on its own: a work queue). Several processes may pull from
+    one durable: JetStream spreads the messages over their requests."""
+    config: dict = {
+        "durable_name": durable,
+        "ack_policy": ack_policy,
+        "deliver_policy": deliver_policy,
+        "replay_policy": "instant",
+        "max_waiting": 512,
+    }
+    if ack_policy != "none":
+        config["max_ack_pending"] = max_ack_pending
+        config["ack_wait"] = int(ack_wait_s * 1e9)
+    await conn.request(
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}",
+        {"stream_name": stream, "config": config},
+    )
+
+
+async def pull_consume(
+    conn: Connection,
+    stream: str,
+    durable: str,
+    on_message: Callable[[bytes], None],
+    stop: asyncio.Event,
+    ack: str = "none",
+    fetch: int = 1000,
+) -> None:
+    """Pull from a durable consumer until ``stop`` is set, calling ``on_message(payload)`` for
+    each message, with two fetch requests in flight so the server never waits for the client.
+
+    ``ack``: "none"; "all" acks the last message of every ``fetch`` messages (one ack commits
+    all before it); "explicit" acks every message on its own, as a work-queue worker would.
+    A request that ends early (408 expired, 404/409) is replaced at once."""
+    inbox = b"_INBOX.pull.%d" % next(_names)
+    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}".encode()
+    request = json.dumps({"batch": fetch, "expires": 1_000_000_000}).encode()
+    since_request = [0]
+    last_reply = [b""]
+    publish = conn.publish
+    explicit = ack == "explicit"
+
+    def on_pull(reply: bytes, headers: bytes, payload: bytes) -> None:
+        if headers and not payload:  # a request ended: 404 no messages, 408 expired, 409
+            publish(next_subject, request, inbox)
+            return
+        if explicit:
+            publish(reply, b"")
+        else:
+            last_reply[0] = reply
+        on_message(payload)
+        since_request[0] += 1
+        if since_request[0] >= fetch:
+            since_request[0] = 0
+            if ack == "all":
+                publish(reply, b"")
+            publish(next_subject, request, inbox)
+
+    sid = conn.subscribe(inbox, on_pull)
+    await conn.ping()
+    for _ in range(2):
+        publish(next_subject, request, inbox)
+    await stop.wait()
+    if ack == "all" and last_reply[0]:
+        publish(last_reply[0], b"")
+    conn.unsubscribe(sid)
+    await conn.ping()
+
+
+async def create_stream(conn: Connection, name: str, subjects: list[str] | None = None) -> None:
+    """A file-store stream with limits retention, one replica (what NatsPeer's workloads use)."""
+    config = {
+        "name": name,
+        "subjects": subjects or [name.lower()],
+        "storage": "file",
+        "retention": "limits",
+        "discard": "old",
+        "num_replicas": 1,
+    }
+    await conn.request(f"$JS.API.STREAM.CREATE.{name}", config)

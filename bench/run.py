@@ -34,7 +34,10 @@ WORKLOADS = [
     "transactions",
     "streams",
     "storage",
+    "consumers",
 ]
+#: not run unless named: bench/consumers.py loads gigabytes and takes 5 to 10 minutes
+OPT_IN = {"consumers"}
 SIZES = {
     "full": {
         "p1k": 200_000,
@@ -531,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    only = set(WORKLOADS) if not args.only else {w.strip() for w in args.only.split(",")}
+    only = set(WORKLOADS) - OPT_IN if not args.only else {w.strip() for w in args.only.split(",")}
     unknown = only - set(WORKLOADS)
     if unknown:
         parser.error(f"unknown workload(s): {', '.join(sorted(unknown))}")
@@ -565,10 +568,10 @@ def main(argv: list[str] | None = None) -> int:
                 sizes["disk_bytes"],
                 sizes["fsync_iterations"],
             )
-        timed = only - {"machine", "streams", "transactions", "storage"}
+        timed = only - {"machine", "streams", "transactions", "storage", "consumers"}
         if "jetstream" in peers and timed:
             results["jetstream"] = run_jetstream(root, sizes, only, args)
-        if "slipstream" in peers and only - {"machine", "storage"}:
+        if "slipstream" in peers and only - {"machine", "storage", "consumers"}:
             results["slipstream"] = run_slipstream(root, sizes, only, args)
         if "storage" in only:  # bytes on disk per event, both peers (bench/storage.py)
             import storage
@@ -576,6 +579,11 @@ def main(argv: list[str] | None = None) -> int:
             print("storage: bytes on disk per event (bench/storage.py)")
             chosen = tuple(p for p in storage.PEERS if p in peers)
             attempt(results, "storage", storage.measure, root / "storage", args.quick, chosen)
+        if "consumers" in only:  # subscriptions, groups, queues (bench/consumers.py)
+            import consumers
+
+            print("consumers: subscriptions, groups and queues (bench/consumers.py)")
+            attempt(results, "consumers", consumers.measure, root / "consumers", args.quick, peers)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results["meta"]["load_after"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -587,6 +595,10 @@ def main(argv: list[str] | None = None) -> int:
         import storage
 
         storage.print_results(results["storage"])
+    if "rows" in results.get("consumers", {}):
+        import consumers
+
+        consumers.print_report(results["consumers"], results["consumers"]["rows"])
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
         print(f"results written to {args.json}")
