@@ -131,6 +131,9 @@ class Service:
         self._owners: dict[int, Caller] = {}  # producer id -> the caller that owns it
         self._connection_ids = itertools.count(1)
         self.subscriptions = Subscriptions(controller)
+        #: commits with positions, each run to its end even if its caller goes away (they
+        #: end with the coordinator's commit task, which the coordinator's close cancels)
+        self._position_commits: set[asyncio.Task[TxnEnded]] = set()
 
     # --- callers -----------------------------------------------------------------------------
 
@@ -307,6 +310,29 @@ class Service:
             self._check_txn_owner(caller, txn_id)
         if not (commit and positions and txn_id in self.coordinator.open):
             return await self.coordinator.end(txn_id, commit, metadata, list(merge))
+        # In a task of its own: a caller that goes away (kill -9) while the commit runs must
+        # not release the groups before its positions are recorded, or a new member is
+        # granted the positions the commit replaces and transforms that input again.
+        task = asyncio.get_running_loop().create_task(
+            self._end_with_positions(caller, txn_id, metadata, merge, positions)
+        )
+        self._position_commits.add(task)
+        task.add_done_callback(self._position_commit_done)
+        return await asyncio.shield(task)
+
+    def _position_commit_done(self, task: asyncio.Task[TxnEnded]) -> None:
+        self._position_commits.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: the caller, if still there, got it through shield
+
+    async def _end_with_positions(
+        self,
+        caller: Caller,
+        txn_id: int,
+        metadata: bytes,
+        merge: Sequence[int],
+        positions: Sequence[TxnPositions],
+    ) -> TxnEnded:
         # positions consumed: stored with the commit record if this caller's members still
         # hold those segments; if not (a zombie), the transaction aborts
         checked = False
