@@ -4,7 +4,8 @@ commit records and subscriptions (durable cursors and queue state). SQLite by de
 Everything that must change together changes in one transaction: a stream with its segments;
 a journal file's chunks with the mark that the file has moved; retention's chunk removals with
 the new start offsets; a transaction's commit record with its transactional id's last commit and
-the subscription positions it consumed; a stream with its subscriptions.
+the subscription positions it consumed; a stream with its subscriptions; a scale event's seals,
+successors and record.
 Key ranges are unsigned 64-bit; SQLite integers are signed, so they are stored shifted by -2**63.
 """
 
@@ -21,6 +22,8 @@ from pathlib import Path
 import msgspec
 
 from .._errors import (
+    InvalidArgument,
+    SegmentNotFound,
     StaleGeneration,
     StorageError,
     StorageFull,
@@ -34,6 +37,12 @@ _SHIFT = 1 << 63
 
 
 class SegmentRecord(msgspec.Struct, frozen=True):
+    """A segment of any epoch: the keys ``key_lo..key_hi`` (inclusive) it owns from ``epoch``
+    on, open or ``sealed``. A sealed segment keeps its record (readers finish it, retention
+    trims it) and its ``end_offset``, the offset after its last event; -1 while it is open.
+    ``predecessors``: the sealed segments whose keys it took over when a scale event opened
+    it (empty for a stream's first segments)."""
+
     number: int
     epoch: int
     key_lo: int
@@ -44,15 +53,39 @@ class SegmentRecord(msgspec.Struct, frozen=True):
     #: the segment's idempotent-producer state as of its newest chunk (msgpack; b"" if none),
     #: kept when retention removes that chunk: a retry of a batch in it is still recognised
     producers: bytes = b""
+    predecessors: list[int] = []
+    end_offset: int = -1
 
 
 class StreamRecord(msgspec.Struct, frozen=True):
+    """A live stream with its segments of every epoch, by number. ``scaling`` is its scaling
+    policy's one-line text (``str(ScalingPolicy)``, e.g. ``"events 5000/s factor 2 min 1"``);
+    "" means fixed at the segment count it was created with. The store keeps the text and
+    does not parse it (storage does not depend on the streams layer)."""
+
     id: int
     name: str
     retention_ms: int | None
     retention_bytes: int | None
     created_ms: int
     segments: list[SegmentRecord]
+    scaling: str = ""
+
+
+class ScaleRecord(msgspec.Struct, frozen=True):
+    """One scale event of a stream, stored in the transaction that made it: at ``at_ms`` the
+    segments ``sealed`` (segment -> its end offset) were sealed and the segments ``created``
+    opened, in epoch ``epoch`` (the first scale event makes epoch 1). ``decision``: why, as
+    the caller encoded it (``ScalingDecision.to_json()``; b"" when none), kept as given.
+    Together with the segments' records (key ranges, predecessors) these rebuild the
+    stream's segment graph (``SegmentGraph.from_history``)."""
+
+    stream_id: int
+    epoch: int
+    at_ms: int
+    sealed: dict[int, int]
+    created: list[int]
+    decision: builtins.bytes = b""
 
 
 class ChunkRecord(msgspec.Struct, frozen=True):
@@ -188,14 +221,17 @@ class MetaStore(ABC):
         retention_ms: int | None,
         retention_bytes: int | None,
         created_ms: int,
+        scaling: str = "",
     ) -> StreamRecord:
-        """Add a stream; raises StreamExists if the name is taken."""
+        """Add a stream with its first segments and scaling policy text (see
+        ``StreamRecord.scaling``); raises StreamExists if the name is taken."""
 
     @abstractmethod
     def delete_stream(
         self, name: str, stream_id: int | None = None
     ) -> tuple[StreamRecord, list[ChunkRecord]]:
-        """Remove a stream and its chunk records; returns them so the chunks can be deleted.
+        """Remove a stream with its segments, chunk records, subscriptions and scale records;
+        returns the stream and its chunk records so the chunks can be deleted.
         Raises StreamNotFound if no stream has that name, or, given ``stream_id``, if the
         stream of that name has another id (the one meant was deleted and the name reused:
         the newer stream is left alone)."""
@@ -209,8 +245,49 @@ class MetaStore(ABC):
         Raises StreamNotFound if no live stream has that id (deleted, or never created)."""
 
     @abstractmethod
+    def update_scaling(self, stream_id: int, scaling: str) -> StreamRecord:
+        """Replace a stream's scaling policy text (see ``StreamRecord.scaling``; "" for fixed)
+        and return the stream as stored. The segments do not change: applying the new
+        policy's bounds is the caller's next scale event. Raises StreamNotFound if no live
+        stream has that id."""
+
+    @abstractmethod
+    def scale_stream(
+        self,
+        stream_id: int,
+        epoch: int,
+        at_ms: int,
+        sealed: Mapping[int, int],
+        created: Sequence[SegmentRecord],
+        decision: bytes = b"",
+    ) -> StreamRecord:
+        """Apply one scale event, all or nothing, and return the stream as stored: seal the
+        open segments ``sealed`` (segment -> end offset: the offset after its last event),
+        add the successors ``created``, and store the ``ScaleRecord``. After a failure, or a
+        crash at any point, the stream is as it was before the call.
+
+        ``epoch`` must be exactly the stream's current epoch (0 until its first scale event,
+        then the epoch of its latest) + 1: a caller planning from an outdated view is refused.
+        Segments are sealed in number order, then the successors are added in the order
+        given. Each successor must be open (``sealed`` False, ``end_offset`` -1) in ``epoch``,
+        with a number the stream never had and predecessors among ``sealed``. The store does
+        not check key ranges (the segment graph does, ``SegmentGraph.plan``).
+
+        Raises StreamNotFound if no live stream has that id; SegmentNotFound for a segment
+        to seal that the stream does not have; InvalidArgument (with ``details["epoch"]``, the
+        current epoch, for an epoch conflict) for the wrong epoch, a segment already sealed, a
+        successor number the stream already has or that is given twice, nothing sealed or
+        nothing created, a negative end offset, or a successor that does not fit the rules above."""
+
+    @abstractmethod
+    def scalings(self, stream_id: int | None = None) -> list[ScaleRecord]:
+        """The scale records of one stream (or of every live stream) by stream id and epoch;
+        [] for a stream never scaled, or with no live stream of that id (a deleted stream's
+        records are deleted with it)."""
+
+    @abstractmethod
     def streams(self) -> list[StreamRecord]:
-        """Every live stream."""
+        """Every live stream, with its segments of every epoch."""
 
     @abstractmethod
     def chunks(self) -> list[ChunkRecord]:
@@ -358,6 +435,9 @@ class SqliteMetaStore(MetaStore):
                     "ORDER BY base_offset) AS so_far FROM chunks) AS w WHERE chunks.rowid = w.r"
                 )
             self._db.execute(_TIME_INDEX)
+            for table, column, declaration in _ELASTIC_COLUMNS:  # catalogs before scaling
+                if column not in [r[1] for r in self._db.execute(f"PRAGMA table_info({table})")]:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
         if str(path) != ":memory:":
             self._reader = sqlite3.connect(str(path), check_same_thread=False)
             self._read_lock = threading.Lock()
@@ -388,36 +468,48 @@ class SqliteMetaStore(MetaStore):
         retention_ms: int | None,
         retention_bytes: int | None,
         created_ms: int,
+        scaling: str = "",
     ) -> StreamRecord:
         with self._transaction() as cur:
             if cur.execute("SELECT 1 FROM streams WHERE name = ?", (name,)).fetchone():
                 raise StreamExists(f"stream {name!r} already exists", stream=name)
             cur.execute(
-                "INSERT INTO streams (name, retention_ms, retention_bytes, created_ms) "
-                "VALUES (?, ?, ?, ?)",
-                (name, retention_ms, retention_bytes, created_ms),
+                "INSERT INTO streams (name, retention_ms, retention_bytes, created_ms, scaling) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (name, retention_ms, retention_bytes, created_ms, scaling),
             )
             stream_id = cur.lastrowid
             assert stream_id is not None
-            cur.executemany(
-                "INSERT INTO segments (stream_id, number, epoch, key_lo, key_hi, container, "
-                "sealed, start_offset) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [
-                    (
-                        stream_id,
-                        s.number,
-                        s.epoch,
-                        s.key_lo - _SHIFT,
-                        s.key_hi - _SHIFT,
-                        s.container,
-                        s.sealed,
-                        s.start_offset,
-                    )
-                    for s in segments
-                ],
-            )
+            self._insert_segments(cur, stream_id, segments)
         return StreamRecord(
-            stream_id, name, retention_ms, retention_bytes, created_ms, list(segments)
+            stream_id, name, retention_ms, retention_bytes, created_ms, list(segments), scaling
+        )
+
+    @staticmethod
+    def _insert_segments(
+        cur: sqlite3.Cursor, stream_id: int, segments: Sequence[SegmentRecord]
+    ) -> None:
+        """Raises sqlite3.IntegrityError for a number the stream has or that comes twice."""
+        cur.executemany(
+            "INSERT INTO segments (stream_id, number, epoch, key_lo, key_hi, container, "
+            "sealed, start_offset, producers, predecessors, end_offset) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                (
+                    stream_id,
+                    s.number,
+                    s.epoch,
+                    s.key_lo - _SHIFT,
+                    s.key_hi - _SHIFT,
+                    s.container,
+                    s.sealed,
+                    s.start_offset,
+                    s.producers,
+                    msgspec.json.encode(s.predecessors).decode(),
+                    s.end_offset,
+                )
+                for s in segments
+            ],
         )
 
     def delete_stream(
@@ -432,7 +524,7 @@ class SqliteMetaStore(MetaStore):
                     stream=name,
                 )
             chunks = self._chunks(cur, "WHERE stream_id = ?", (record.id,))
-            for table in ("chunks", "segments", "subscriptions"):
+            for table in ("chunks", "segments", "subscriptions", "scalings"):
                 cur.execute(f"DELETE FROM {table} WHERE stream_id = ?", (record.id,))
             cur.execute("DELETE FROM streams WHERE id = ?", (record.id,))
         return record, chunks
@@ -456,6 +548,96 @@ class SqliteMetaStore(MetaStore):
                 )
             return self._stream(cur, row[0])
 
+    def update_scaling(self, stream_id: int, scaling: str) -> StreamRecord:
+        with self._transaction() as cur:
+            name = self._live_name(cur, stream_id)
+            cur.execute("UPDATE streams SET scaling = ? WHERE id = ?", (scaling, stream_id))
+            return self._stream(cur, name)
+
+    def scale_stream(
+        self,
+        stream_id: int,
+        epoch: int,
+        at_ms: int,
+        sealed: Mapping[int, int],
+        created: Sequence[SegmentRecord],
+        decision: bytes = b"",
+    ) -> StreamRecord:
+        _check_scale(epoch, sealed, created)
+        with self._transaction() as cur:
+            name = self._live_name(cur, stream_id)
+            (current,) = cur.execute(
+                "SELECT COALESCE(MAX(epoch), 0) FROM scalings WHERE stream_id = ?", (stream_id,)
+            ).fetchone()
+            if epoch != current + 1:
+                raise InvalidArgument(
+                    f"stream {name!r} is in epoch {current}: a scale event makes epoch "
+                    f"{current + 1}, not {epoch} (another scale event came first; reload the "
+                    "stream and plan again)",
+                    stream=name,
+                    epoch=current,
+                )
+            for number, end_offset in sorted(sealed.items()):
+                cur.execute(
+                    "UPDATE segments SET sealed = 1, end_offset = ? "
+                    "WHERE stream_id = ? AND number = ? AND NOT sealed",
+                    (end_offset, stream_id, number),
+                )
+                if cur.rowcount == 0:
+                    raise self._not_sealable(cur, name, stream_id, number)
+            try:
+                self._insert_segments(cur, stream_id, created)
+            except sqlite3.IntegrityError:
+                numbers = [s.number for s in created]
+                raise InvalidArgument(
+                    f"successors {numbers} of stream {name!r} repeat a number, or use one the "
+                    "stream already has: a successor takes a number never used before",
+                    stream=name,
+                ) from None
+            record = ScaleRecord(
+                stream_id, epoch, at_ms, dict(sealed), [s.number for s in created], decision
+            )
+            cur.execute(
+                "INSERT INTO scalings (stream_id, epoch, record) VALUES (?, ?, ?)",
+                (stream_id, epoch, msgspec.msgpack.encode(record)),
+            )
+            return self._stream(cur, name)
+
+    @staticmethod
+    def _not_sealable(
+        cur: sqlite3.Cursor, name: str, stream_id: int, number: int
+    ) -> InvalidArgument | SegmentNotFound:
+        row = cur.execute(
+            "SELECT end_offset FROM segments WHERE stream_id = ? AND number = ?",
+            (stream_id, number),
+        ).fetchone()
+        if row is None:
+            return SegmentNotFound(
+                f"stream {name!r} has no segment {number}", stream=name, segment=number
+            )
+        return InvalidArgument(
+            f"segment {number} of stream {name!r} is already sealed (at offset {row[0]}): "
+            "only open segments scale",
+            stream=name,
+            segment=number,
+        )
+
+    def scalings(self, stream_id: int | None = None) -> list[ScaleRecord]:
+        query = "SELECT record FROM scalings"
+        args: tuple[int, ...] = ()
+        if stream_id is not None:
+            query, args = query + " WHERE stream_id = ?", (stream_id,)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY stream_id, epoch", args).fetchall()
+        return [msgspec.msgpack.decode(row[0], type=ScaleRecord) for row in rows]
+
+    @staticmethod
+    def _live_name(cur: sqlite3.Cursor, stream_id: int) -> str:
+        row = cur.execute("SELECT name FROM streams WHERE id = ?", (stream_id,)).fetchone()
+        if row is None:
+            raise StreamNotFound(f"stream id {stream_id} does not exist", stream_id=stream_id)
+        return str(row[0])
+
     def streams(self) -> list[StreamRecord]:
         with self._lock:
             cur = self._db.cursor()
@@ -464,22 +646,35 @@ class SqliteMetaStore(MetaStore):
 
     def _stream(self, cur: sqlite3.Cursor, name: str) -> StreamRecord:
         row = cur.execute(
-            "SELECT id, retention_ms, retention_bytes, created_ms FROM streams WHERE name = ?",
+            "SELECT id, retention_ms, retention_bytes, created_ms, scaling FROM streams "
+            "WHERE name = ?",
             (name,),
         ).fetchone()
         if row is None:
             raise StreamNotFound(f"stream {name!r} does not exist", stream=name)
         segments = [
             SegmentRecord(
-                number, epoch, lo + _SHIFT, hi + _SHIFT, container, bool(sealed), start, producers
+                number,
+                epoch,
+                lo + _SHIFT,
+                hi + _SHIFT,
+                container,
+                bool(sealed),
+                start,
+                producers,
+                msgspec.json.decode(predecessors, type=list[int]),
+                end,
             )
-            for number, epoch, lo, hi, container, sealed, start, producers in cur.execute(
-                "SELECT number, epoch, key_lo, key_hi, container, sealed, start_offset, "
-                "producers FROM segments WHERE stream_id = ? ORDER BY number",
-                (row[0],),
+            for number, epoch, lo, hi, container, sealed, start, producers, predecessors, end in (
+                cur.execute(
+                    "SELECT number, epoch, key_lo, key_hi, container, sealed, start_offset, "
+                    "producers, predecessors, end_offset FROM segments WHERE stream_id = ? "
+                    "ORDER BY number",
+                    (row[0],),
+                )
             )
         ]
-        return StreamRecord(row[0], name, row[1], row[2], row[3], segments)
+        return StreamRecord(row[0], name, row[1], row[2], row[3], segments, row[4])
 
     def chunks(self) -> list[ChunkRecord]:
         with self._lock:
@@ -770,6 +965,34 @@ class SqliteMetaStore(MetaStore):
                 self._reader.close()
 
 
+def _check_scale(epoch: int, sealed: Mapping[int, int], created: Sequence[SegmentRecord]) -> None:
+    """What a scale event must be, whatever the stream (see ``MetaStore.scale_stream``)."""
+    if not sealed or not created:
+        raise InvalidArgument(
+            "a scale event seals at least one segment and opens at least one successor"
+        )
+    for number, end_offset in sealed.items():
+        if end_offset < 0:
+            raise InvalidArgument(
+                f"segment {number} cannot be sealed at offset {end_offset}: an end offset is "
+                "0 or more (the offset after the segment's last event)",
+                segment=number,
+            )
+    for s in created:
+        if s.epoch != epoch or s.sealed or s.end_offset != -1:
+            raise InvalidArgument(
+                f"successor {s.number} must be open (no end offset) in epoch {epoch}; it says "
+                f"epoch {s.epoch}, sealed {s.sealed}, end offset {s.end_offset}",
+                segment=s.number,
+            )
+        if not s.predecessors or not set(s.predecessors) <= set(sealed):
+            raise InvalidArgument(
+                f"successor {s.number} names predecessors {s.predecessors}: they must be some "
+                f"of the segments this event seals, {sorted(sealed)}",
+                segment=s.number,
+            )
+
+
 def _no_subscription(name: str) -> SubscriptionNotFound:
     return SubscriptionNotFound(
         f"no subscription {name!r} on this stream; create it first ('slipstream subscription "
@@ -783,6 +1006,13 @@ _TIME_INDEX = (
     "ON chunks (stream_id, segment, max_timestamp_so_far, base_offset)"
 )
 
+#: columns added for elastic streams, to catalogs written before them: (table, column, type)
+_ELASTIC_COLUMNS = (
+    ("streams", "scaling", "TEXT NOT NULL DEFAULT ''"),
+    ("segments", "predecessors", "TEXT NOT NULL DEFAULT '[]'"),
+    ("segments", "end_offset", "INTEGER NOT NULL DEFAULT -1"),
+)
+
 #: chunk columns a lookup leaves out when it needs neither index nor producer state
 _LIGHT_COLUMNS = "x'', x''"
 
@@ -792,7 +1022,8 @@ CREATE TABLE IF NOT EXISTS streams (
     name TEXT NOT NULL UNIQUE,
     retention_ms INTEGER,
     retention_bytes INTEGER,
-    created_ms INTEGER NOT NULL
+    created_ms INTEGER NOT NULL,
+    scaling TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS segments (
     stream_id INTEGER NOT NULL,
@@ -804,6 +1035,8 @@ CREATE TABLE IF NOT EXISTS segments (
     sealed INTEGER NOT NULL DEFAULT 0,
     start_offset INTEGER NOT NULL DEFAULT 0,
     producers BLOB NOT NULL DEFAULT x'',
+    predecessors TEXT NOT NULL DEFAULT '[]',  -- JSON list of segment numbers
+    end_offset INTEGER NOT NULL DEFAULT -1,  -- while open
     PRIMARY KEY (stream_id, number)
 );
 CREATE TABLE IF NOT EXISTS chunks (
@@ -841,6 +1074,12 @@ CREATE TABLE IF NOT EXISTS subscriptions (
     name TEXT NOT NULL,
     record BLOB NOT NULL,
     PRIMARY KEY (stream_id, name)
+);
+CREATE TABLE IF NOT EXISTS scalings (
+    stream_id INTEGER NOT NULL,
+    epoch INTEGER NOT NULL,
+    record BLOB NOT NULL,  -- a msgpack ScaleRecord
+    PRIMARY KEY (stream_id, epoch)
 );
 CREATE TABLE IF NOT EXISTS txn_commits (
     txn_id INTEGER PRIMARY KEY,

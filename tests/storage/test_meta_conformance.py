@@ -5,7 +5,8 @@ in one transaction; stream ids are never reused; a journal file's chunks and the
 file has moved change together; retention removes chunks and moves start offsets forward only;
 subscriptions are created with their stream and deleted with it, commits change only the
 segments named, resets count generations and refuse older commits, and positions committed in a
-transaction's commit record change with it or not at all.
+transaction's commit record change with it or not at all; a scale event seals, opens and records
+all at once or not at all, in the epoch after the stream's current one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import numpy as np
 import pytest
 
 from slipstream import (
+    InvalidArgument,
+    SegmentNotFound,
     StaleGeneration,
     StreamExists,
     StreamNotFound,
@@ -33,8 +36,10 @@ from slipstream.storage import (
     PositionCommit,
     QueueOptions,
     QueueSegment,
+    ScaleRecord,
     SegmentRecord,
     SqliteMetaStore,
+    StreamRecord,
     SubscriptionRecord,
     TxnCommit,
 )
@@ -660,3 +665,379 @@ def test_subscriptions_survive_a_reopen(file_kit: Kit) -> None:
     meta.commit_positions(stream, "billing", 0, {0: 9})
     meta = file_kit.reopen()
     assert only(meta, stream).positions == {0: 9, 1: 0}
+
+
+# --- elastic streams: segments of every epoch, scale events, scaling policies ------------------
+#
+# A scale event seals open segments at their end offsets, opens successors and stores its record
+# in one transaction; the epoch must follow the stream's current one; a stream's history goes
+# with it when it is deleted.
+
+HALF = 2**63
+QUARTER = 2**62
+
+
+def successor(
+    number: int, epoch: int, lo: int, hi: int, predecessors: list[int], container: int = 0
+) -> SegmentRecord:
+    return SegmentRecord(number, epoch, lo, hi, container, predecessors=predecessors)
+
+
+def split_first(epoch: int = 1) -> list[SegmentRecord]:
+    """Segment 0 (keys 0 .. 2**63 - 1) of a two-segment stream split into 2 and 3."""
+    return [successor(2, epoch, 0, QUARTER - 1, [0]), successor(3, epoch, QUARTER, HALF - 1, [0])]
+
+
+def stream_of(meta: MetaStore, stream_id: int) -> StreamRecord:
+    (record,) = [s for s in meta.streams() if s.id == stream_id]
+    return record
+
+
+def test_every_new_field_round_trips(kit: Kit) -> None:
+    meta = kit.meta
+    records = [
+        SegmentRecord(0, 0, 0, HALF - 1, 0, sealed=True, end_offset=70, producers=b"p"),
+        SegmentRecord(1, 1, HALF, MAX_KEY, 1, predecessors=[0], start_offset=3),
+    ]
+    created = meta.create_stream("s/new", records, None, None, 5, scaling="fixed 2")
+    assert created.scaling == "fixed 2"
+    assert stream_of(meta, created.id) == created
+    assert stream_of(meta, created.id).segments == records
+    stream_id = create(meta, "s/elastic", 2)
+    assert stream_of(meta, stream_id).scaling == "", "no policy: fixed at the created count"
+    assert [(s.predecessors, s.end_offset) for s in stream_of(meta, stream_id).segments] == [
+        ([], -1),
+        ([], -1),
+    ]
+    policy = "events 5000/s factor 2 min 1 max 64"
+    updated = meta.update_scaling(stream_id, policy)
+    assert updated.scaling == policy and updated.segments == stream_of(meta, stream_id).segments
+    decision = b'{"action": "split", "rule": "hot_10s"}'
+    after = meta.scale_stream(stream_id, 1, 9_000, {0: 1234}, split_first(), decision)
+    if kit.kind == "file":
+        meta = kit.reopen()
+    stored = stream_of(meta, stream_id)
+    assert stored == after
+    assert stored.scaling == policy
+    assert stored.segments == [
+        SegmentRecord(0, 0, 0, HALF - 1, 0, sealed=True, end_offset=1234),
+        SegmentRecord(1, 0, HALF, MAX_KEY, 1),
+        *split_first(),
+    ]
+    assert meta.scalings(stream_id) == [
+        ScaleRecord(stream_id, 1, 9_000, {0: 1234}, [2, 3], decision)
+    ]
+    assert meta.scalings() == meta.scalings(stream_id)
+    assert stream_of(meta, created.id) == created, "another stream is not touched"
+
+
+def test_scale_events_make_a_history_in_epoch_order(kit: Kit) -> None:
+    meta = kit.meta
+    stream_id = create(meta, "s/h", 2)
+    other = create(meta, "s/other", 1)
+    meta.scale_stream(stream_id, 1, 100, {0: 10}, split_first(), b"split")
+    merged = successor(4, 2, QUARTER, MAX_KEY, [1, 3])  # 3 and 1 are neighbours
+    meta.scale_stream(stream_id, 2, 200, {3: 5, 1: 40}, [merged], b"merge")
+    meta.scale_stream(
+        other,
+        1,
+        150,
+        {0: 0},
+        [successor(1, 1, 0, HALF - 1, [0]), successor(2, 1, HALF, MAX_KEY, [0])],
+    )
+    history = meta.scalings(stream_id)
+    assert [(r.epoch, r.at_ms, r.sealed, r.created, r.decision) for r in history] == [
+        (1, 100, {0: 10}, [2, 3], b"split"),
+        (2, 200, {1: 40, 3: 5}, [4], b"merge"),
+    ]
+    assert [(r.stream_id, r.epoch) for r in meta.scalings()] == [
+        (stream_id, 1),
+        (stream_id, 2),
+        (other, 1),
+    ]
+    segments = {s.number: s for s in stream_of(meta, stream_id).segments}
+    assert sorted(segments) == [0, 1, 2, 3, 4], "segments of every epoch"
+    assert {n for n, s in segments.items() if s.sealed} == {0, 1, 3}
+    assert [segments[n].end_offset for n in (0, 1, 2, 3, 4)] == [10, 40, -1, 5, -1]
+    assert segments[4] == merged
+
+
+def test_reopen_keeps_the_scaling_history(file_kit: Kit) -> None:
+    meta = file_kit.meta
+    stream_id = create(meta, "s/h", 2)
+    meta.update_scaling(stream_id, "bytes 2097152/s factor 2 min 1")
+    meta.scale_stream(stream_id, 1, 100, {0: 10}, split_first(), b"one")
+    streams, history = meta.streams(), meta.scalings()
+    meta = file_kit.reopen()
+    assert meta.streams() == streams
+    assert meta.scalings() == history
+    # the epoch goes on from where it was: 1 is taken, 2 follows
+    with pytest.raises(InvalidArgument) as caught:
+        meta.scale_stream(stream_id, 1, 200, {2: 3}, [successor(4, 1, 0, QUARTER - 1, [2])])
+    assert caught.value.details["epoch"] == 1
+    meta.scale_stream(stream_id, 2, 200, {2: 3, 3: 4}, [successor(4, 2, 0, HALF - 1, [2, 3])])
+    assert [r.epoch for r in meta.scalings(stream_id)] == [1, 2]
+
+
+# Scale events refused on a stream in epoch 1 whose segment 1 was split into 2 and 3 (open: 0, 2,
+# 3). Segments are sealed in number order, so all but the epoch conflicts are refused after
+# segment 0 is sealed: a seal written outside the scale event's transaction would show.
+REFUSED = [
+    pytest.param(
+        InvalidArgument, 1, {0: 8},
+        [successor(4, 1, 0, QUARTER - 1, [0]), successor(5, 1, QUARTER, HALF - 1, [0])],
+        id="epoch-taken",
+    ),
+    pytest.param(
+        InvalidArgument, 3, {0: 8},
+        [successor(4, 3, 0, QUARTER - 1, [0]), successor(5, 3, QUARTER, HALF - 1, [0])],
+        id="epoch-ahead",
+    ),
+    pytest.param(
+        InvalidArgument, 2, {0: 8, 1: 5}, [successor(4, 2, 0, MAX_KEY, [0, 1])], id="sealed-again"
+    ),
+    pytest.param(
+        SegmentNotFound, 2, {0: 8, 9: 0}, [successor(4, 2, 0, HALF - 1, [0, 9])], id="no-segment"
+    ),
+    pytest.param(
+        InvalidArgument, 2, {0: 8},
+        [successor(4, 2, 0, QUARTER - 1, [0]), successor(3, 2, QUARTER, HALF - 1, [0])],
+        id="number-taken",
+    ),
+    pytest.param(
+        InvalidArgument, 2, {0: 8},
+        [successor(4, 2, 0, QUARTER - 1, [0]), successor(4, 2, QUARTER, HALF - 1, [0])],
+        id="number-twice",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("error", "epoch", "sealed", "created"), REFUSED)
+def test_a_refused_scale_event_changes_nothing(
+    kit: Kit,
+    error: type[Exception],
+    epoch: int,
+    sealed: dict[int, int],
+    created: list[SegmentRecord],
+) -> None:
+    meta = kit.meta
+    stream_id = create(meta, "s/atomic", 2)
+    split = [
+        successor(2, 1, HALF, HALF + QUARTER - 1, [1]),
+        successor(3, 1, HALF + QUARTER, MAX_KEY, [1]),
+    ]
+    meta.scale_stream(stream_id, 1, 100, {1: 10}, split, b"first")
+    before, history = meta.streams(), meta.scalings()
+    with pytest.raises(error):
+        meta.scale_stream(stream_id, epoch, 200, sealed, created, b"refused")
+    if kit.kind == "file":
+        meta = kit.reopen()
+    assert meta.streams() == before, "no segment sealed, no successor added"
+    assert meta.scalings() == history, "no scale record"
+    # the store is usable, and the stream still in epoch 1
+    merged = successor(4, 2, 0, HALF + QUARTER - 1, [0, 2])
+    meta.scale_stream(stream_id, 2, 300, {0: 8, 2: 2}, [merged])
+    assert [r.epoch for r in meta.scalings(stream_id)] == [1, 2]
+
+
+def test_scale_events_that_cannot_be_are_refused_before_the_catalog(meta: MetaStore) -> None:
+    stream_id = create(meta, "s/bad", 2)
+    before = meta.streams()
+    one = [successor(2, 1, 0, HALF - 1, [0])]
+    bad: list[tuple[dict[int, int], list[SegmentRecord]]] = [
+        ({}, one),  # nothing sealed
+        ({0: 5}, []),  # nothing created
+        ({0: -1}, one),  # no end offset
+        ({0: 5}, [successor(2, 2, 0, HALF - 1, [0])]),  # another epoch
+        ({0: 5}, [msgspec.structs.replace(one[0], sealed=True)]),
+        ({0: 5}, [msgspec.structs.replace(one[0], end_offset=7)]),
+        ({0: 5}, [successor(2, 1, 0, HALF - 1, [])]),  # no predecessor
+        ({0: 5}, [successor(2, 1, 0, HALF - 1, [1])]),  # a predecessor not sealed here
+    ]
+    for sealed, created in bad:
+        with pytest.raises(InvalidArgument):
+            meta.scale_stream(stream_id, 1, 1, sealed, created)
+    assert meta.streams() == before
+    assert meta.scalings() == []
+
+
+def test_scaling_a_deleted_or_unknown_stream_is_stream_not_found(meta: MetaStore) -> None:
+    stream_id = create(meta, "s/gone", 2)
+    meta.delete_stream("s/gone")
+    with pytest.raises(StreamNotFound):
+        meta.scale_stream(stream_id, 1, 1, {0: 5}, split_first())
+    with pytest.raises(StreamNotFound):
+        meta.update_scaling(stream_id, "fixed 3")
+    with pytest.raises(StreamNotFound):
+        meta.update_scaling(stream_id + 100, "fixed 3")
+    assert meta.streams() == [] and meta.scalings() == []
+
+
+def test_a_recreated_streams_history_is_its_own(kit: Kit) -> None:
+    meta = kit.meta
+    old = create(meta, "s/re", 2)
+    meta.update_scaling(old, "fixed 3")
+    meta.scale_stream(old, 1, 100, {0: 10}, split_first(), b"old")
+    record, _ = meta.delete_stream("s/re")
+    assert len(record.segments) == 4, "the deleted stream's segments of every epoch"
+    assert meta.scalings(old) == [] and meta.scalings() == [], "deleted with the stream"
+    new = create(meta, "s/re", 2)
+    if kit.kind == "file":
+        meta = kit.reopen()
+    fresh = stream_of(meta, new)
+    assert fresh.scaling == ""
+    assert [(s.number, s.epoch, s.sealed, s.end_offset) for s in fresh.segments] == [
+        (0, 0, False, -1),
+        (1, 0, False, -1),
+    ]
+    assert meta.scalings(new) == []
+    meta.scale_stream(new, 1, 200, {0: 3}, split_first(), b"new")  # epoch 1 again: its own
+    assert meta.scalings() == [ScaleRecord(new, 1, 200, {0: 3}, [2, 3], b"new")]
+    with pytest.raises(StreamNotFound):
+        meta.scale_stream(old, 2, 300, {1: 1}, [successor(4, 2, HALF, MAX_KEY, [1])])
+
+
+def test_chunks_and_retention_work_on_sealed_segments(kit: Kit) -> None:
+    meta = kit.meta
+    stream_id = create(meta, "s/sealed", 2)
+    ours = [chunk(stream_id, 0, base) for base in (0, 10)]
+    meta.add_chunks(0, 0, ours[:1])
+    meta.scale_stream(stream_id, 1, 100, {0: 20}, split_first())
+    # the journal's last data of a segment moves to chunks after the seal
+    meta.add_chunks(0, 1, [ours[1], chunk(stream_id, 2, 0)])
+    assert meta.chunk_at(stream_id, 0, 15) == ours[1]
+    assert meta.chunk_at_time(stream_id, 0, 2005) == ours[1]
+    light = [msgspec.structs.replace(c, index=b"", producers=b"") for c in ours]
+    assert meta.chunks_from(stream_id, 0, 0, 10) == light
+    assert [(c.segment, c.count) for c in meta.segment_chunks()] == [(0, 2), (2, 1)]
+    removed = meta.remove_chunks_before(stream_id, {0: 10, 2: 10})
+    assert [(c.segment, c.base_offset) for c in removed] == [(0, 0), (2, 0)]
+    if kit.kind == "file":
+        meta = kit.reopen()
+    segments = {s.number: s for s in stream_of(meta, stream_id).segments}
+    assert (segments[0].sealed, segments[0].start_offset, segments[0].end_offset) == (True, 10, 20)
+    assert (segments[2].sealed, segments[2].start_offset) == (False, 10)
+    # retention to the sealed end leaves the segment empty, still sealed, still in the graph
+    assert meta.remove_chunks_before(stream_id, {0: 20}) == [light[1]]
+    segments = {s.number: s for s in stream_of(meta, stream_id).segments}
+    assert (segments[0].sealed, segments[0].start_offset, segments[0].end_offset) == (True, 20, 20)
+    assert meta.chunk_at(stream_id, 0, 15) is None
+    assert [r.sealed for r in meta.scalings(stream_id)] == [{0: 20}]
+
+
+# The catalog as the schema before elastic streams wrote it (no scaling, predecessors,
+# end_offset, no scalings table).
+_OLD_SCHEMA = """
+CREATE TABLE streams (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL UNIQUE,
+    retention_ms INTEGER,
+    retention_bytes INTEGER,
+    created_ms INTEGER NOT NULL
+);
+CREATE TABLE segments (
+    stream_id INTEGER NOT NULL,
+    number INTEGER NOT NULL,
+    epoch INTEGER NOT NULL,
+    key_lo INTEGER NOT NULL,
+    key_hi INTEGER NOT NULL,
+    container INTEGER NOT NULL,
+    sealed INTEGER NOT NULL DEFAULT 0,
+    start_offset INTEGER NOT NULL DEFAULT 0,
+    producers BLOB NOT NULL DEFAULT x'',
+    PRIMARY KEY (stream_id, number)
+);
+CREATE TABLE chunks (
+    stream_id INTEGER NOT NULL,
+    segment INTEGER NOT NULL,
+    base_offset INTEGER NOT NULL,
+    next_offset INTEGER NOT NULL,
+    bytes INTEGER NOT NULL,
+    min_timestamp INTEGER NOT NULL,
+    max_timestamp INTEGER NOT NULL,
+    name TEXT NOT NULL,
+    idx BLOB NOT NULL,
+    producers BLOB NOT NULL DEFAULT x'',
+    max_timestamp_so_far INTEGER,
+    PRIMARY KEY (stream_id, segment, base_offset)
+);
+CREATE INDEX chunks_by_time ON chunks (stream_id, segment, max_timestamp_so_far, base_offset);
+CREATE TABLE containers (id INTEGER PRIMARY KEY, moved_file INTEGER NOT NULL);
+CREATE TABLE counters (name TEXT PRIMARY KEY, next INTEGER NOT NULL);
+CREATE TABLE identities (
+    transactional_id TEXT PRIMARY KEY,
+    producer_id INTEGER NOT NULL,
+    epoch INTEGER NOT NULL,
+    last_txn_id INTEGER NOT NULL DEFAULT -1,
+    last_metadata BLOB NOT NULL DEFAULT x'',
+    committed_ms INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE subscriptions (
+    stream_id INTEGER NOT NULL,
+    name TEXT NOT NULL,
+    record BLOB NOT NULL,
+    PRIMARY KEY (stream_id, name)
+);
+CREATE TABLE txn_commits (txn_id INTEGER PRIMARY KEY, record BLOB NOT NULL);
+"""
+
+
+def test_a_catalog_from_before_elastic_streams_opens_with_everything(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    stored = chunk(1, 0, 0)
+    with sqlite3.connect(path) as db:
+        db.executescript(_OLD_SCHEMA)
+        db.execute("INSERT INTO streams VALUES (1, 's/old', 60000, NULL, 1700)")
+        db.executemany(
+            "INSERT INTO segments VALUES (1, ?, 0, ?, ?, ?, 0, ?, ?)",
+            [(0, -HALF, -1, 0, 10, b"dedup"), (1, 0, HALF - 1, 1, 0, b"")],
+        )
+        db.execute(
+            "INSERT INTO chunks VALUES (1, 0, 0, 10, 150, 1000, 2000, ?, ?, x'', 2000)",
+            (stored.name, stored.index),
+        )
+        db.execute("INSERT INTO containers VALUES (0, 4)")
+        db.execute("INSERT INTO counters VALUES ('producer_id', 17)")
+        db.execute("INSERT INTO identities VALUES ('app', 3, 1, 9, x'7b7d', 1700)")
+        db.execute(
+            "INSERT INTO subscriptions VALUES (1, 'billing', ?)",
+            (msgspec.msgpack.encode(subscription(1)),),
+        )
+    db.close()
+    meta = SqliteMetaStore(path)
+    try:
+        (stream,) = meta.streams()
+        assert (stream.id, stream.name, stream.retention_ms, stream.created_ms) == (
+            1,
+            "s/old",
+            60000,
+            1700,
+        )
+        assert stream.scaling == ""
+        assert stream.segments == [
+            SegmentRecord(0, 0, 0, HALF - 1, 0, start_offset=10, producers=b"dedup"),
+            SegmentRecord(1, 0, HALF, MAX_KEY, 1),
+        ]
+        assert meta.chunks() == [stored]
+        assert meta.chunk_at_time(1, 0, 1500) == stored
+        assert meta.moved_file(0) == 4
+        assert meta.reserve_ids("producer_id", 1) == 17
+        assert meta.identities() == [Identity("app", 3, 1, 9, b"{}", 1700)]
+        assert meta.subscriptions() == [subscription(1)]
+        assert meta.scalings() == []
+        # and it scales like a new one, keeping it over a reopen
+        meta.update_scaling(1, "fixed 3")
+        meta.scale_stream(1, 1, 100, {0: 10}, split_first(), b"d")
+        meta.close()
+        meta = SqliteMetaStore(path)
+        (stream,) = meta.streams()
+        assert stream.scaling == "fixed 3"
+        assert [(s.number, s.sealed, s.end_offset) for s in stream.segments] == [
+            (0, True, 10),
+            (1, False, -1),
+            (2, False, -1),
+            (3, False, -1),
+        ]
+        assert [r.created for r in meta.scalings(1)] == [[2, 3]]
+    finally:
+        meta.close()
