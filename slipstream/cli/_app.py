@@ -17,6 +17,7 @@ from .._errors import BrokerUnavailable, SlipstreamError
 from ..broker import FSYNC_MODES, ConnectionLimits
 from ..streams import parse_size_bytes
 from ._common import BrokerOption, connect, err, out
+from ._subscriptions import subscription_app
 
 
 def _flags_show_no_value_type() -> None:
@@ -62,6 +63,7 @@ txn_app = typer.Typer(
     rich_markup_mode="rich",
 )
 app.add_typer(txn_app, name="txn")
+app.add_typer(subscription_app, name="subscription")
 
 
 def examples(*lines: str) -> str:
@@ -463,18 +465,21 @@ class OutputFormat(StrEnum):
         "slipstream consume demo/orders --from -15m --follow",
         "slipstream consume demo/orders --limit 1000 --end-cut 2> cut.json",
         """slipstream consume demo/orders --from "$(cat cut.json)" """,
+        "slipstream consume demo/orders --subscription billing --follow",
     ),
 )
 def consume(
     name: StreamName,
     start: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--from",
-            help="earliest, latest, an ISO-8601 time with a timezone, a time relative to now "
-            "(-30s, -15m, -1h, -2d), or a StreamCut (JSON, as printed by --end-cut).",
+            help="earliest (the default), latest, an ISO-8601 time with a timezone, a time "
+            "relative to now (-30s, -15m, -1h, -2d), or a StreamCut (JSON, as printed by "
+            "--end-cut).",
+            show_default=False,
         ),
-    ] = "earliest",
+    ] = None,
     follow: Annotated[
         bool,
         typer.Option(
@@ -499,17 +504,59 @@ def consume(
             help="At exit, print to stderr the StreamCut to resume from with --from.",
         ),
     ] = False,
+    subscription: Annotated[
+        str | None,
+        typer.Option(
+            help="Join this subscription's group instead (see 'slipstream subscription'): "
+            "print the events of the segments the group gives this member, from the "
+            "subscription's committed position, and commit them.",
+        ),
+    ] = None,
+    commit: Annotated[
+        str | None,
+        typer.Option(
+            help="With --subscription: auto (the default: what was printed is committed about "
+            "once a second and at exit; at-least-once) or at_most_once (committed before it "
+            "is printed).",
+            show_default=False,
+        ),
+    ] = None,
     broker: BrokerOption = "",
 ) -> None:
     """Print a stream's events on stdout. Without --follow it reads up to the stream's end as
-    of now and exits; with --follow it prints new events as soon as they are durable."""
-    from ._consume import run_consume
+    of now and exits; with --follow it prints new events as soon as they are durable. With
+    --subscription it is a member of that subscription's group: it reads from the committed
+    position and commits what it printed."""
+    from ._consume import run_consume, run_group_consume
 
+    if subscription is not None:
+        if start is not None or end_cut:
+            raise typer.BadParameter(
+                "a group member starts from the subscription's committed position; move it "
+                "with 'slipstream subscription reset STREAM NAME --to ...'",
+                param_hint="'--from' / '--end-cut' with '--subscription'",
+            )
+        with connect(broker) as client:
+            code = run_group_consume(
+                client,
+                name,
+                subscription,
+                commit=commit or "auto",
+                follow=follow,
+                limit=limit,
+                fmt=fmt.value,
+                console=out,
+            )
+        if code:
+            raise typer.Exit(code)
+        return
+    if commit is not None:
+        raise typer.BadParameter("needs --subscription", param_hint="--commit")
     with connect(broker) as client:
         code = run_consume(
             client,
             name,
-            start,
+            start or "earliest",
             follow=follow,
             limit=limit,
             fmt=fmt.value,
@@ -645,7 +692,7 @@ def txn_status(
         )
 
 
-_help_in_whole_lines(app, stream_app, txn_app)
+_help_in_whole_lines(app, stream_app, txn_app, subscription_app)
 
 
 def main() -> None:

@@ -18,8 +18,10 @@ next event, none skipped or repeated.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import time
 from collections.abc import Generator, Iterator
 from typing import Any, BinaryIO, Protocol, cast
 
@@ -53,6 +55,21 @@ class Rows:
         )
         self.segments: list[int] = batch.column("segment").to_pylist()
         self.offsets: list[int] = batch.column("offset").to_pylist()
+
+    @classmethod
+    def of_events(cls, events: list[slipstream.Event]) -> Rows:
+        """The same columns from the events a consumer's ``poll`` returned."""
+        rows = cls.__new__(cls)
+        rows.keys = [e.key for e in events]
+        rows.values = [e.value for e in events]
+        rows.timestamps = [e.timestamp for e in events]
+        rows.headers = [
+            [{"key": k, "value": v} for k, v in e.headers.items()] if e.headers else None
+            for e in events
+        ]
+        rows.segments = [e.segment for e in events]
+        rows.offsets = [e.offset for e in events]
+        return rows
 
     def __len__(self) -> int:
         return len(self.values)
@@ -299,4 +316,143 @@ def run_consume(
             cut = progress.cut(starts, end, completed)
             sys.stderr.write(cut.to_json() + "\n")
             sys.stderr.flush()
+    return code
+
+
+#: ``--commit`` with ``--subscription``: manual commits need a program (``consumer.commit()``)
+GROUP_COMMIT_MODES = ("auto", "at_most_once")
+GROUP_COMMIT_S = 1.0
+GROUP_POLL_S = 0.25
+#: a bounded run that gets no segment this long (other members hold them all) stops
+UNASSIGNED_STOP_S = 5.0
+_RETRIED_COMMIT = (
+    slipstream.NotAssigned,
+    slipstream.StaleGeneration,
+    slipstream.UnknownMember,
+    slipstream.BrokerUnavailable,
+)
+
+
+def lease_starts(consumer: slipstream.Consumer) -> dict[int, int]:
+    """Per segment the consumer holds, the position it started reading that segment at
+    (the subscription's committed position when it was granted).
+
+    The public Consumer has no accessor for this yet; ``consumer.core.leases`` is written on
+    the client's loop, and reading one entry of it is a single dict lookup.
+    """
+    return {segment: lease.start for segment, lease in list(consumer.core.leases.items())}
+
+
+class GroupProgress:
+    """What a group member printed, and committing it (``auto``): per segment, the offset
+    after the last event written out. A commit takes, per held segment, the smaller of that
+    and what the consumer handed out under its current grant, so positions printed before a
+    reset or a rebalance never overwrite the new ones."""
+
+    def __init__(self, consumer: slipstream.Consumer) -> None:
+        self.consumer = consumer
+        self.printed: dict[int, int] = {}
+        self.events = 0
+
+    def advance(self, rows: Rows) -> None:
+        self.events += len(rows)
+        for segment, offset in zip(rows.segments, rows.offsets, strict=True):
+            self.printed[segment] = offset + 1
+
+    def commit(self) -> None:
+        """Commit what was printed; a segment that moved meanwhile is left to its new
+        holder, which starts from the last commit (at-least-once)."""
+        # core.committed: per held segment, where its grant started or the last commit
+        committed = self.consumer.core.committed
+        positions = {
+            segment: position
+            for segment, handed in self.consumer.positions().items()
+            if segment in self.printed
+            and (position := min(handed, self.printed[segment])) != committed.get(segment)
+        }
+        if positions:
+            with contextlib.suppress(*_RETRIED_COMMIT):
+                self.consumer.commit(positions)
+
+    def caught_up(self, end: slipstream.StreamCut) -> bool:
+        """Every segment held stands at ``end`` (the tail when the command started)."""
+        starts = lease_starts(self.consumer)
+        handed = self.consumer.positions()
+        return bool(starts) and all(
+            max(start, handed.get(segment, start)) >= end.positions.get(segment, 0)
+            for segment, start in starts.items()
+        )
+
+
+def run_group_consume(
+    client: slipstream.Client,
+    stream: str,
+    subscription: str,
+    *,
+    commit: str,
+    follow: bool,
+    limit: int | None,
+    fmt: str,
+    console: Console,
+) -> int:
+    """Join the subscription's group, print the events of the segments it is given and
+    commit them; returns the exit code.
+
+    ``auto``: what was printed is committed about once a second and on every way out
+    (at-least-once: after a crash, or a rebalance between two commits, up to a second of
+    events is printed again, here or by the member that takes the segment). ``at_most_once``:
+    each batch is committed before it is printed (a crash may lose it, never print it twice).
+    Without ``follow`` the run ends once its segments stand at the stream's tail as of the
+    start (or after a few seconds without any segment: the other members hold them all).
+    """
+    if commit not in GROUP_COMMIT_MODES:
+        raise slipstream.InvalidArgument(
+            f"--commit {commit!r}: use auto or at_most_once (manual commits need a program: "
+            "consumer.commit() in Python)"
+        )
+    end = None if follow else client.tail(stream)
+    output = make_output(fmt, sys.stdout.buffer, console)
+    remaining = limit
+    code = 0
+    consumer = client.consumer(
+        stream, subscription, commit="manual" if commit == "auto" else commit
+    )
+    progress = GroupProgress(consumer)
+    last_commit = unassigned_since = time.monotonic()
+    try:
+        while remaining is None or remaining > 0:
+            events = consumer.poll(GROUP_POLL_S)
+            if events:
+                if remaining is not None:
+                    events = events[:remaining]
+                    remaining -= len(events)
+                rows = Rows.of_events(events)
+                output.write(rows)
+                progress.advance(rows)
+            now = time.monotonic()
+            if commit == "auto" and now - last_commit >= GROUP_COMMIT_S:
+                progress.commit()
+                last_commit = now
+            if end is None or events:
+                continue
+            if consumer.assignment:
+                unassigned_since = now
+                if progress.caught_up(end):
+                    break
+            elif now - unassigned_since >= UNASSIGNED_STOP_S:
+                sys.stderr.write(
+                    f"no segment of {stream} was assigned in {UNASSIGNED_STOP_S:.0f} s: the "
+                    f"other members of {subscription!r} hold them all\n"
+                )
+                break
+    except KeyboardInterrupt:
+        code = 0 if follow else 130
+    except BrokenPipeError:
+        silence_stdout()
+    finally:
+        try:
+            if commit == "auto":
+                progress.commit()
+        finally:
+            consumer.close()
     return code
