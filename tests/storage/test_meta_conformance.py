@@ -43,6 +43,7 @@ from slipstream.storage import (
     SubscriptionRecord,
     TxnCommit,
 )
+from slipstream.streams import KeyRange, ScaleEvent, SegmentGraph, SegmentNode
 
 MAX_KEY = 2**64 - 1
 
@@ -923,6 +924,71 @@ def test_chunks_and_retention_work_on_sealed_segments(kit: Kit) -> None:
     assert (segments[0].sealed, segments[0].start_offset, segments[0].end_offset) == (True, 20, 20)
     assert meta.chunk_at(stream_id, 0, 15) is None
     assert [r.sealed for r in meta.scalings(stream_id)] == [{0: 20}]
+
+
+def test_the_stored_history_rebuilds_the_segment_graph(kit: Kit) -> None:
+    # What the broker will do: plan scale events on the segment graph, store each with
+    # scale_stream, and after a restart rebuild the same graph from streams() and scalings().
+    graph = SegmentGraph.create(2, at_ms=1_000)
+    meta = kit.meta
+    initial = [
+        SegmentRecord(n.number, 0, n.key_range.lo, n.key_range.hi, n.number) for n in graph.nodes
+    ]
+    stream_id = meta.create_stream("s/graph", initial, None, None, 1_000).id
+    for step, plan in enumerate(
+        [
+            lambda g: g.split(0, 3, 2_000),
+            lambda g: g.merge([4, 1], 3_000),
+            lambda g: g.split(5, 2, 4_000),
+            lambda g: g.merge([2, 3], 5_000),
+        ]
+    ):
+        event = plan(graph)
+        created = [
+            SegmentRecord(
+                n.number, n.opened_epoch, n.key_range.lo, n.key_range.hi, n.number % 3,
+                predecessors=list(n.predecessors),
+            )
+            for n in event.created
+        ]  # fmt: skip
+        sealed = {number: 100 * step + number for number in event.sealed}
+        meta.scale_stream(stream_id, event.epoch, event.at_ms, sealed, created, b"{}")
+        graph = graph.apply(event)
+    if kit.kind == "file":
+        meta = kit.reopen()
+
+    stream = stream_of(meta, stream_id)
+    history = meta.scalings(stream_id)
+    by_number = {s.number: s for s in stream.segments}
+    later = {n for r in history for n in r.created}
+    first = sorted((s for s in stream.segments if s.number not in later), key=lambda s: s.key_lo)
+    events = [
+        ScaleEvent(
+            r.epoch,
+            r.at_ms,
+            tuple(sorted(r.sealed)),
+            tuple(
+                SegmentNode(
+                    n,
+                    KeyRange(by_number[n].key_lo, by_number[n].key_hi),
+                    r.epoch,
+                    tuple(by_number[n].predecessors),
+                    opened_ms=r.at_ms,
+                )
+                for n in r.created
+            ),
+        )
+        for r in history
+    ]
+    rebuilt = SegmentGraph.from_history(
+        [KeyRange(s.key_lo, s.key_hi) for s in first], events, stream.created_ms
+    )
+    assert rebuilt.epoch == graph.epoch == 4
+    assert rebuilt.nodes == graph.nodes
+    assert {n.number for n in graph.nodes if n.sealed} == {
+        s.number for s in stream.segments if s.sealed
+    }
+    assert all(s.end_offset >= 0 for s in stream.segments if s.sealed)
 
 
 # The catalog as the schema before elastic streams wrote it (no scaling, predecessors,
