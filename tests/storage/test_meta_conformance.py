@@ -11,7 +11,10 @@ all at once or not at all, in the epoch after the stream's current one.
 
 from __future__ import annotations
 
+import signal
 import sqlite3
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -989,6 +992,45 @@ def test_the_stored_history_rebuilds_the_segment_graph(kit: Kit) -> None:
         s.number for s in stream.segments if s.sealed
     }
     assert all(s.end_offset >= 0 for s in stream.segments if s.sealed)
+
+
+_KILLED_MID_SCALE = """
+import os, signal, sys
+from slipstream.storage import SegmentRecord, SqliteMetaStore
+
+class Killed(SqliteMetaStore):
+    def _insert_segments(self, cur, stream_id, segments):
+        if any(s.predecessors for s in segments):  # a scale event's successors: die now
+            os.kill(os.getpid(), signal.SIGKILL)
+        super()._insert_segments(cur, stream_id, segments)
+
+meta = Killed(sys.argv[1])
+half = 2**63
+successors = [SegmentRecord(2, 1, 0, half // 2 - 1, 0, predecessors=[0, 1]),
+              SegmentRecord(3, 1, half // 2, 2**64 - 1, 0, predecessors=[0, 1])]
+meta.scale_stream(int(sys.argv[2]), 1, 5, {0: 10, 1: 20}, successors, b"lost")
+"""
+
+
+def test_a_scale_event_killed_after_its_seals_leaves_the_catalog_as_it_was(
+    file_kit: Kit,
+) -> None:
+    # kill -9 after the seals are written, before the successors: none of it survives
+    meta = file_kit.meta
+    stream_id = create(meta, "s/killed", 2)
+    before = meta.streams()
+    meta.close()
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLED_MID_SCALE, str(file_kit.path), str(stream_id)],
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()
+    meta = file_kit.meta = SqliteMetaStore(file_kit.path)
+    assert meta.streams() == before
+    assert meta.scalings() == []
+    meta.scale_stream(stream_id, 1, 6, {0: 10}, split_first())  # epoch 1 is still free
+    assert [s.number for s in stream_of(meta, stream_id).segments if s.sealed] == [0]
 
 
 # The catalog as the schema before elastic streams wrote it (no scaling, predecessors,
