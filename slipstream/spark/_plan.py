@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .._errors import InvalidArgument
 from ..client import DEFAULT_ADDRESS, parse_address
-from ..streams import StreamCut, validate_stream_name
+from ..streams import StreamCut, validate_stream_name, validate_subscription_name
 
 #: a partition reads at most this many events of one segment (more: the range is split)
 DEFAULT_EVENTS_PER_PARTITION = 1_000_000
@@ -32,6 +32,7 @@ class SourceOptions:
     mode: str
     start: str  # batch reads: "from"
     end: str  # batch reads: "to"
+    subscription: str | None = None  # streaming: record committed progress in it
 
 
 def _positive(options: Mapping[str, str], key: str) -> int | None:
@@ -78,7 +79,13 @@ def source_options(options: Mapping[str, str]) -> SourceOptions:
         mode=mode,
         start=options.get("from", "earliest"),
         end=options.get("to", "latest"),
+        subscription=subscription_option(options),
     )
+
+
+def subscription_option(options: Mapping[str, str]) -> str | None:
+    name = options.get("subscription")
+    return None if not name else validate_subscription_name(name)
 
 
 def cut_to_offset(cut: StreamCut) -> dict[str, object]:

@@ -10,6 +10,7 @@ reader. Batches flow as Arrow from the broker's format to Spark; nothing is deco
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -33,7 +34,13 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from .._errors import BrokerUnavailable, InvalidArgument
+from .._errors import (
+    BrokerUnavailable,
+    GroupActive,
+    InvalidArgument,
+    SlipstreamError,
+    SubscriptionNotFound,
+)
 from ..client import Client, connect
 from ..protocol import StreamInfo
 from ..streams import StreamCut
@@ -54,6 +61,12 @@ MIN_ROWS_PER_SPARK_BATCH = 8_192
 
 #: how long a Spark read or write waits for a broker that does not answer (one restarting)
 BROKER_PATIENCE_S = 30.0
+
+#: after a failed record of a query's progress in its subscription, wait this long before the
+#: next try (planning runs every few milliseconds while a query is idle)
+RECORD_RETRY_S = 5.0
+
+log = logging.getLogger(__name__)
 
 _clients: dict[str, Client] = {}
 _clients_lock = threading.Lock()
@@ -114,8 +127,10 @@ class SlipstreamDataSource(DataSource):
     default latest), ``from``/``to`` (batch reads, the same forms, relative to when the read
     is planned; default the whole stream), ``maxEventsPerTrigger``, ``maxBytesPerTrigger``,
     ``maxEventsPerPartition``, ``schema`` (a DDL string: JSON values parsed into these extra
-    columns) and ``mode`` (PERMISSIVE: malformed values give null columns; FAILFAST: they fail
-    the query).
+    columns), ``mode`` (PERMISSIVE: malformed values give null columns; FAILFAST: they fail
+    the query) and ``subscription`` (streaming: record the query's committed progress in this
+    subscription, so that ``describe_subscription`` shows its lag; see
+    :class:`SubscriptionProgress`).
     Writes: see :mod:`slipstream.spark._sink`.
     """
 
@@ -205,17 +220,108 @@ class _Reading:
         return to_spark_batch(record, self.options.stream, self.arrow_schema, self.options.mode)
 
 
+class SubscriptionProgress:
+    """A streaming query's committed progress, recorded in a subscription of its stream (the
+    ``subscription`` option), so that ``describe_subscription`` and ``slipstream subscription
+    describe`` show the query's backlog and lag like any consumer group's.
+
+    The record is a mirror, not an input: Spark's checkpoint stays the source of truth for
+    where the query reads (and for exactly-once); a new query starts at ``startingPosition``,
+    never at the subscription's positions. Only committed offsets are recorded: the end of a
+    batch Spark has committed, and the start of each batch it plans (the end of the last
+    committed one). A record that fails (broker away, positions refused) is logged and tried
+    again with a later batch, at most every RECORD_RETRY_S: it never fails the query. A reset
+    or commit by someone else is overwritten by the next record.
+
+    At the query's start, :meth:`claim` creates the subscription at the query's start
+    positions if it is missing (also if it is deleted while the query runs), and fails the
+    query if consumers are joined to it: their commits and the query's would overwrite each
+    other. A consumer that joins later makes the records fail (GroupActive, logged) until it
+    leaves."""
+
+    def __init__(self, stream: str, name: str) -> None:
+        self.stream = stream
+        self.name = name
+        self.claimed = False
+        self.recorded: dict[int, int] | None = None
+        self.failed_at = -RECORD_RETRY_S
+
+    def claim(self, client: Client, start: StreamCut) -> None:
+        """Create the subscription at ``start`` if missing; raise GroupActive if a group
+        uses it, InvalidArgument if it is a queue."""
+        info = client.create_subscription(self.stream, self.name, start, exist_ok=True)
+        if info.mode != "ordered":
+            raise InvalidArgument(
+                f"subscription {self.name!r} of {self.stream!r} is a {info.mode!r} subscription; "
+                "a Spark query records its progress only in an ordered one: name another "
+                'with .option("subscription", ...)'
+            )
+        if info.members:
+            names = ", ".join(sorted(m.name for m in info.members))
+            raise GroupActive(
+                f"subscription {self.name!r} of {self.stream!r} has {len(info.members)} "
+                f"consumer(s) joined ({names}); a Spark query cannot record its progress where "
+                "a consumer group commits its own: stop them, or name another subscription "
+                'with .option("subscription", ...)',
+                members=len(info.members),
+            )
+        self.claimed = True
+
+    def record(self, client: Client, committed: StreamCut) -> None:
+        """Store ``committed`` (offsets Spark has committed) unless it is stored already;
+        the first call claims the subscription (and raises what :meth:`claim` raises)."""
+        if not self.claimed:
+            self.claim(client, committed)
+        positions = dict(committed.positions)
+        if positions == self.recorded or time.monotonic() - self.failed_at < RECORD_RETRY_S:
+            return
+        try:
+            try:
+                client.commit_subscription(self.stream, self.name, positions)
+            except SubscriptionNotFound:  # deleted under the query: create it again
+                client.create_subscription(self.stream, self.name, committed, exist_ok=True)
+                client.commit_subscription(self.stream, self.name, positions)
+        except SlipstreamError as exc:
+            self.failed_at = time.monotonic()
+            log.warning(
+                "could not record the query's progress in subscription %r of %r (tried again "
+                "with a later batch): %s: %s",
+                self.name,
+                self.stream,
+                type(exc).__name__,
+                exc,
+            )
+            return
+        self.recorded = positions
+
+
 class StreamReader(_Reading, DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Micro-batches over a stream. Offsets are StreamCut dicts; each micro-batch is the events
     between two cuts, cut by ``maxEventsPerTrigger``/``maxBytesPerTrigger`` (shared fairly over
-    segments). Segments that appear later (a stream scaled) start at offset 0."""
+    segments). Segments that appear later (a stream scaled) start at offset 0. With the
+    ``subscription`` option, committed offsets are recorded there (:class:`SubscriptionProgress`).
+
+    Spark plans one batch at a time: it asks for ``latestOffset(start)`` and ``partitions(start,
+    end)`` only once the batch ending at ``start`` is committed (a batch left uncommitted by a
+    crash is replayed first, with its logged offsets), so ``start`` is committed progress."""
 
     def __init__(self, options: SourceOptions, schema: StructType) -> None:
         super().__init__(options, schema)
         self.target: StreamCut | None = None  # Trigger.AvailableNow: never read past this
+        self.progress = (
+            SubscriptionProgress(options.stream, options.subscription)
+            if options.subscription
+            else None
+        )
+
+    def _record(self, committed: StreamCut) -> None:
+        if self.progress is not None:
+            self.progress.record(self.client, committed)
 
     def initialOffset(self) -> dict[str, Any]:
-        return cut_to_offset(self.cut_at(self.options.starting_position))
+        start = self.cut_at(self.options.starting_position)
+        self._record(start)
+        return cut_to_offset(start)
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.options.max_events_per_trigger is not None:
@@ -238,6 +344,7 @@ class StreamReader(_Reading, DataSourceStreamReader, SupportsTriggerAvailableNow
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         begin = self._start_cut(start)
+        self._record(begin)
         info = self.describe()
         tail = self.target or self.client.tail(self.options.stream)
         positions = {s.number: begin.positions.get(s.number, 0) for s in info.segments}
@@ -263,14 +370,18 @@ class StreamReader(_Reading, DataSourceStreamReader, SupportsTriggerAvailableNow
         return cut_to_offset(self.client.tail(self.options.stream))
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[SegmentRange]:
-        return self.partitions_between(self._start_cut(start), self._start_cut(end))
+        begin = self._start_cut(start)
+        self._record(begin)
+        return self.partitions_between(begin, self._start_cut(end))
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, SegmentRange)
         return self.read_range(partition)
 
     def commit(self, end: dict[str, Any]) -> None:
-        """Nothing to do: the stream keeps events by retention, not by consumer progress."""
+        """Spark committed the batch ending at ``end``: record it in the subscription, if
+        any. Nothing else to do: the stream keeps events by retention, not by progress."""
+        self._record(self._start_cut(end))
 
     def stop(self) -> None:
         if self._client is not None:

@@ -85,10 +85,19 @@ def test_source_options_defaults_and_errors() -> None:
     assert (options.start, options.end) == ("earliest", "latest")
     assert options.max_events_per_trigger is None
     assert options.mode == "PERMISSIVE"
+    assert options.subscription is None
     parsed = source_options(
-        {"stream": "demo/orders", "maxeventspertrigger": "10", "broker": "127.0.0.1:1"}
+        {
+            "stream": "demo/orders",
+            "maxeventspertrigger": "10",
+            "broker": "127.0.0.1:1",
+            "subscription": "orders-job",
+        }
     )
     assert parsed.max_events_per_trigger == 10
+    assert parsed.subscription == "orders-job"
+    with pytest.raises(InvalidName, match="subscription name"):
+        source_options({"stream": "a/b", "subscription": "Orders Job"})
     with pytest.raises(InvalidArgument, match='"stream" is required'):
         source_options({})
     with pytest.raises(InvalidName, match="scope/name"):

@@ -221,3 +221,80 @@ def test_stream_deleted_under_a_running_query(
             query.awaitTermination(60)
     finally:
         query.stop()
+
+
+def _end_offset(query: StreamingQuery) -> dict[int, int]:
+    """The positions a query has committed (the end of its last completed micro-batch)."""
+    progress = query.lastProgress
+    if not progress or not progress["sources"][0].get("endOffset"):
+        return {}
+    end = progress["sources"][0]["endOffset"]
+    cut = json.loads(end) if isinstance(end, str) else end
+    return {int(s): int(o) for s, o in cut["positions"].items()}
+
+
+def _recorded(client: slipstream.Client, stream: str, name: str) -> dict[int, int]:
+    info = client.describe_subscription(stream, name)
+    return {s.segment: s.position for s in info.segments}
+
+
+def test_subscription_option_records_the_query_s_committed_progress(
+    spark: SparkSession, broker: BrokerProcess, client: slipstream.Client, tmp_path: Path
+) -> None:
+    client.create_stream("t/lag", segments=2)
+    produce_json(client, "t/lag", 50)
+    df = read_stream(
+        spark,
+        broker,
+        "t/lag",
+        startingPosition="earliest",
+        maxEventsPerTrigger=20,
+        subscription="spark-job",
+    )
+
+    def start() -> StreamingQuery:
+        return (
+            df.writeStream.format("noop")
+            .option("checkpointLocation", str(tmp_path / "lag"))
+            .start()
+        )
+
+    def caught_up(query: StreamingQuery, events: int) -> dict[int, int]:
+        """Wait until the query committed ``events`` events and the subscription says so."""
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert query.exception() is None
+            end = _end_offset(query)
+            if sum(end.values()) == events and _recorded(client, "t/lag", "spark-job") == end:
+                return end
+            time.sleep(0.2)
+        raise AssertionError(
+            f"committed {_end_offset(query)}, recorded {_recorded(client, 't/lag', 'spark-job')}"
+        )
+
+    query = start()
+    try:
+        # missing before: created at the query's start and then moved with each batch
+        assert caught_up(query, 50) == client.tail("t/lag").positions
+        assert len([p for p in query.recentProgress if p["numInputRows"]]) >= 3
+        info = client.describe_subscription("t/lag", "spark-job")
+        assert [s.backlog_events for s in info.segments] == [0, 0]
+        assert not info.members  # a mirror of Spark's checkpoint, not a group member
+        produce_json(client, "t/lag", 30, start=50)
+        caught_up(query, 80)
+    finally:
+        query.stop()
+    produce_json(client, "t/lag", 5, start=80)  # while the query is stopped: a backlog of 5
+    info = client.describe_subscription("t/lag", "spark-job")
+    assert sum(s.backlog_events for s in info.segments) == 5
+    # a consumer group using the subscription: the query refuses to start, saying why
+    with client.consumer("t/lag", "spark-job", name="billing-1"):
+        query = start()
+        with pytest.raises(PySparkException, match=r"GroupActive.*billing-1"):
+            query.awaitTermination(60)
+    # the group gone, the restarted query continues from its checkpoint and records again
+    query = start()
+    try:
+        caught_up(query, 85)
+    finally:
+        query.stop()
