@@ -281,6 +281,9 @@ class Broker:
             background.append(
                 loop.create_task(self.service.subscriptions.run(), name="group sessions")
             )
+            background.append(
+                loop.create_task(self.service.subscriptions.queues.run(), name="queue timers")
+            )
             stopped = loop.create_task(self._stop.wait())
             done, _ = await asyncio.wait([stopped, *background], return_when="FIRST_COMPLETED")
             # a background loop that ends, by an error or not, stops the broker: never limp on

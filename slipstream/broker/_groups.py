@@ -59,6 +59,7 @@ from ..protocol import (
 )
 from ..storage import PositionCommit, QueueOptions, SubscriptionRecord
 from ..streams import assign, validate_subscription_name
+from ._queues import Queues
 
 if TYPE_CHECKING:
     from ._controller import Controller, Stream
@@ -142,6 +143,7 @@ class Subscriptions:
         self.groups: dict[tuple[int, str], Group] = {}
         self.members: dict[int, Member] = {}
         self._member_ids = itertools.count(1)
+        self.queues = Queues(self)  # the dispatchers of queue-mode subscriptions
 
     def recover(self) -> int:
         """Load every subscription of a live stream (at start, before serving)."""
@@ -221,7 +223,8 @@ class Subscriptions:
                     batches = await container.read(segment, one.position, 1)
                     if batches:
                         lag_ms = max(0, now_ms - decode_header(batches[0]).min_timestamp)
-            segments.append(msgspec.structs.replace(one, lag_ms=lag_ms))
+            counts = self.queues.counts(group, one.segment)
+            segments.append(msgspec.structs.replace(one, lag_ms=lag_ms, **counts))
         return msgspec.structs.replace(info, segments=segments)
 
     async def delete(self, stream_name: str, name: str) -> None:
@@ -244,6 +247,7 @@ class Subscriptions:
                 self.controller.meta.reset_subscription, group.record.stream_id, name, positions
             )
             group.wake()
+            self.queues.drop(group)
         log.info("reset subscription %s to %s", self._label(group), dict(positions))
         return self.info(group, detail=False)
 
@@ -254,6 +258,7 @@ class Subscriptions:
 
     def _drop(self, group: Group, why: str) -> None:
         group.deleted = why
+        self.queues.drop(group)
         self.groups.pop((group.record.stream_id, group.record.name), None)
         for member in list(group.members.values()):
             self.members.pop(member.id, None)
@@ -348,6 +353,7 @@ class Subscriptions:
 
     def _remove(self, member: Member) -> None:
         self.members.pop(member.id, None)
+        self.queues.member_left(member)
         member.group.remove(member)
 
     def member(self, caller: Caller, member_id: int) -> Member:

@@ -450,6 +450,25 @@ class Service:
     def leave_group(self, caller: Caller, member_id: int) -> None:
         self.subscriptions.leave(caller, member_id)
 
+    async def fetch_events(
+        self, caller: Caller, member_id: int, max_events: int, wait_ms: int
+    ) -> tuple[list[list[int]], list[bytes | bytearray | memoryview]]:
+        """Queue modes: events for the member -> ([segment, offset, delivery count], ...)
+        and the whole batches holding them; see ``_queues.Queues.fetch``."""
+        return await self.subscriptions.queues.fetch(caller, member_id, max_events, wait_ms)
+
+    async def settle_events(
+        self,
+        caller: Caller,
+        member_id: int,
+        acks: list[list[int]],
+        nacks: list[list[int]],
+        delay_ms: int,
+    ) -> list[list[int]]:
+        """Queue modes: ack / nack, durable before it returns -> the deliveries the member
+        does not hold (``[segment, offset]``); see ``_queues.Queues.settle``."""
+        return await self.subscriptions.queues.settle(caller, member_id, acks, nacks, delay_ms)
+
     # --- ownership ---------------------------------------------------------------------------
 
     def _own(self, caller: Caller, producer_id: int) -> None:

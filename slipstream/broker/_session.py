@@ -59,6 +59,8 @@ from ..protocol import (
     Done,
     EndTxn,
     Error,
+    EventsDelivered,
+    FetchEvents,
     Follow,
     FollowEnded,
     FollowFailed,
@@ -81,6 +83,8 @@ from ..protocol import (
     PollGroup,
     ProducerGrant,
     ResetSubscription,
+    Settled,
+    SettleEvents,
     StreamList,
     SubscriptionList,
     TxnBegun,
@@ -129,6 +133,14 @@ def _unzeroed(size: int) -> memoryview:
     broker's first produce run slower: it keeps what it receives, so the pool grew into new
     pages; malloc hands back the heap the previous frames freed.)"""
     return np.empty(size, np.uint8).data
+
+
+@dataclass(frozen=True, slots=True)
+class _WithPayload:
+    """An answer that carries data after its message (EventsDelivered's batches)."""
+
+    message: Message
+    payload: list[Any]
 
 
 @dataclass(eq=False)
@@ -422,11 +434,14 @@ class Session(asyncio.BufferedProtocol):
             log.exception("request %s failed", type(message).__name__)
             self.send_error(cid, SlipstreamError(f"internal error: {exc}"))
         else:
-            self.send(reply, cid)
+            if isinstance(reply, _WithPayload):
+                self.send(reply.message, cid, reply.payload)
+            else:
+                self.send(reply, cid)
         finally:
             self.in_flight -= 1
 
-    async def _handle(self, message: Message) -> Message:
+    async def _handle(self, message: Message) -> Message | _WithPayload:
         service, caller = self.service, self.caller
         assert caller is not None
         match message:
@@ -496,6 +511,15 @@ class Session(asyncio.BufferedProtocol):
             case LeaveGroup(member_id):
                 service.leave_group(caller, member_id)
                 return Done()
+            case FetchEvents(member_id, max_events, wait_ms):
+                deliveries, batches = await service.fetch_events(
+                    caller, member_id, max_events, wait_ms
+                )
+                return _WithPayload(EventsDelivered(deliveries), batches)
+            case SettleEvents(member_id, acks, nacks, delay_ms):
+                return Settled(
+                    await service.settle_events(caller, member_id, acks, nacks, delay_ms)
+                )
             case ListTxns():
                 return TxnList(service.list_txns(caller))
             case GetIdentity(transactional_id):

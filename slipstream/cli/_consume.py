@@ -417,6 +417,12 @@ def run_group_consume(
     consumer = client.consumer(
         stream, subscription, commit="manual" if commit == "auto" else commit
     )
+    if isinstance(consumer, slipstream.QueueConsumer):  # its events need acks: a program's job
+        consumer.close()
+        raise slipstream.InvalidArgument(
+            f"subscription {subscription!r} is a work queue; consume it from a program "
+            "(client.consumer(...), event.ack())"
+        )
     progress = GroupProgress(consumer)
     last_commit = unassigned_since = time.monotonic()
     try:

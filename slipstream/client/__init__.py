@@ -17,12 +17,14 @@ from ._client import (
 from ._connection import DEFAULT_ADDRESS, parse_address
 from ._consumer import AsyncConsumer, Consumer
 from ._producer import BulkReceipt, Receipt
+from ._queue import AsyncQueueConsumer, QueueConsumer, QueueEvent
 
 __all__ = [
     "DEFAULT_ADDRESS",
     "AsyncClient",
     "AsyncConsumer",
     "AsyncProducer",
+    "AsyncQueueConsumer",
     "AsyncReader",
     "AsyncTransaction",
     "BulkReceipt",
@@ -30,6 +32,8 @@ __all__ = [
     "CommitInfo",
     "Consumer",
     "Producer",
+    "QueueConsumer",
+    "QueueEvent",
     "Reader",
     "Receipt",
     "Transaction",

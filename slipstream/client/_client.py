@@ -85,6 +85,13 @@ from ._consumer import (
     cut_positions,
 )
 from ._producer import BulkReceipt, ProducerCore, Receipt
+from ._queue import (
+    QUEUE_MODES,
+    AsyncQueueConsumer,
+    QueueConsumer,
+    queue_core_factory,
+    subscription_mode,
+)
 from ._reader import (
     Delivery,
     ReaderCore,
@@ -501,15 +508,32 @@ class AsyncClient:
         commit: str = "auto",
         name: str | None = None,
         session_timeout: float = 10.0,
-    ) -> Opening[AsyncConsumer]:
+        max_in_flight: int = 256,
+    ) -> Opening[AsyncConsumer | AsyncQueueConsumer]:
         """Join the subscription's group: ``async with client.consumer(...) as consumer``
         (leaving the block commits and leaves) or ``consumer = await client.consumer(...)``.
         See :meth:`Client.consumer`."""
-        return Opening(self._open_consumer(stream, subscription, commit, name, session_timeout))
+        return Opening(
+            self._open_consumer(stream, subscription, commit, name, session_timeout, max_in_flight)
+        )
 
     async def _open_consumer(
-        self, stream: str, subscription: str, commit: str, name: str | None, timeout: float
-    ) -> AsyncConsumer:
+        self,
+        stream: str,
+        subscription: str,
+        commit: str,
+        name: str | None,
+        timeout: float,
+        max_in_flight: int = 256,
+    ) -> AsyncConsumer | AsyncQueueConsumer:
+        mode = await subscription_mode(self, stream, subscription)
+        if mode in QUEUE_MODES:
+            assert mode is not None
+            queue_consumer = AsyncQueueConsumer(
+                queue_core_factory(self, stream, subscription, mode, name, timeout, max_in_flight)
+            )
+            await queue_consumer.core.start()
+            return queue_consumer
         consumer = AsyncConsumer(self._core_factory(stream, subscription, commit, name, timeout))
         await consumer.core.start()
         return consumer
@@ -1146,7 +1170,8 @@ class Client:
         commit: str = "auto",
         name: str | None = None,
         session_timeout: float = 10.0,
-    ) -> Consumer:
+        max_in_flight: int = 256,
+    ) -> Consumer | QueueConsumer:
         """Join the group of an ``ordered`` subscription and consume its share of segments::
 
             with client.consumer("demo/orders", "billing") as consumer:
@@ -1163,7 +1188,21 @@ class Client:
         and on close: at-least-once), ``"manual"`` (``consumer.commit()``, or
         ``txn.commit_position(consumer)`` for exactly-once), or ``"at_most_once"`` (each
         batch is committed before it is handed out). ``name`` shows in ``describe`` (default
-        host:pid). Raises SubscriptionNotFound, ModeMismatch (a queue subscription)."""
+        host:pid). Raises SubscriptionNotFound.
+
+        A ``queue`` or ``key_ordered_queue`` subscription gives a ``QueueConsumer``
+        instead (``commit`` does not apply): iterate for events and settle each with
+        ``event.ack()`` or ``event.nack(delay=seconds)``; at most ``max_in_flight`` are
+        unsettled at a time. See docs/consumers.md, "Work queues"."""
+        mode = self._loop.run(subscription_mode(self._async, stream, subscription))
+        if mode in QUEUE_MODES:
+            assert mode is not None
+            factory = queue_core_factory(
+                self._async, stream, subscription, mode, name, session_timeout, max_in_flight
+            )
+            queue_consumer = QueueConsumer(self._loop, factory)
+            self._loop.run(queue_consumer.core.start())
+            return queue_consumer
         make = self._async._core_factory(stream, subscription, commit, name, session_timeout)
         consumer = Consumer(self._loop, make)
         self._loop.run(consumer.core.start())

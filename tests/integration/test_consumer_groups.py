@@ -308,8 +308,12 @@ def test_a_reset_restarts_live_consumers(client: slipstream.Client) -> None:
 def test_mode_mismatch_and_commits_from_outside_a_live_group(client: slipstream.Client) -> None:
     client.create_stream("cg/modes", segments=1)
     client.create_subscription("cg/modes", "work", mode="queue")
-    with pytest.raises(ModeMismatch):
-        client.consumer("cg/modes", "work")
+    with client.consumer("cg/modes", "work") as queue_consumer:  # a queue's own consumer
+        assert isinstance(queue_consumer, slipstream.QueueConsumer)
+    with pytest.raises(ModeMismatch):  # joined as an ordered group
+        client._loop.run(
+            client._async._request(JoinGroup("cg/modes", "work", "ordered", "x", 10_000))
+        )
     client.create_subscription("cg/modes", "app")
     with client.consumer("cg/modes", "app"), pytest.raises(GroupActive):
         client.commit_subscription("cg/modes", "app", {0: 0})

@@ -1,0 +1,780 @@
+"""Work queues on the broker (modes ``queue`` and ``key_ordered_queue``): a dispatcher per
+subscription hands events out to its members one by one and takes them back.
+
+State per segment (``_SegmentQueue``): the *floor* (``SubscriptionRecord.positions``), below
+which every event is settled; offsets settled above it (``done``: acknowledged or
+dead-lettered); delivery counts of events still open; and, in memory only, the events in
+flight (member, ack deadline, delivery count), the events waiting for a redelivery (until
+their backoff passes), those waiting to be dead-lettered, and the events ready to hand out.
+The dispatcher reads the log through the container read path as whole batches, at most
+``MAX_AHEAD`` events past the floor, and hands the batches holding the delivered events to
+the member unchanged: it decodes nothing except, in ``key_ordered_queue``, the key column.
+
+Guarantees and failure modes:
+
+* An event is in flight with at most one member at a time. Acks and nacks of events the
+  member does not hold (never delivered to it, already settled, redelivered elsewhere after
+  its ack timeout, or from before a reset or a broker restart) are answered as ``unknown``.
+* An ack or nack is durable before its answer: concurrent settles share one MetaStore write
+  (group commit on the catalog thread). Delivery counts are written with the next settle or
+  within ``COUNTS_FLUSH_S``; a broker crash may forget a delivery made since (the event is
+  delivered again without that count).
+* Not acknowledged within ``ack_timeout_ms``: delivered again after a backoff (``backoff_ms``
+  doubling per delivery up to ``max_backoff_ms``); a nack: after its delay. A member that
+  leaves, disconnects or expires gives its events back at once (that delivery counts).
+  After ``max_deliveries`` the event is appended to the dead-letter stream (created on
+  demand with the source's segment count) with headers saying why, then settled. The append
+  is durable before the settle, so a crash between the two dead-letters it twice, never
+  loses it.
+* ``key_ordered_queue``: at most one event per routing key is in flight, in offset order per
+  key (per segment: a key lives in one segment between scalings). An event that fails holds
+  back only its own key until it is acknowledged or dead-lettered. Events without a key are
+  not ordered. A hot key can fill the ``MAX_AHEAD`` window of its segment with its own
+  events; then that segment waits for the key.
+* Members are not durable (see ``_groups``): after a broker restart nothing is in flight;
+  every open event is delivered again with its stored count.
+
+Threads: everything here runs on the event loop; MetaStore writes go through
+``Controller.in_catalog``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import heapq
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from .._errors import (
+    InvalidArgument,
+    ModeMismatch,
+    OffsetOutOfRange,
+    SlipstreamError,
+    StaleGeneration,
+    StreamExists,
+)
+from ..format import (
+    FLAG_NO_KEYS,
+    Event,
+    binary_array,
+    decode_header,
+    encode_body_parts,
+    encode_header,
+    events_of,
+    headers_array,
+    make_record_batch,
+    read_body,
+    timestamp_array,
+    verify,
+)
+from ..storage import QueueOptions, QueueSegment
+from ..streams import Router
+
+if TYPE_CHECKING:
+    from ._controller import Stream
+    from ._groups import Group, Member, Subscriptions
+    from ._service import Caller
+
+log = logging.getLogger("slipstream.queues")
+
+QUEUE_MODES = ("queue", "key_ordered_queue")
+#: how often ack deadlines, backoffs and new data are checked
+TICK_S = 0.01
+#: events a segment's dispatcher reads past its floor (bounds memory and the stored state)
+MAX_AHEAD = 20_000
+READ_BYTES = 1 << 20
+#: delivery counts not written by a settle are written this often
+COUNTS_FLUSH_S = 1.0
+MAX_FETCH_EVENTS = 10_000
+MAX_FETCH_WAIT_MS = 30_000
+#: a failed dead-letter append is tried again after this long
+DEAD_LETTER_RETRY_S = 1.0
+
+Batch = bytes | bytearray | memoryview
+
+
+@dataclass(slots=True)
+class _Flight:
+    member: int
+    deadline: float
+    count: int
+
+
+class _SegmentQueue:
+    """One segment's queue state (see the module docstring)."""
+
+    def __init__(self, number: int, floor: int, stored: QueueSegment | None) -> None:
+        self.number = number
+        self.floor = floor
+        self.scanned = floor  # the next offset to read from the log
+        self.done: set[int] = {o for o in stored.done if o >= floor} if stored else set()
+        self.counts: dict[int, int] = (
+            {o: c for o, c in stored.deliveries.items() if o >= floor} if stored else {}
+        )
+        self.ready: list[int] = []  # a heap of offsets to hand out
+        self.in_flight: dict[int, _Flight] = {}
+        self.waiting: dict[int, float] = {}  # offset -> when it may go out again
+        self.exhausted: dict[int, str] = {}  # offset -> why: to be dead-lettered
+        self.failure: dict[int, str] = {}  # offset -> why its last delivery failed
+        self.keys: dict[int, bytes] = {}  # key_ordered_queue: the key of each open keyed event
+        self.by_key: dict[bytes, deque[int]] = {}  # key -> its open offsets, in order
+        # batches read and not yet handed out whole (redeliveries read again)
+        self.bases: list[int] = []
+        self.batches: dict[int, Batch] = {}
+        self.unsent: dict[int, int] = {}  # base -> its events not handed out yet
+        self.fresh: set[int] = set()  # offsets read and not handed out since
+        self.dead_lettered = 0
+        self.reading = asyncio.Lock()
+        self.advance()
+
+    def advance(self) -> None:
+        """Move the floor over the settled events right above it."""
+        while self.floor in self.done:
+            self.done.remove(self.floor)
+            self.floor += 1
+        self.scanned = max(self.scanned, self.floor)
+
+    def skip_to(self, start: int) -> None:
+        """Retention removed everything below ``start``: those events are gone."""
+        if start <= self.floor:
+            return
+        self.floor = start
+        self.scanned = max(self.scanned, start)
+        self.done = {o for o in self.done if o >= start}
+        self.counts = {o: c for o, c in self.counts.items() if o >= start}
+        self.advance()
+
+    def pop_ready(self) -> int | None:
+        while self.ready:
+            offset = heapq.heappop(self.ready)
+            if offset in self.done or offset in self.in_flight or offset in self.waiting:
+                continue  # a stale entry
+            if offset in self.exhausted:
+                continue
+            return offset
+        return None
+
+    def cached(self, offset: int) -> Batch | None:
+        at = bisect.bisect_right(self.bases, offset) - 1
+        if at < 0:
+            return None
+        batch = self.batches[self.bases[at]]
+        return batch if offset < decode_header(batch).next_offset else None
+
+    def handed(self, offset: int) -> None:
+        """``offset`` went out for the first time since it was read: drop its batch from the
+        cache once every event of it went out."""
+        if offset not in self.fresh:
+            return
+        self.fresh.discard(offset)
+        at = bisect.bisect_right(self.bases, offset) - 1
+        base = self.bases[at]
+        self.unsent[base] -= 1
+        if self.unsent[base] <= 0:
+            del self.bases[at], self.batches[base], self.unsent[base]
+
+    def counts_for_describe(self) -> tuple[int, int]:
+        return len(self.in_flight), len(self.waiting) + len(self.exhausted)
+
+
+class Dispatcher:
+    """The live side of one queue subscription (on the event loop)."""
+
+    def __init__(self, queues: Queues, group: Group) -> None:
+        record = group.record
+        self.queues = queues
+        self.group = group
+        self.generation = record.generation
+        self.options = record.options or QueueOptions()
+        self.key_ordered = record.mode == "key_ordered_queue"
+        self.segments: dict[int, _SegmentQueue] = {}
+        self.held: dict[int, dict[tuple[int, int], None]] = {}  # member -> its deliveries
+        self.deadlines: list[tuple[float, int, int, int]] = []  # (deadline, seg, offset, count)
+        self.timers: list[tuple[float, int, int]] = []  # (ready at, segment, offset)
+        self.changed = asyncio.Event()
+        self.fetchers = 0
+        self.rotation = 0
+        self.closed = False
+        self.version = 0
+        self.durable_version = 0
+        self.dirty: set[int] = set()
+        self.commit_lock = asyncio.Lock()
+        self.last_flush = asyncio.get_running_loop().time()
+        self.dead_letter_after = 0.0
+        self.sync_segments()
+
+    def sync_segments(self) -> None:
+        """Pick up segments the stream gained (a scaled stream) since."""
+        record = self.group.record
+        for number, segment in self.group.stream.segments.items():
+            if number not in self.segments:
+                floor = max(
+                    record.positions.get(number, segment.start_offset), segment.start_offset
+                )
+                self.segments[number] = _SegmentQueue(number, floor, record.queue.get(number))
+
+    def wake(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def close(self) -> None:
+        self.closed = True
+        self.wake()
+
+    def held_by(self, member_id: int) -> int:
+        return len(self.held.get(member_id, ()))
+
+    def ready_count(self) -> int:
+        return sum(len(s.ready) for s in self.segments.values())
+
+    # --- reading -------------------------------------------------------------------------
+
+    async def fill(self, want: int) -> None:
+        """Read more of the log while fewer than ``want`` events are ready."""
+        self.sync_segments()
+        queues = list(self.segments.values())
+        for queue in queues:
+            if self.closed or self.ready_count() >= want:
+                return
+            segment = self.group.stream.segments.get(queue.number)
+            if segment is None or queue.reading.locked():
+                continue
+            if segment.start_offset > queue.floor:
+                queue.skip_to(segment.start_offset)
+                self._changed(queue)
+            if queue.scanned >= segment.next_offset or queue.scanned - queue.floor >= MAX_AHEAD:
+                continue
+            async with queue.reading:
+                container = self.queues.controller.containers[segment.container]
+                try:
+                    batches = await container.read(segment, queue.scanned, READ_BYTES)
+                except OffsetOutOfRange:
+                    continue  # retention moved the start: skipped above next time
+                if self.closed:
+                    return
+                for batch in batches:
+                    self._scan(queue, batch)
+
+    def _scan(self, queue: _SegmentQueue, batch: Batch) -> None:
+        header = decode_header(batch)
+        base = header.base_offset
+        first = max(base, queue.scanned)
+        if first >= header.next_offset:
+            return
+        offsets = [o for o in range(first, header.next_offset) if o not in queue.done]
+        queue.scanned = header.next_offset
+        if not offsets:
+            return
+        keys: list[bytes | None] | None = None
+        if self.key_ordered and not header.flags & FLAG_NO_KEYS:
+            keys = read_body(batch).column(0).to_pylist()
+        limit = self.options.max_deliveries
+        for offset in offsets:
+            key = keys[offset - base] if keys is not None else None
+            head = True
+            if key is not None:
+                queue.keys[offset] = key
+                waiting = queue.by_key.get(key)
+                if waiting is None:
+                    waiting = queue.by_key[key] = deque()
+                head = not waiting
+                waiting.append(offset)
+            if not head:
+                continue
+            if queue.counts.get(offset, 0) >= limit:  # delivered often enough before a restart
+                queue.exhausted[offset] = queue.failure.get(offset, "delivered before a restart")
+            else:
+                heapq.heappush(queue.ready, offset)
+        queue.fresh.update(offsets)
+        queue.bases.append(base)
+        queue.batches[base] = batch
+        queue.unsent[base] = len(offsets)
+
+    # --- handing out ---------------------------------------------------------------------
+
+    def take(
+        self, member_id: int, room: int, now: float
+    ) -> list[tuple[int, int, int, Batch | None]]:
+        """Up to ``room`` ready events for the member, round-robin over the segments:
+        ``(segment, offset, delivery count, cached batch or None)``."""
+        order = sorted(self.segments)
+        if not order:
+            return []
+        shift = self.rotation % len(order)
+        self.rotation += 1
+        active = [self.segments[n] for n in order[shift:] + order[:shift] if self.segments[n].ready]
+        picked: list[tuple[int, int, int, Batch | None]] = []
+        timeout = self.options.ack_timeout_ms / 1000
+        held = self.held.setdefault(member_id, {})
+        while len(picked) < room and active:
+            for queue in list(active):
+                offset = queue.pop_ready()
+                if offset is None:
+                    active.remove(queue)
+                    continue
+                count = queue.counts.get(offset, 0) + 1
+                queue.counts[offset] = count
+                queue.in_flight[offset] = _Flight(member_id, now + timeout, count)
+                heapq.heappush(self.deadlines, (now + timeout, queue.number, offset, count))
+                held[(queue.number, offset)] = None
+                picked.append((queue.number, offset, count, queue.cached(offset)))
+                queue.handed(offset)
+                self._changed(queue)
+                if len(picked) >= room:
+                    break
+        return picked
+
+    async def payload(
+        self, picked: list[tuple[int, int, int, Batch | None]]
+    ) -> tuple[list[list[int]], list[Batch]]:
+        """The deliveries and the whole batches that hold them (each batch once)."""
+        deliveries: list[list[int]] = []
+        batches: dict[tuple[int, int], Batch] = {}
+        for number, offset, count, batch in picked:
+            if batch is None:
+                batch = self._from(batches, number, offset) or await self._read(number, offset)
+            if batch is None:
+                continue  # removed by retention meanwhile: settled as gone
+            batches.setdefault((number, decode_header(batch).base_offset), batch)
+            deliveries.append([number, offset, count])
+        return deliveries, list(batches.values())
+
+    @staticmethod
+    def _from(batches: dict[tuple[int, int], Batch], number: int, offset: int) -> Batch | None:
+        for (segment, base), batch in batches.items():
+            if segment == number and base <= offset < decode_header(batch).next_offset:
+                return batch
+        return None
+
+    async def _read(self, number: int, offset: int) -> Batch | None:
+        """The batch holding ``offset``, read again; None (and the event settled) if
+        retention removed it."""
+        segment = self.group.stream.segments[number]
+        container = self.queues.controller.containers[segment.container]
+        try:
+            batches = await container.read(segment, offset, 1)
+        except OffsetOutOfRange:
+            batches = []
+        for batch in batches:
+            header = decode_header(batch)
+            if header.base_offset <= offset < header.next_offset:
+                return batch
+        log.warning(
+            "event %d of segment %d of %s was removed by retention before it was settled",
+            offset,
+            number,
+            self.queues.label(self.group),
+        )
+        queue = self.segments[number]
+        flight = queue.in_flight.pop(offset, None)
+        if flight is not None:
+            self.held.get(flight.member, {}).pop((number, offset), None)
+        queue.waiting.pop(offset, None)
+        queue.exhausted.pop(offset, None)
+        self._settle(queue, offset)
+        return None
+
+    # --- settling ------------------------------------------------------------------------
+
+    def _holding(self, member_id: int, number: int, offset: int) -> _Flight | None:
+        queue = self.segments.get(number)
+        flight = queue.in_flight.get(offset) if queue is not None else None
+        if flight is None or flight.member != member_id:
+            return None
+        del self.segments[number].in_flight[offset]
+        self.held.get(member_id, {}).pop((number, offset), None)
+        return flight
+
+    def ack(self, member_id: int, number: int, offset: int) -> bool:
+        if self._holding(member_id, number, offset) is None:
+            return False
+        self._settle(self.segments[number], offset)
+        return True
+
+    def nack(self, member_id: int, number: int, offset: int, delay: float, now: float) -> bool:
+        flight = self._holding(member_id, number, offset)
+        if flight is None:
+            return False
+        self._retry(self.segments[number], offset, flight.count, now + delay, now, "nacked")
+        return True
+
+    def _settle(self, queue: _SegmentQueue, offset: int) -> None:
+        if offset >= queue.floor:  # (below it: removed by retention meanwhile)
+            queue.done.add(offset)
+        queue.counts.pop(offset, None)
+        queue.failure.pop(offset, None)
+        queue.fresh.discard(offset)
+        key = queue.keys.pop(offset, None)
+        if key is not None:  # the next event of its key may go out now
+            waiting = queue.by_key[key]
+            was_head = waiting[0] == offset
+            waiting.remove(offset)
+            if not waiting:
+                del queue.by_key[key]
+            elif was_head:
+                heapq.heappush(queue.ready, waiting[0])
+                self.wake()
+        queue.advance()
+        self._changed(queue)
+
+    def _retry(
+        self, queue: _SegmentQueue, offset: int, count: int, at: float, now: float, why: str
+    ) -> None:
+        """A delivery failed: out again at ``at``, or dead-lettered after the last one."""
+        queue.failure[offset] = why
+        if count >= self.options.max_deliveries:
+            queue.exhausted[offset] = why
+        elif at <= now:
+            heapq.heappush(queue.ready, offset)
+            self.wake()
+        else:
+            queue.waiting[offset] = at
+            heapq.heappush(self.timers, (at, queue.number, offset))
+
+    def member_left(self, member_id: int) -> None:
+        """Its events are available again at once (the delivery counts)."""
+        now = asyncio.get_running_loop().time()
+        for number, offset in self.held.pop(member_id, {}):
+            queue = self.segments[number]
+            flight = queue.in_flight.pop(offset, None)
+            if flight is not None:
+                self._retry(queue, offset, flight.count, now, now, "member left")
+        self.wake()
+
+    def tick(self, now: float) -> None:
+        """Ack timeouts, ended backoffs, and new data for waiting fetches."""
+        options = self.options
+        while self.deadlines and self.deadlines[0][0] <= now:
+            _, number, offset, count = heapq.heappop(self.deadlines)
+            queue = self.segments[number]
+            flight = queue.in_flight.get(offset)
+            if flight is None or flight.count != count:
+                continue  # settled, or a later delivery
+            del queue.in_flight[offset]
+            self.held.get(flight.member, {}).pop((number, offset), None)
+            backoff = min(options.backoff_ms * 2 ** (count - 1), options.max_backoff_ms) / 1000
+            self._retry(queue, offset, count, now + backoff, now, "ack timeout")
+        woken = False
+        while self.timers and self.timers[0][0] <= now:
+            _, number, offset = heapq.heappop(self.timers)
+            queue = self.segments[number]
+            at = queue.waiting.get(offset)
+            if at is None or at > now:
+                continue
+            del queue.waiting[offset]
+            heapq.heappush(queue.ready, offset)
+            woken = True
+        if not woken and self.fetchers:
+            woken = len(self.segments) != len(self.group.stream.segments) or any(
+                q.scanned < s.next_offset and q.scanned - q.floor < MAX_AHEAD
+                for q in self.segments.values()
+                if (s := self.group.stream.segments.get(q.number)) is not None
+            )
+        if woken:
+            self.wake()
+
+    # --- dead letters --------------------------------------------------------------------
+
+    def exhausted(self) -> bool:
+        return any(q.exhausted for q in self.segments.values())
+
+    async def dead_letter(self) -> None:
+        """Append the events that ran out of deliveries to the dead-letter stream, then
+        settle them. Raises what the append raised (they are tried again later)."""
+        todo = [(q, o, why) for q in self.segments.values() for o, why in q.exhausted.items()]
+        events: list[tuple[_SegmentQueue, Event, str]] = []
+        for queue, offset, why in todo:
+            batch = await self._read(queue.number, offset)
+            if batch is None:
+                continue
+            base = decode_header(batch).base_offset
+            record = read_body(batch).slice(offset - base, 1)
+            events.extend((queue, e, why) for e in events_of(record, queue.number, offset))
+        if not events or self.closed:
+            return
+        name = self.options.dead_letter or f"{self.group.stream.name}.dlq"
+        target = await self.queues.dead_letter_stream(name, len(self.group.stream.segments))
+        open_segments = sorted(
+            (s for s in target.segments.values() if not s.sealed), key=lambda s: s.number
+        )
+        router = Router([(s.number, s.key_lo, s.key_hi) for s in open_segments])
+        grouped: dict[int, list[tuple[_SegmentQueue, Event, str]]] = {}
+        for item in events:
+            queue, event = item[0], item[1]
+            number = (
+                router.segment_for(event.key)
+                if event.key is not None
+                else open_segments[queue.number % len(open_segments)].number
+            )
+            grouped.setdefault(number, []).append(item)
+        source = self.group.stream.name.encode()
+        for number, items in grouped.items():
+            headers = []
+            for queue, event, why in items:
+                count = queue.counts.get(event.offset, self.options.max_deliveries)
+                headers.append(
+                    {
+                        **event.headers,
+                        "x-dead-letter-reason": (
+                            f"max_deliveries ({self.options.max_deliveries}) reached; last "
+                            f"delivery: {why}"
+                        ).encode(),
+                        "x-deliveries": str(count).encode(),
+                        "x-source-stream": source,
+                        "x-source-segment": str(event.segment).encode(),
+                        "x-source-offset": str(event.offset).encode(),
+                    }
+                )
+            evs = [item[1] for item in items]
+            record = make_record_batch(
+                binary_array([e.key for e in evs]),
+                binary_array([e.value for e in evs]),
+                timestamp_array([e.timestamp for e in evs]),
+                headers_array(headers),
+            )
+            body = encode_body_parts(record)
+            stamps = [e.timestamp for e in evs]
+            head = encode_header(
+                body, event_count=len(evs), min_timestamp=min(stamps), max_timestamp=max(stamps)
+            )
+            batch = bytearray(b"".join([head, *(bytes(p) for p in body)]))
+            segment = target.segments[number]
+            container = self.queues.controller.containers[segment.container]
+            await container.append(segment, batch, verify(batch))
+            if self.closed:
+                return
+            for queue, event, _ in items:
+                if queue.exhausted.pop(event.offset, None) is not None:
+                    queue.dead_lettered += 1
+                    self._settle(queue, event.offset)
+        await self.durable()
+
+    # --- durability ----------------------------------------------------------------------
+
+    def _changed(self, queue: _SegmentQueue) -> None:
+        self.dirty.add(queue.number)
+        self.version += 1
+
+    async def durable(self) -> None:
+        """Return once every change made before the call is stored (group commit: callers
+        that arrive while a write runs share the next one). Raises StaleGeneration after a
+        reset, StorageError when the catalog cannot be written."""
+        wanted = self.version
+        async with self.commit_lock:
+            if self.durable_version >= wanted:
+                return
+            version = self.version
+            dirty, self.dirty = self.dirty, set()
+            positions = {n: self.segments[n].floor for n in dirty}
+            state = {
+                n: QueueSegment(sorted(self.segments[n].done), dict(self.segments[n].counts))
+                for n in dirty
+            }
+            record = self.group.record
+            controller = self.queues.controller
+            try:
+                await controller.in_catalog(
+                    controller.meta.commit_positions,
+                    record.stream_id,
+                    record.name,
+                    self.generation,
+                    positions,
+                    state,
+                )
+            except BaseException:
+                self.dirty |= dirty
+                raise
+            self.durable_version = version
+            self.last_flush = asyncio.get_running_loop().time()
+            record = self.group.record
+            if record.generation == self.generation:
+                self.group.record = msgspec.structs.replace(
+                    record,
+                    positions={**record.positions, **positions},
+                    queue={**record.queue, **state},
+                )
+
+
+class Queues:
+    """The dispatchers of the queue subscriptions, for ``Subscriptions`` and the service
+    layer (on the event loop). A dispatcher starts with the first fetch or settle of its
+    subscription, from the stored state; a reset or delete drops it."""
+
+    def __init__(self, subscriptions: Subscriptions) -> None:
+        self.subscriptions = subscriptions
+        self.controller = subscriptions.controller
+        self.dispatchers: dict[Group, Dispatcher] = {}
+
+    def dispatcher(self, group: Group) -> Dispatcher:
+        dispatcher = self.dispatchers.get(group)
+        if dispatcher is None or dispatcher.generation != group.record.generation:
+            if dispatcher is not None:
+                dispatcher.close()
+            dispatcher = self.dispatchers[group] = Dispatcher(self, group)
+        return dispatcher
+
+    def _member(self, caller: Caller, member_id: int) -> Member:
+        member = self.subscriptions.member(caller, member_id)
+        mode = member.group.record.mode
+        if mode not in QUEUE_MODES:
+            raise ModeMismatch(
+                f"subscription {member.group.record.name!r} is {mode!r}: its members poll "
+                "for segments (PollGroup), they do not fetch events",
+                mode=mode,
+            )
+        return member
+
+    async def fetch(
+        self, caller: Caller, member_id: int, max_events: int, wait_ms: int
+    ) -> tuple[list[list[int]], list[Batch]]:
+        """Up to ``max_events`` events for the member (fewer when it holds ``max_unacked``
+        already), waiting up to ``wait_ms`` for some: ``([segment, offset, delivery count],
+        ...)`` and the whole batches holding them. A fetch is also the member's heartbeat.
+        Raises UnknownMember, SubscriptionNotFound, ModeMismatch (an ordered one)."""
+        if max_events <= 0:
+            raise InvalidArgument(f"max_events must be positive, not {max_events}")
+        loop = asyncio.get_running_loop()
+        member = self._member(caller, member_id)
+        wait = min(max(wait_ms, 0), MAX_FETCH_WAIT_MS, int(member.session_timeout * 500)) / 1000
+        deadline = loop.time() + wait
+        while True:
+            member = self._member(caller, member_id)
+            member.last_seen = loop.time()
+            dispatcher = self.dispatcher(member.group)
+            room = min(
+                max_events,
+                MAX_FETCH_EVENTS,
+                dispatcher.options.max_unacked - dispatcher.held_by(member_id),
+            )
+            if room > 0:
+                await dispatcher.fill(room)
+                if dispatcher.closed:
+                    continue
+                self._member(caller, member_id)  # not gone while reading
+                share = -(-dispatcher.ready_count() // (dispatcher.fetchers + 1))
+                picked = dispatcher.take(member_id, min(room, max(1, share)), loop.time())
+                if picked:
+                    return await dispatcher.payload(picked)
+            now = loop.time()
+            if now >= deadline:
+                return [], []
+            changed = dispatcher.changed
+            dispatcher.fetchers += 1
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), deadline - now)
+            finally:
+                dispatcher.fetchers -= 1
+
+    async def settle(
+        self,
+        caller: Caller,
+        member_id: int,
+        acks: list[list[int]],
+        nacks: list[list[int]],
+        delay_ms: int,
+    ) -> list[list[int]]:
+        """Acknowledge ``acks``, give back ``nacks`` (out again after ``delay_ms``); durable
+        before it returns. Returns the ``[segment, offset]`` pairs the member does not hold
+        (nothing happened to those). Raises UnknownMember, SubscriptionNotFound."""
+        if delay_ms < 0:
+            raise InvalidArgument(f"delay_ms must not be negative, not {delay_ms}")
+        for pair in (*acks, *nacks):
+            if len(pair) != 2:
+                raise InvalidArgument(f"a delivery is [segment, offset], not {pair}")
+        loop = asyncio.get_running_loop()
+        member = self._member(caller, member_id)
+        member.last_seen = now = loop.time()
+        dispatcher = self.dispatcher(member.group)
+        was_full = dispatcher.held_by(member_id) >= dispatcher.options.max_unacked
+        unknown: list[list[int]] = []
+        settled = False
+        for number, offset in acks:
+            if dispatcher.ack(member_id, number, offset):
+                settled = True
+            else:
+                unknown.append([number, offset])
+        for number, offset in nacks:
+            if dispatcher.nack(member_id, number, offset, delay_ms / 1000, now):
+                settled = True
+            else:
+                unknown.append([number, offset])
+        if settled:
+            if was_full:
+                dispatcher.wake()
+            try:
+                await dispatcher.durable()
+            except StaleGeneration:  # reset meanwhile: those deliveries are void
+                return [[n, o] for n, o in (*acks, *nacks)]
+        return unknown
+
+    def member_left(self, member: Member) -> None:
+        dispatcher = self.dispatchers.get(member.group)
+        if dispatcher is not None:
+            dispatcher.member_left(member.id)
+
+    def drop(self, group: Group) -> None:
+        """Reset or deleted: forget the live state (a reset restarts from the new floors)."""
+        dispatcher = self.dispatchers.pop(group, None)
+        if dispatcher is not None:
+            dispatcher.close()
+
+    def counts(self, group: Group, segment: int) -> dict[str, int]:
+        """For describe: events in flight, waiting (for a redelivery or the dead-letter
+        stream), and dead-lettered since the dispatcher started (since the broker started
+        or the subscription was last reset: that count is not stored)."""
+        dispatcher = self.dispatchers.get(group)
+        queue = dispatcher.segments.get(segment) if dispatcher is not None else None
+        if queue is None:
+            return {}
+        in_flight, waiting = queue.counts_for_describe()
+        return {"in_flight": in_flight, "waiting": waiting, "dead_lettered": queue.dead_lettered}
+
+    async def dead_letter_stream(self, name: str, segments: int) -> Stream:
+        controller = self.controller
+        if name not in controller.streams:
+            with contextlib.suppress(StreamExists):
+                await controller.create_stream(name, max(1, segments), None, None)
+                log.info("created dead-letter stream %s", name)
+        return controller.stream(name)
+
+    async def run(self) -> None:
+        """Ack timeouts, backoffs, dead letters and the periodic write of delivery counts,
+        forever."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(TICK_S)
+            now = loop.time()
+            for dispatcher in list(self.dispatchers.values()):
+                if dispatcher.closed:
+                    continue
+                dispatcher.tick(now)
+                if dispatcher.exhausted() and now >= dispatcher.dead_letter_after:
+                    try:
+                        await dispatcher.dead_letter()
+                    except (StaleGeneration, SlipstreamError) as exc:
+                        dispatcher.dead_letter_after = now + DEAD_LETTER_RETRY_S
+                        log.warning(
+                            "dead-lettering events of %s failed (retried): %s",
+                            self.label(dispatcher.group),
+                            exc,
+                        )
+                if dispatcher.dirty and now - dispatcher.last_flush >= COUNTS_FLUSH_S:
+                    try:
+                        await dispatcher.durable()
+                    except SlipstreamError as exc:
+                        dispatcher.last_flush = now
+                        log.warning(
+                            "storing queue state of %s failed: %s",
+                            self.label(dispatcher.group),
+                            exc,
+                        )
+
+    def label(self, group: Group) -> str:
+        return f"{group.stream.name}:{group.record.name}"
