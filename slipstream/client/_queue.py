@@ -259,6 +259,7 @@ class QueueCore:
             except (UnknownMember, BrokerUnavailable) as exc:
                 log.info("queue consumer of %s:%s rejoins: %s", self.stream, self.subscription, exc)
                 self.member_id = 0
+                self.session += 1  # what arrived before is void from now on, not from the join
                 self.held = 0
                 if isinstance(exc, BrokerUnavailable):
                     await asyncio.sleep(0.05)  # live_connection waits for the broker to return
