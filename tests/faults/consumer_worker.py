@@ -40,6 +40,18 @@ RETRIED = (
 )
 
 
+def connect(address: str) -> slipstream.Client:
+    """A client, waiting for the broker if it is restarting (a first connect does not)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return slipstream.connect(address, reconnect_timeout=60)
+        except slipstream.BrokerUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def drained(client: slipstream.Client, stream: str, subscription: str) -> bool:
     info = client.describe_subscription(stream, subscription)
     return sum(s.backlog_events for s in info.segments) == 0
@@ -47,10 +59,19 @@ def drained(client: slipstream.Client, stream: str, subscription: str) -> bool:
 
 def member(args: argparse.Namespace) -> None:
     rng = random.Random(args.run)
-    client = slipstream.connect(args.broker, reconnect_timeout=60)
-    consumer = client.consumer(
-        args.stream, args.subscription, commit=args.commit, name=args.run, session_timeout=30
-    )
+    client = connect(args.broker)
+    while True:
+        try:
+            consumer = client.consumer(
+                args.stream,
+                args.subscription,
+                commit=args.commit,
+                name=args.run,
+                session_timeout=30,
+            )
+            break
+        except slipstream.BrokerUnavailable:  # it restarts: join when it is back
+            time.sleep(0.2)
     grants: dict[object, int] = {}  # the consumer's lease objects (one per grant) -> number
     with open(args.records, "ab") as out:
         while True:
@@ -87,7 +108,7 @@ def member(args: argparse.Namespace) -> None:
 
 
 def transform(args: argparse.Namespace) -> None:
-    client = slipstream.connect(args.broker, reconnect_timeout=60)
+    client = connect(args.broker)
     while True:
         consumer = None
         try:
