@@ -1,9 +1,11 @@
 """``python -m auctions live | replay``: the auctions pipeline as the main job, and its replay.
 
 live    starts a broker (embedded: local files and SQLite under --data-dir, or --broker), a bid
-        generator, both Spark jobs, and a live view of windows as they close, price alerts,
-        rates and lag until Ctrl-C or --duration; then stops everything in order (generator,
-        queries, Spark, broker). Restarting resumes from the checkpoints, exactly once.
+        generator, both Spark jobs, a consumer group that acts on price alerts (the notifier),
+        and a live view of windows as they close, alerts as they are notified, rates, and each
+        consumer's backlog and lag, until Ctrl-C or --duration; then stops everything in order
+        (generator, queries, Spark, notifier, broker). Restarting resumes from the checkpoints
+        (the jobs, exactly once) and the notifier's subscription (at least once).
 replay  runs version 2 of job 1 (other window or watermark) from the start of the bids stream
         into its own output stream and compares it with version 1's windows: the "rewind and
         test the new version" workflow. The live job may keep running meanwhile (--broker).
@@ -117,8 +119,12 @@ class Board:
         self.counts["window_bids"] += window["bids"]
 
     def on_move(self, move: dict[str, Any]) -> None:
+        """The notifier's action on one price move: an alert is "notified" (shown and counted,
+        with how long after its window's end it got here: watermark, both jobs, the group)."""
         self.counts["moves"] += 1
         if move["alert"]:
+            end = dt.datetime.fromisoformat(move["end"]).timestamp()
+            move["notified_after"] = time.time() - end
             self.counts["alerts"] += 1
             self.alerts.appendleft(move)
 
@@ -131,13 +137,82 @@ def follow(broker: str, stream: str, on_value: Callable[[dict[str, Any]], None])
             on_value(json.loads(event.value))
 
 
+class Notifier:
+    """A member of the ``notifier`` consumer group on auctions/price-moves, in a thread: it
+    hands each price move to ``on_move`` (which acts on alerts). The group's committed
+    positions make it resume where it stopped, after a restart too; commits are automatic
+    (about once a second, and on close), so delivery is at least once: a crash may notify an
+    alert again, never lose one. More members with the same subscription would share the
+    stream's segments. Its failure is kept in ``error`` for the caller to raise."""
+
+    def __init__(
+        self, broker: str, on_move: Callable[[dict[str, Any]], None], name: str = "notifier-1"
+    ) -> None:
+        self.broker, self.on_move, self.name = broker, on_move, name
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> Notifier:
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            with (
+                slipstream.connect(self.broker) as client,
+                client.consumer(pipeline.PRICE_MOVES, pipeline.NOTIFIER, name=self.name) as group,
+            ):
+                while not self.stop.is_set():
+                    for event in group.poll(0.5):
+                        self.on_move(json.loads(event.value))
+        except BaseException as exc:  # kept for the main thread, which stops the program
+            self.error = exc
+
+    def close(self, drained: Callable[[], bool] | None = None, timeout: float = 15.0) -> None:
+        """Stop, first waiting up to ``timeout`` s until ``drained()`` (say, no backlog);
+        leaving the group commits what was handled."""
+        deadline = time.monotonic() + timeout
+        while drained is not None and self.error is None and time.monotonic() < deadline:
+            if drained():
+                break
+            time.sleep(0.2)
+        self.stop.set()
+        self.thread.join(timeout)
+
+
+#: who consumes what, for the live view: name -> (stream, subscription)
+CONSUMERS = {
+    "job 1 windows": (pipeline.BIDS, pipeline.WINDOWS_JOB),
+    "job 2 prices": (pipeline.WINDOWS, pipeline.PRICES_JOB),
+    "notifier group": (pipeline.PRICE_MOVES, pipeline.NOTIFIER),
+}
+
+
+def consumer_status(client: slipstream.Client, stream: str, subscription: str) -> dict[str, Any]:
+    """A subscription's consumption as ``describe_subscription`` reports it: the Spark jobs
+    record their progress with the source's ``subscription`` option, the notifier is a group;
+    both look the same here, as in ``slipstream subscription describe``."""
+    try:
+        info = client.describe_subscription(stream, subscription)
+    except slipstream.SubscriptionNotFound:  # a job creates its own when it starts
+        return {"members": 0, "position": 0, "backlog_events": 0, "lag_ms": 0, "started": False}
+    return {
+        "members": len(info.members),
+        "position": sum(s.position for s in info.segments),
+        "backlog_events": sum(s.backlog_events for s in info.segments),
+        "lag_ms": max((s.lag_ms for s in info.segments), default=0),
+        "started": True,
+    }
+
+
 def produce(broker: str, rate: float, stop: threading.Event, board: Board) -> None:
     with slipstream.connect(broker) as client:
         pipeline.generate(client, rate, stop, board.sent)
 
 
-def job_status(query: Any, client: slipstream.Client | None = None) -> dict[str, Any]:
-    """A query's last micro-batch in a few numbers; with ``client``, its lag behind the tail."""
+def job_status(query: Any) -> dict[str, Any]:
+    """A query's last micro-batch in a few numbers."""
     progress = query.lastProgress
     if not progress:
         return {"batch": None}
@@ -151,15 +226,12 @@ def job_status(query: Any, client: slipstream.Client | None = None) -> dict[str,
             op.get("numRowsDroppedByWatermark", 0) for op in progress.get("stateOperators", [])
         ),
     }
-    if client is not None and source.get("endOffset"):
-        end = source["endOffset"]
-        read = json.loads(end) if isinstance(end, str) else end
-        tail = client.tail(read["stream"]).positions
-        status["lag_events"] = sum(tail.values()) - sum(read["positions"].values())
     return status
 
 
-def render(board: Board, rate: float, jobs: dict[str, dict[str, Any]]) -> Group:
+def render(
+    board: Board, rate: float, jobs: dict[str, dict[str, Any]], consumers: dict[str, dict[str, Any]]
+) -> Group:
     windows = Table(title="windows as they close (auctions/windows)", expand=True)
     for name in ("auction", "window (UTC)", "bids", "max", "mean", "closed after"):
         windows.add_column(name, justify="left" if name.startswith(("auction", "w")) else "right")
@@ -167,8 +239,11 @@ def render(board: Board, rate: float, jobs: dict[str, dict[str, Any]]) -> Group:
         span = f"{w['start'][11:19]}-{w['end'][11:19]}"
         row = (w["bids"], f"{w['max_price']:.2f}", f"{w['mean_price']:.2f}")
         windows.add_row(w["auction"], span, *map(str, row), f"{w['closed_after']:.1f} s")
-    alerts = Table(title="price alerts: a window's top bid 25 % over the last (job 2)", expand=True)
-    for name in ("auction", "window end", "previous", "max", "change"):
+    alerts = Table(
+        title="price alerts notified by the notifier group: a window's top bid 25 % over the last",
+        expand=True,
+    )
+    for name in ("auction", "window end", "previous", "max", "change", "notified after"):
         alerts.add_column(name, justify="left" if name[0] in "aw" else "right")
     for a in board.alerts:
         alerts.add_row(
@@ -177,6 +252,20 @@ def render(board: Board, rate: float, jobs: dict[str, dict[str, Any]]) -> Group:
             f"{a['previous']:.2f}",
             f"{a['max_price']:.2f}",
             f"+{a['change_pct']:.1f} %",
+            f"{a['notified_after']:.1f} s",
+        )
+    lags = Table(title="consumers (slipstream subscription describe STREAM NAME)", expand=True)
+    for name in ("consumer", "stream / subscription", "members", "consumed", "backlog", "lag"):
+        lags.add_column(name, justify="left" if name[0] in "cs" and name != "consumed" else "right")
+    for name, c in consumers.items():
+        stream, subscription = CONSUMERS[name]
+        lags.add_row(
+            name,
+            f"{stream} / {subscription}",
+            str(c["members"]) if c["started"] else "-",
+            f"{c['position']:,}",
+            f"{c['backlog_events']:,} events",
+            f"{c['lag_ms'] / 1000:.1f} s",
         )
     board.samples.append((time.monotonic(), board.sent[0]))  # the last 5 s: 10 views apart
     (t0, sent0), (t1, sent1) = board.samples[0], board.samples[-1]
@@ -197,10 +286,9 @@ def render(board: Board, rate: float, jobs: dict[str, dict[str, Any]]) -> Group:
             f"{name}: batch {s['batch']}",
             f"{s['rows_per_s']:,} rows/s",
             f"{s['batch_ms']:,} ms/batch",
-            f"lag {s.get('lag_events', 0):,} events",
             f"watermark {s['watermark'][11:19] or '-'}, late dropped {s['dropped_late']}",
         )
-    return Group(stats, windows, alerts)
+    return Group(stats, lags, windows, alerts)
 
 
 @app.command(epilog="Example: python -m auctions live --rate 2000 --duration 60")
@@ -213,16 +301,16 @@ def live(
     data_dir: DataDir = DEFAULT_DATA_DIR,
     as_json: AsJson = False,
 ) -> None:
-    """The live auctions pipeline: broker, bid generator, both Spark jobs, a live view."""
+    """The live auctions pipeline: broker, bid generator, both Spark jobs, the notifier
+    group, a live view."""
     checkpoints = checkpoints_of(data_dir)
     with platform(broker, data_dir) as (address, client):
         reset_checkpoints_if_new(client, checkpoints)
         board, stop = Board(), threading.Event()
-        for stream, on_value in (
-            (pipeline.WINDOWS, board.on_window),
-            (pipeline.PRICE_MOVES, board.on_move),
-        ):
-            threading.Thread(target=follow, args=(address, stream, on_value), daemon=True).start()
+        threading.Thread(
+            target=follow, args=(address, pipeline.WINDOWS, board.on_window), daemon=True
+        ).start()
+        notifier = Notifier(address, board.on_move).start()
         console.print(f"[dim]broker {address}; starting Spark (Java 17, about 10 s) ...")
         # pandas in Spark's Python workers warns about NaN columns (a first window has no
         # previous price): noise in a live view. The workers inherit this process's environment.
@@ -231,8 +319,18 @@ def live(
         generator = threading.Thread(target=produce, args=(address, rate, stop, board), daemon=True)
         generator.start()
         queries = {
-            "job 1 windows": pipeline.start_windows(spark, address, str(checkpoints / "windows")),
-            "job 2 prices": pipeline.start_prices(spark, address, str(checkpoints / "prices")),
+            "job 1 windows": pipeline.start_windows(
+                spark,
+                address,
+                str(checkpoints / "windows"),
+                source={"subscription": pipeline.WINDOWS_JOB},
+            ),
+            "job 2 prices": pipeline.start_prices(
+                spark,
+                address,
+                str(checkpoints / "prices"),
+                source={"subscription": pipeline.PRICES_JOB},
+            ),
         }
         deadline = None if duration is None else time.monotonic() + duration
         try:
@@ -241,9 +339,12 @@ def live(
                     for query in queries.values():
                         if query.exception() is not None:
                             raise query.exception()  # type: ignore[misc]
-                    jobs = {name: job_status(q, client) for name, q in queries.items()}
+                    if notifier.error is not None:
+                        raise notifier.error
+                    jobs = {name: job_status(q) for name, q in queries.items()}
+                    consumers = {n: consumer_status(client, *c) for n, c in CONSUMERS.items()}
                     if not as_json:
-                        view.update(render(board, rate, jobs))
+                        view.update(render(board, rate, jobs, consumers))
                     time.sleep(0.5)
         except KeyboardInterrupt:
             console.print("[dim]stopping: generator, queries, Spark, broker ...")
@@ -258,11 +359,20 @@ def live(
             for query in queries.values():
                 query.stop()
             spark.stop()
+            # nothing writes price moves now: the notifier handles what is left, then leaves
+            notifier_of = CONSUMERS["notifier group"]
+            notifier.close(
+                drained=lambda: consumer_status(client, *notifier_of)["backlog_events"] == 0
+            )
+            consumers = {n: consumer_status(client, *c) for n, c in CONSUMERS.items()}
+            price_moves = sum(client.tail(pipeline.PRICE_MOVES).positions.values())
     summary = {
         "seconds": round(time.monotonic() - board.started, 1),
         "bids": board.sent[0],
         **{name: board.counts[name] for name in ("windows", "window_bids", "moves", "alerts")},
         "jobs": jobs,
+        "consumers": consumers,
+        "price_moves_stored": price_moves,
         "checkpoints": str(checkpoints),
     }
     if as_json:

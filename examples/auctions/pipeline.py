@@ -51,6 +51,13 @@ MOVE_SCHEMA = (
 )
 JUMP = 0.25  # a window's top bid 25 % above the previous window's: an alert
 
+#: the consumer group that acts on price moves (a subscription of PRICE_MOVES), and the
+#: subscriptions in which the live jobs record their progress (the source's "subscription"
+#: option), so that one ``describe_subscription`` shows every consumer's backlog and lag
+NOTIFIER = "notifier"
+WINDOWS_JOB = "windows-job"
+PRICES_JOB = "prices-job"
+
 # Spark's Python workers run track_prices. Shipping this module by value (not as an import by
 # name) lets the example run from a checkout without being installed where the workers look.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -69,10 +76,13 @@ class WindowJob:
 def create_streams(
     client: slipstream.Client, segments: int = 4, outputs: tuple[str, ...] = ()
 ) -> None:
-    """The pipeline's streams (existing ones are left as they are)."""
+    """The pipeline's streams and the notifier's subscription (existing ones are left as
+    they are). The notifier starts at the earliest price move: none is missed, even one
+    written before its first member joins."""
     for name in (BIDS, WINDOWS, PRICE_MOVES, *outputs):
         with contextlib.suppress(slipstream.StreamExists):
             client.create_stream(name, segments=segments)
+    client.create_subscription(PRICE_MOVES, NOTIFIER, "earliest", exist_ok=True)
 
 
 def read(spark: SparkSession, broker: str, stream: str, schema: str, **options: str) -> DataFrame:

@@ -1,16 +1,22 @@
-"""The main job's pieces that need no Spark: the bid generator's prices and the defaults that
-make the README's commands meet ./run.sh's data."""
+"""The main job's pieces that need no Spark: the bid generator's prices, the notifier group
+(on a real broker) and the defaults that make the README's commands meet ./run.sh's data."""
 
 from __future__ import annotations
 
+import datetime as dt
 import inspect
 import itertools
 import json
 import math
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from auctions import app, pipeline
+from conftest import BrokerProcess
+
+import slipstream
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,3 +59,67 @@ def test_live_and_replay_default_to_it_from_any_working_directory() -> None:
     for command in (app.live, app.replay):
         default = inspect.signature(command).parameters["data_dir"].default
         assert default == ROOT / ".slipstream" / "auctions"
+
+
+def move(i: int, alert: bool) -> bytes:
+    end = dt.datetime(2026, 11, 24, 12, 0, tzinfo=dt.UTC) + dt.timedelta(seconds=10 * i)
+    value = {"auction": f"a{i % 3}", "end": end.isoformat(), "max_price": 13.0 + i}
+    return json.dumps({**value, "previous": 10.0, "change_pct": 30.0, "alert": alert}).encode()
+
+
+def test_the_notifier_group_acts_on_every_price_move_and_resumes_where_it_left(
+    client: slipstream.Client, broker: BrokerProcess
+) -> None:
+    """The live job's consumer group on auctions/price-moves, on a real broker: every move is
+    handed to the board once, alerts are notified, the group's backlog (what the live view
+    shows, from describe_subscription) drains to 0, and a new member resumes after the last
+    committed move."""
+    pipeline.create_streams(client, segments=2)
+    moves = [move(i, alert=i % 3 == 0) for i in range(35)]
+
+    def send(values: list[bytes]) -> None:
+        with client.producer(pipeline.PRICE_MOVES) as producer:
+            for value in values:
+                producer.send(value, key=json.loads(value)["auction"])
+
+    def status() -> dict:
+        return app.consumer_status(client, *app.CONSUMERS["notifier group"])
+
+    def wait_for(predicate: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 30
+        while not predicate():
+            assert time.monotonic() < deadline, status()
+            time.sleep(0.05)
+
+    send(moves[:10])  # before the first member joins: the subscription starts at the earliest
+    board = app.Board()
+    notifier = app.Notifier(broker.address, board.on_move).start()
+    wait_for(lambda: status()["members"] == 1)
+    send(moves[10:30])
+    wait_for(lambda: board.counts["moves"] == 30)
+    notifier.close(drained=lambda: status()["backlog_events"] == 0)
+    assert notifier.error is None and not notifier.thread.is_alive()
+    assert status() == {
+        "members": 0,
+        "position": 30,
+        "backlog_events": 0,
+        "lag_ms": 0,
+        "started": True,
+    }
+    assert board.counts["alerts"] == 10
+    assert all(a["alert"] and a["notified_after"] > 0 for a in board.alerts)
+
+    send(moves[30:])  # while nobody is joined: a backlog of 5, then a new member resumes
+    assert status()["backlog_events"] == 5
+    handled: list[dict] = []
+    notifier = app.Notifier(broker.address, handled.append, name="notifier-2").start()
+    wait_for(lambda: len(handled) == 5)
+    notifier.close(drained=lambda: status()["backlog_events"] == 0)
+    assert sorted(m["max_price"] for m in handled) == [13.0 + i for i in range(30, 35)]
+    assert status()["backlog_events"] == 0
+
+
+def test_the_notifier_reports_its_failure() -> None:
+    notifier = app.Notifier("127.0.0.1:1", lambda move: None).start()  # nothing listens there
+    notifier.thread.join(60)
+    assert isinstance(notifier.error, slipstream.BrokerUnavailable)

@@ -40,6 +40,19 @@ def test_live_pipeline_runs_stops_cleanly_and_replays(tmp_path: Path) -> None:
     assert live["windows"] > 0 and live["moves"] > 0
     assert live["window_bids"] <= live["bids"]
     assert live["jobs"]["job 1 windows"]["batch"] >= 1
+    # the notifier group handled every price move, then left with nothing in its backlog; the
+    # jobs recorded their progress in their subscriptions (the source's "subscription" option)
+    consumers = live["consumers"]
+    assert consumers["notifier group"] == {
+        "members": 0,
+        "position": live["price_moves_stored"],
+        "backlog_events": 0,
+        "lag_ms": 0,
+        "started": True,
+    }
+    assert live["moves"] == live["price_moves_stored"] > 0
+    assert consumers["job 1 windows"]["position"] > 0
+    assert consumers["job 2 prices"]["position"] > 0
 
     # the live job stopped its broker: replay starts one on the same data directory
     replay = auctions("replay", "--data-dir", data_dir, timeout=240)
