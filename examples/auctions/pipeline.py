@@ -77,8 +77,9 @@ def create_streams(
     client: slipstream.Client, segments: int = 4, outputs: tuple[str, ...] = ()
 ) -> None:
     """The pipeline's streams and the notifier's subscription (existing ones are left as
-    they are). The notifier starts at the earliest price move: none is missed, even one
-    written before its first member joins."""
+    they are). The subscription exists before job 2 writes a price move, so the notifier
+    misses none, even those written before its first member joins (on a data directory from
+    before the notifier, "earliest" makes it act once on the alerts already there)."""
     for name in (BIDS, WINDOWS, PRICE_MOVES, *outputs):
         with contextlib.suppress(slipstream.StreamExists):
             client.create_stream(name, segments=segments)

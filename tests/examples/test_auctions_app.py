@@ -91,7 +91,7 @@ def test_the_notifier_group_acts_on_every_price_move_and_resumes_where_it_left(
             assert time.monotonic() < deadline, status()
             time.sleep(0.05)
 
-    send(moves[:10])  # before the first member joins: the subscription starts at the earliest
+    send(moves[:10])  # before any member joins: the subscription (made with the streams) keeps them
     board = app.Board()
     notifier = app.Notifier(broker.address, board.on_move).start()
     wait_for(lambda: status()["members"] == 1)
