@@ -81,6 +81,7 @@ from ._consumer import (
     Consumer,
     ConsumerCore,
     CoreFactory,
+    Handed,
     _Item,
     cut_positions,
 )
@@ -641,20 +642,22 @@ class AsyncTransaction:
         self.transactional_id = transactional_id
         self._options = options
         self._cores: dict[str, ProducerCore] = {}
-        self._consumed: dict[ConsumerCore, dict[int, int]] = {}
+        self._consumed: dict[ConsumerCore, Handed] = {}
         self.metadata: Any = None
         self.result: TxnEnded | None = None
 
     def commit_position(
-        self, consumer: AsyncConsumer, positions: StreamCut | Mapping[int, int] | None = None
+        self,
+        consumer: AsyncConsumer | Consumer,
+        positions: StreamCut | Mapping[int, int] | None = None,
     ) -> None:
         """Commit the consumer's position (everything it handed out so far, or
         ``positions``) with this transaction: the events the transaction writes and the input
         it consumed become visible together, or neither (exactly-once consume-transform-
-        produce). If the consumer lost those segments meanwhile (a rebalance, an expired
-        session) the commit fails with NotAssigned and the transaction aborts."""
-        chosen = consumer.positions() if positions is None else positions
-        self._consumed[consumer.core] = cut_positions(consumer.core.stream, chosen)
+        produce). If a segment moved or was granted again since its events were handed out
+        (a rebalance, a reconnect, an expired session), the commit raises NotAssigned and the
+        transaction aborts: those events are delivered again."""
+        self._consumed[consumer.core] = consumer._side.snapshot(positions)
 
     async def _core(self, stream: str) -> ProducerCore:
         core = self._cores.get(stream)
@@ -714,15 +717,16 @@ class AsyncTransaction:
                     "earlier, and a transaction commits all of its events or none",
                     txn_id=self.txn_id,
                 )
+            consumed = [(core, core.txn_positions(h)) for core, h in self._consumed.items()]
         except BaseException:
             await self.abort()
             raise
         data = metadata if metadata is not None else self.metadata
         encoded = b"" if data is None else json.dumps(data).encode()
-        consumed = [core.txn_positions(p) for core, p in self._consumed.items()]
-        self.result = await self.client._end(self.txn_id, True, encoded, merge, consumed)
-        for core, p in self._consumed.items():
-            core.committed.update(p)
+        positions = [p for _, p in consumed]
+        self.result = await self.client._end(self.txn_id, True, encoded, merge, positions)
+        for core, position in consumed:
+            core.committed.update(position.positions)
         self._close_cores()
         return self.result
 
@@ -1338,9 +1342,9 @@ class Transaction:
         ``positions``) with this transaction: its output and the input it consumed become
         visible together, or neither. Use with ``commit="manual"`` consumers for an
         exactly-once consume-transform-produce loop. If the consumer lost those segments
-        meanwhile, the commit raises NotAssigned and the transaction aborts."""
-        chosen = consumer.positions() if positions is None else positions
-        self._async._consumed[consumer.core] = cut_positions(consumer.core.stream, chosen)
+        meanwhile (or got them again after a reconnect), the commit raises NotAssigned and
+        the transaction aborts: the events are delivered again."""
+        self._async.commit_position(consumer, positions)
 
     @property
     def metadata(self) -> Any:

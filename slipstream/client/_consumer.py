@@ -84,6 +84,8 @@ COMMIT_MODES = ("auto", "manual", "at_most_once")
 #: the segment moved: the new holder starts from the last commit)
 _RETRIED = (NotAssigned, StaleGeneration, UnknownMember, BrokerUnavailable)
 CoreFactory = Callable[[Callable[["_Item"], None]], "ConsumerCore"]
+#: per segment, the grant events were handed out under and the offset after them
+Handed = dict[int, tuple["_Lease | None", int]]
 AUTO_COMMIT_S = 1.0
 CREDIT_BYTES = 32 * 1024 * 1024
 MIN_SEGMENT_CREDIT = 1024 * 1024
@@ -309,10 +311,23 @@ class ConsumerCore:
         )
         self.committed.update(positions)
 
-    def txn_positions(self, positions: Mapping[int, int]) -> TxnPositions:
-        """The positions for a transaction's commit (``EndTxn.positions``)."""
+    def txn_positions(self, handed: Handed) -> TxnPositions:
+        """The positions for a transaction's commit (``EndTxn.positions``). Raises
+        NotAssigned if a segment's grant changed since its events were handed out (a
+        rebalance, a rejoin after a reconnect, a reset): those events are delivered again,
+        so the transaction that processed them must abort, not commit its output without
+        their position."""
+        stale = sorted(s for s, (lease, _) in handed.items() if self.leases.get(s) is not lease)
+        if stale or not self.member_id:
+            raise NotAssigned(
+                f"segment(s) {stale} of {self.stream!r} moved or were granted again since "
+                "their events were handed out (a rebalance, a reconnect, a reset); the "
+                "transaction aborts and those events are delivered again",
+                segments=stale,
+            )
+        positions = {s: end for s, (_, end) in handed.items()}
         return TxnPositions(
-            self.stream, self.subscription, self.member_id, self.generation, dict(positions)
+            self.stream, self.subscription, self.member_id, self.generation, positions
         )
 
     def assignment(self) -> set[int]:
@@ -354,6 +369,14 @@ class _Side:
         return {
             s: end for s, (lease, end) in self.handed.items() if self.core.leases.get(s) is lease
         }
+
+    def snapshot(self, positions: StreamCut | Mapping[int, int] | None) -> Handed:
+        """For ``txn.commit_position``: what was handed out (or ``positions``), each with the
+        grant it was handed out under, to check at the commit."""
+        if positions is None:
+            return dict(self.handed)
+        chosen = cut_positions(self.core.stream, positions)
+        return {s: (self.core.leases.get(s), offset) for s, offset in chosen.items()}
 
 
 def cut_positions(stream: str, positions: StreamCut | Mapping[int, int]) -> dict[int, int]:

@@ -21,7 +21,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import pytest
 from checker import Sent, encode, produce_and_record
 from conftest import BrokerProcess
 from group_checker import Committed, Delivery, check_group, read_records
@@ -275,11 +274,6 @@ def test_the_group_checker_reports_each_kind_of_anomaly() -> None:
         assert any(p.startswith(kind) for p in problems), (kind, problems)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the client commits a batch handed out before the consumer rejoined (a broker "
-    "restart) without its position: txn.commit_position skips segments whose grant changed",
-)
 def test_a_batch_read_before_a_rejoin_is_not_committed_without_its_position(
     broker: BrokerProcess,
 ) -> None:
