@@ -34,13 +34,7 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from .._errors import (
-    BrokerUnavailable,
-    GroupActive,
-    InvalidArgument,
-    SlipstreamError,
-    SubscriptionNotFound,
-)
+from .._errors import BrokerUnavailable, GroupActive, InvalidArgument, SubscriptionNotFound
 from ..client import Client, connect
 from ..protocol import StreamInfo
 from ..streams import StreamCut
@@ -281,7 +275,7 @@ class SubscriptionProgress:
             except SubscriptionNotFound:  # deleted under the query: create it again
                 client.create_subscription(self.stream, self.name, committed, exist_ok=True)
                 client.commit_subscription(self.stream, self.name, positions)
-        except SlipstreamError as exc:
+        except Exception as exc:  # a mirror: whatever went wrong, the query goes on
             self.failed_at = time.monotonic()
             log.warning(
                 "could not record the query's progress in subscription %r of %r (tried again "

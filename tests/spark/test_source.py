@@ -18,6 +18,9 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
 import slipstream
+from slipstream import StreamCut
+from slipstream.spark import _source
+from slipstream.spark._source import SubscriptionProgress
 
 
 def read_stream(spark: SparkSession, broker: BrokerProcess, stream: str, **options: Any) -> Any:
@@ -309,3 +312,32 @@ def test_subscription_option_records_the_query_s_committed_progress(
         caught_up(query, 85)
     finally:
         query.stop()
+
+
+def test_a_failed_progress_record_is_logged_and_tried_again_never_raised(
+    client: slipstream.Client, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SubscriptionProgress alone (what the planner calls after each batch), on a real broker."""
+    client.create_stream("t/rec", segments=2)
+    produce_json(client, "t/rec", 20)
+    cut = client.tail("t/rec")
+    progress = SubscriptionProgress("t/rec", "job")
+    progress.record(client, StreamCut("t/rec", {0: 0, 1: 0}))  # claims: creates it there
+    assert _recorded(client, "t/rec", "job") == {0: 0, 1: 0}
+    with client.consumer("t/rec", "job", commit="manual"):  # a group joined meanwhile
+        progress.record(client, cut)  # refused with GroupActive: logged, not raised
+        assert "GroupActive" in caplog.text
+        assert _recorded(client, "t/rec", "job") == {0: 0, 1: 0}
+    progress.record(client, cut)  # too soon after the failure: not tried
+    assert _recorded(client, "t/rec", "job") == {0: 0, 1: 0}
+    monkeypatch.setattr(_source, "RECORD_RETRY_S", 0.0)
+    progress.record(client, cut)  # with a later batch: stored
+    assert _recorded(client, "t/rec", "job") == cut.positions
+    client.delete_subscription("t/rec", "job")
+    produce_json(client, "t/rec", 10, start=20)
+    later = client.tail("t/rec")
+    progress.record(client, later)  # deleted under the query: created again, at its progress
+    assert _recorded(client, "t/rec", "job") == later.positions
+    refused = pytest.raises(slipstream.GroupActive, match="stop them, or name another")
+    with client.consumer("t/rec", "job", commit="manual"), refused:  # a new query's claim
+        SubscriptionProgress("t/rec", "job").claim(client, later)
