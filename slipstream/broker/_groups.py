@@ -247,7 +247,7 @@ class Subscriptions:
                 self.controller.meta.reset_subscription, group.record.stream_id, name, positions
             )
             group.wake()
-            self.queues.drop(group)
+            self.queues.reset(group)
         log.info("reset subscription %s to %s", self._label(group), dict(positions))
         return self.info(group, detail=False)
 

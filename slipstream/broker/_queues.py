@@ -719,6 +719,16 @@ class Queues:
         if dispatcher is not None:
             dispatcher.member_left(member.id)
 
+    def reset(self, group: Group) -> None:
+        """The subscription was reset: the queue restarts from the new floors, and its
+        members leave (they join again at once), so that no ack of a delivery made before
+        the reset can settle an event delivered after it."""
+        if group.record.mode not in QUEUE_MODES:
+            return
+        self.drop(group)
+        for member in list(group.members.values()):
+            self.subscriptions._remove(member)
+
     def drop(self, group: Group) -> None:
         """Reset or deleted: forget the live state (a reset restarts from the new floors)."""
         dispatcher = self.dispatchers.pop(group, None)
