@@ -177,6 +177,42 @@ def test_describe_shows_a_live_member_and_reset_restarts_it(broker: BrokerProces
     assert len(offsets) == 16 and len(set(offsets)) == 8  # every event twice: once per generation
 
 
+@pytest.mark.parametrize("deleted", ["stream", "subscription"])
+def test_a_member_stops_with_one_line_when_its_subscription_goes(
+    broker: BrokerProcess, deleted: str
+) -> None:
+    ok(broker, "stream", "create", "cli/gone")
+    produce(broker, "cli/gone", 3)
+    ok(broker, "subscription", "create", "cli/gone", "s")
+    member = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "slipstream", "consume", "cli/gone"),
+            *("--subscription", "s", "--follow", "--broker", broker.address),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(
+            lambda: as_json(broker, "subscription", "describe", "cli/gone", "s")["members"],
+            "the member to join",
+        )
+        if deleted == "stream":
+            ok(broker, "stream", "delete", "cli/gone", "--yes")
+        else:
+            ok(broker, "subscription", "delete", "cli/gone", "s")
+        stdout, stderr = member.communicate(timeout=30)
+    finally:
+        member.kill()
+    assert member.returncode == 1
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    reasons = ("was deleted", "does not exist", "has no subscription 's'")
+    assert any(reason in lines[0] for reason in reasons), lines[0]
+    assert len(printed(stdout)) == 3
+
+
 def test_queue_options_show_in_describe(broker: BrokerProcess) -> None:
     ok(broker, "stream", "create", "cli/jobs")
     created = as_json(
@@ -229,6 +265,7 @@ ERRORS = [
     (["subscription", "delete", "cli/errs", "nope"], "has no subscription 'nope'"),
     (["subscription", "reset", "cli/errs", "nope", "--to", "latest"], "no subscription 'nope'"),
     (["consume", "cli/errs", "--subscription", "nope"], "has no subscription 'nope'"),
+    (["consume", "cli/errs", "--subscription", "jobs"], "is a work queue"),
     (["subscription", "create", "cli/errs", "taken"], "'taken' already exists"),
     (["subscription", "create", "cli/errs", "s", "--mode", "fifo"], "--mode 'fifo': use one of"),
     (["subscription", "create", "cli/errs", "s", "--start", "yesterday"], "start 'yesterday'"),
@@ -252,6 +289,7 @@ def test_errors_are_one_line_with_a_non_zero_exit(
     with broker.client() as client:
         client.create_stream("cli/errs", exist_ok=True)
         client.create_subscription("cli/errs", "taken", exist_ok=True)
+        client.create_subscription("cli/errs", "jobs", mode="queue", exist_ok=True)
     done = run(broker, *args)
     assert done.returncode == 1, done.stdout + done.stderr
     lines = done.stderr.strip().splitlines()
