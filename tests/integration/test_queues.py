@@ -11,6 +11,7 @@ what was asked), never from above.
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import sys
 import time
@@ -262,14 +263,15 @@ def test_a_failing_key_holds_back_only_itself(client: slipstream.Client) -> None
 MEMBER = """
 import sys, slipstream
 client = slipstream.connect(sys.argv[1])
-consumer = client.consumer(sys.argv[2], sys.argv[3], max_in_flight=5)
+consumer = client.consumer(sys.argv[2], sys.argv[3], max_in_flight=5, session_timeout=2.0)
 for event in consumer:
     print(event.segment, event.offset, flush=True)  # and never acks
 """
 
 
-def test_a_killed_members_events_are_delivered_again(
-    client: slipstream.Client, broker: BrokerProcess
+@pytest.mark.parametrize("how", ["kill -9", "stopped (SIGSTOP) past its session timeout"])
+def test_a_vanished_members_events_are_delivered_again(
+    client: slipstream.Client, broker: BrokerProcess, how: str
 ) -> None:
     client.create_stream("q/crash", segments=2)
     client.create_subscription("q/crash", "work", mode="queue", ack_timeout=300)
@@ -283,8 +285,12 @@ def test_a_killed_members_events_are_delivered_again(
         assert member.stdout is not None
         held = {tuple(map(int, member.stdout.readline().split())) for _ in range(5)}
         wait_for(lambda: counts(client, "q/crash", "work")[0] == 5)
-        member.kill()
-        member.wait()
+        if how == "kill -9":
+            member.kill()
+            member.wait()
+        else:
+            member.send_signal(signal.SIGSTOP)
+            wait_for(lambda: counts(client, "q/crash", "work")[0] == 0)  # its session expired
     finally:
         member.kill()
         member.wait()
