@@ -315,10 +315,7 @@ def test_options_that_do_not_go_together_are_usage_errors(
     assert "Traceback" not in done.stderr and done.stdout == ""
 
 
-@pytest.mark.parametrize(
-    "command", [["subscription"], *[["subscription", c] for c in ("create", "reset", "describe")]]
-)
-def test_help_has_examples(command: list[str]) -> None:
+def help_text(*command: str) -> str:
     done = subprocess.run(
         [sys.executable, "-m", "slipstream", *command, "--help"],
         capture_output=True,
@@ -327,6 +324,24 @@ def test_help_has_examples(command: list[str]) -> None:
         check=False,
         env={**os.environ, "COLUMNS": "120"},
     )
-    assert done.returncode == 0
-    assert "slipstream subscription" in done.stdout
+    assert done.returncode == 0, done.stderr
     assert "<bool>" not in done.stdout
+    return done.stdout
+
+
+def test_the_group_lists_every_command() -> None:
+    text = help_text("subscription")
+    for command in ("create", "list", "describe", "delete", "reset"):
+        assert f"│ {command} " in text
+
+
+@pytest.mark.parametrize("command", ["create", "list", "describe", "delete", "reset"])
+def test_every_command_has_examples(command: str) -> None:
+    text = help_text("subscription", command)
+    assert "Examples" in text and f" slipstream subscription {command} demo/orders" in text
+
+
+def test_consume_help_shows_the_group_options() -> None:
+    text = " ".join(help_text("consume").split())
+    assert "--subscription" in text and "at_most_once" in text
+    assert "slipstream consume demo/orders --subscription billing --follow" in text
