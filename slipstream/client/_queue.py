@@ -91,6 +91,7 @@ class QueueEvent:
     __slots__ = (
         "_owner",
         "_session",
+        "_settled",
         "deliveries",
         "headers",
         "key",
@@ -110,17 +111,22 @@ class QueueEvent:
         self.deliveries = deliveries
         self._owner = owner
         self._session = session
+        self._settled = False
 
     def ack(self) -> None:
         """Acknowledge: done for good (durable on the broker within milliseconds)."""
-        self._owner.settle(_ACK, self._session, self.segment, self.offset, 0)
+        session = self._session if not self._settled else -self._session  # once only
+        self._settled = True
+        self._owner.settle(_ACK, session, self.segment, self.offset, 0)
 
     def nack(self, delay: float = 0.0) -> None:
         """Give it back: delivered again after ``delay`` seconds (this delivery counts
         towards ``max_deliveries``)."""
         if delay < 0:
             raise InvalidArgument(f"delay must not be negative, not {delay}")
-        self._owner.settle(_NACK, self._session, self.segment, self.offset, int(delay * 1000))
+        session = self._session if not self._settled else -self._session
+        self._settled = True
+        self._owner.settle(_NACK, session, self.segment, self.offset, int(delay * 1000))
 
     def event(self) -> Event:
         """The plain ``slipstream.Event``."""
@@ -174,13 +180,15 @@ class QueueCore:
         self.session = 0  # counts joins: events of an earlier one are void
         self.held = 0  # events handed out in this session and not settled
         self.room = asyncio.Event()
-        # (kind, session, segment, offset, delay ms), appended from any thread
+        # (kind, session, segment, offset, delay ms), appended from any thread; the session
+        # is negative for the second settle of an event (sent, but it frees no room)
         self.inbox: deque[tuple[int, int, int, int, int]] = deque()
         self._kick = asyncio.Event()
         self._kicked = False
         self._kick_lock = threading.Lock()
         self._settling: set[asyncio.Task[None]] = set()
         self._settle_slots = asyncio.Semaphore(MAX_SETTLES)
+        self._sending = asyncio.Lock()  # flush() waits for a send the flusher began
         self.unknown: list[list[int]] = []
         self.failed: list[tuple[SlipstreamError, list[list[int]]]] = []
         self._fetch: asyncio.Task[None] | None = None
@@ -320,14 +328,19 @@ class QueueCore:
 
     async def _send(self) -> None:
         """Send what the inbox holds: one SettleEvents per nack delay (acks with the first)."""
+        async with self._sending:
+            await self._send_inbox()
+
+    async def _send_inbox(self) -> None:
         acks: list[list[int]] = []
         nacks: dict[int, list[list[int]]] = {}
         while self.inbox:
             kind, session, segment, offset, delay_ms = self.inbox.popleft()
-            if session != self.session or not self.member_id:
+            if abs(session) != self.session or not self.member_id:
                 self.unknown.append([segment, offset])  # from before a rejoin: void
                 continue
-            self.held -= 1
+            if session > 0:
+                self.held -= 1
             if kind == _ACK:
                 acks.append([segment, offset])
             else:
