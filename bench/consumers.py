@@ -882,10 +882,8 @@ def queue_slipstream(peer, s: dict, logs: Path) -> dict:
 
     if not slipstream_consumers_available():
         return {"error": "the consumer API (client.consumer) has not landed yet"}
-    import inspect
-
-    if "mode" not in inspect.signature(slipstream.Client.consumer).parameters:
-        return {"error": "queue mode has not landed (client.consumer takes no mode=)"}
+    if not hasattr(slipstream, "QueueConsumer"):
+        return {"error": "queue mode has not landed (no slipstream.QueueConsumer)"}
     client = peer.client
     stream, n = "bench/queue", s["queue_events"]
     client.create_stream(stream, segments=4)
@@ -902,7 +900,8 @@ def queue_slipstream(peer, s: dict, logs: Path) -> dict:
             "stream": stream,
             "name": "work",
             "label": f"w{i}",
-            "consumer_options": {"mode": "queue"},
+            # as many unsettled events as the JetStream worker's two fetches of 500
+            "consumer_options": {"max_in_flight": 1000},
         }
         for i in range(s["queue_workers"])
     ]
