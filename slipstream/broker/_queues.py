@@ -514,6 +514,7 @@ class Dispatcher:
             )
             grouped.setdefault(number, []).append(item)
         source = self.group.stream.name.encode()
+        subscription = self.group.record.name.encode()
         for number, items in grouped.items():
             headers = []
             for queue, event, why in items:
@@ -527,6 +528,7 @@ class Dispatcher:
                         ).encode(),
                         "x-deliveries": str(count).encode(),
                         "x-source-stream": source,
+                        "x-source-subscription": subscription,
                         "x-source-segment": str(event.segment).encode(),
                         "x-source-offset": str(event.offset).encode(),
                     }

@@ -162,6 +162,7 @@ def test_max_deliveries_sends_the_event_to_the_dead_letter_stream_with_headers(
     assert dead.headers["app"] == b"1"
     assert dead.headers["x-deliveries"] == b"2"
     assert dead.headers["x-source-stream"] == b"q/poison"
+    assert dead.headers["x-source-subscription"] == b"work"
     assert dead.headers["x-source-segment"] == str(source.segment).encode()
     assert dead.headers["x-source-offset"] == str(source.offset).encode()
     assert b"max_deliveries" in dead.headers["x-dead-letter-reason"]
