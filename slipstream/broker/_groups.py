@@ -455,6 +455,7 @@ class Subscriptions:
         group.record = msgspec.structs.replace(
             group.record, positions={**group.record.positions, **positions}
         )
+        self.queues.drop(group)  # a queue's dispatcher starts again from the new floors
 
     def _check_positions(self, stream: Stream, positions: Mapping[int, int]) -> None:
         for segment, offset in positions.items():

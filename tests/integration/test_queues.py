@@ -416,3 +416,15 @@ def test_async_queue_consumer(broker: BrokerProcess) -> None:
             assert sum(s.backlog_events for s in info.segments) == 0
 
     asyncio.run(main())
+
+
+def test_positions_committed_from_outside_move_the_queues_floor(client: slipstream.Client) -> None:
+    client.create_stream("q/floor", segments=1)
+    client.create_subscription("q/floor", "work", mode="queue")
+    produce(client, "q/floor", 10, lambda i: None)
+    with queue_consumer(client, "q/floor", "work") as consumer:
+        take(consumer, 10)  # and never settled: the consumer leaves, they are open again
+    client.commit_subscription("q/floor", "work", {0: 7})  # nobody joined: allowed
+    with queue_consumer(client, "q/floor", "work") as consumer:
+        assert sorted(e.offset for e in take(consumer, 3)) == [7, 8, 9]
+        assert quiet(consumer, 0.5) == []
