@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import (
     BrokerUnavailable,
     InvalidArgument,
+    ProtocolError,
     SlipstreamError,
     UnknownDelivery,
     UnknownMember,
@@ -274,6 +275,10 @@ class QueueCore:
             except SlipstreamError as exc:  # deleted, or a bug: the application must know
                 self.deliver(exc)
                 return
+            except Exception as exc:  # a bug: fail the consumer, never hang it
+                log.exception("queue consumer of %s:%s failed", self.stream, self.subscription)
+                self.deliver(SlipstreamError(f"internal error in the queue consumer: {exc}"))
+                return
 
     def _events(self, deliveries: list[list[int]], payload: Payload) -> list[QueueEvent]:
         """The delivered events, from the whole batches that hold them (each batch once, in
@@ -285,7 +290,13 @@ class QueueCore:
         for segment, offset, count in deliveries:
             found = next(((b, n, v) for b, n, v in held.get(segment, ()) if b <= offset < n), None)
             if found is None:
-                header, view = next(batches)
+                try:
+                    header, view = next(batches)
+                except StopIteration:
+                    raise ProtocolError(
+                        f"EventsDelivered names {len(deliveries)} events, its payload holds "
+                        "fewer batches than they need"
+                    ) from None
                 found = (header.base_offset, header.next_offset, view)
                 held.setdefault(segment, []).append(found)
             base, _, view = found
