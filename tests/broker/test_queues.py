@@ -8,15 +8,24 @@ events stay settled, delivery counts carry on towards ``max_deliveries``).
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 from raw import batch
 
 from slipstream.broker import Broker, BrokerConfig, ContainerConfig
 from slipstream.broker._service import Service
+from slipstream.format import (
+    binary_array,
+    encode_body_parts,
+    encode_header,
+    make_record_batch,
+    timestamp_array,
+)
 
 
 @asynccontextmanager
@@ -125,3 +134,109 @@ def test_a_restart_keeps_settled_events_and_delivery_counts(tmp_path: Path) -> N
 
     run(tmp_path / "data", first)
     run(tmp_path / "data", second)
+
+
+def keyed_batch(keys: list[bytes | None]) -> bytearray:
+    record = make_record_batch(
+        binary_array(keys), binary_array([b"v"] * len(keys)), timestamp_array([1] * len(keys))
+    )
+    body = encode_body_parts(record)
+    head = encode_header(body, event_count=len(keys), min_timestamp=1, max_timestamp=1)
+    return bytearray(b"".join([head, *(bytes(p) for p in body)]))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("mode", ["queue", "key_ordered_queue"])
+def test_random_fetches_settles_and_leaves_against_a_model(
+    tmp_path: Path, mode: str, seed: int
+) -> None:
+    """Members fetch, ack, nack and leave at random; a model of what each holds checks every
+    answer: an event is held by one member at a time, with a delivery count one above the
+    last; acks and nacks of what a member does not hold are unknown; in key_ordered_queue no
+    two held events share a key and each key's events go out in offset order; at the end
+    everything is settled."""
+    rng = random.Random(seed)
+    keys: list[bytes | None] = [rng.choice([b"a", b"b", b"c", b"d", None]) for _ in range(120)]
+    key_ordered = mode == "key_ordered_queue"
+
+    async def body(service: Service) -> None:
+        caller = service.connect("test")
+        await service.create_stream(caller, "q/m", 2)
+        for segment in (0, 1):
+            for start in range(0, 120, 40):
+                payload = keyed_batch(keys[start : start + 40])
+                future, _ = service.append(caller, "q/m", segment, None, payload)
+                await future
+        await service.create_subscription(
+            caller, "q/m", "work", mode, "earliest", options={"max_deliveries": 1000}
+        )
+        members: dict[int, set[tuple[int, int]]] = {}  # member -> what it holds
+        counts: dict[tuple[int, int], int] = {}
+        settled: set[tuple[int, int]] = set()
+
+        def key(event: tuple[int, int]) -> bytes | None:
+            return keys[event[1]]
+
+        def join() -> None:
+            member = service.join_group(caller, "q/m", "work", mode, "m", 60_000)[0]
+            members[member] = set()
+
+        for _ in range(3):
+            join()
+        for _ in range(400):
+            action = rng.random()
+            member = rng.choice(list(members))
+            held = members[member]
+            if action < 0.4:
+                deliveries, _ = await service.fetch_events(caller, member, rng.randint(1, 8), 0)
+                for segment, offset, count in deliveries:
+                    event = (segment, offset)
+                    assert event not in settled
+                    assert all(event not in h for h in members.values()), "held twice"
+                    assert count == counts.get(event, 0) + 1
+                    counts[event] = count
+                    if key_ordered and key(event) is not None:
+                        # (a key lives in one segment; here both segments hold every key)
+                        busy = {(e[0], key(e)) for h in members.values() for e in h}
+                        assert (segment, key(event)) not in busy, f"two of {key(event)!r}"
+                        earlier = [
+                            o
+                            for o in range(offset)
+                            if (segment, o) not in settled and keys[o] == key(event)
+                        ]
+                        assert not earlier, f"{event} before {earlier[:3]} of its key"
+                    held.add(event)
+            elif action < 0.7 and held:
+                event = rng.choice(sorted(held))
+                assert await service.settle_events(caller, member, [list(event)], [], 0) == []
+                held.discard(event)
+                settled.add(event)
+            elif action < 0.85 and held:
+                event = rng.choice(sorted(held))
+                assert await service.settle_events(caller, member, [], [list(event)], 0) == []
+                held.discard(event)
+            elif action < 0.92:
+                stranger = (rng.randint(0, 1), rng.randint(0, 119))
+                if stranger not in held:
+                    unknown = await service.settle_events(caller, member, [list(stranger)], [], 0)
+                    assert unknown == [list(stranger)]
+            elif len(members) > 1:
+                service.leave_group(caller, member)
+                del members[member]
+                join()
+        for member, held in members.items():  # settle the rest
+            for event in sorted(held):
+                assert await service.settle_events(caller, member, [list(event)], [], 0) == []
+                settled.add(event)
+            held.clear()
+        member = next(iter(members))
+        while len(settled) < 240:
+            deliveries, _ = await service.fetch_events(caller, member, 50, 0)
+            assert deliveries, f"{240 - len(settled)} events never came back"
+            acks = [[s, o] for s, o, _ in deliveries]
+            assert await service.settle_events(caller, member, acks, [], 0) == []
+            settled.update((s, o) for s, o in acks)
+        info = await service.describe_subscription(caller, "q/m", "work")
+        assert [s.position for s in info.segments] == [120, 120]
+
+    run(tmp_path / "data", body)
