@@ -97,6 +97,8 @@ MAX_FETCH_WAIT_MS = 30_000
 DEAD_LETTER_RETRY_S = 1.0
 
 Batch = bytes | bytearray | memoryview
+#: a batch with the offsets it holds: (base offset, next offset, batch)
+Located = tuple[int, int, Batch]
 
 
 @dataclass(slots=True)
@@ -126,7 +128,7 @@ class _SegmentQueue:
         self.by_key: dict[bytes, deque[int]] = {}  # key -> its open offsets, in order
         # batches read and not yet handed out whole (redeliveries read again)
         self.bases: list[int] = []
-        self.batches: dict[int, Batch] = {}
+        self.batches: dict[int, Located] = {}
         self.unsent: dict[int, int] = {}  # base -> its events not handed out yet
         self.fresh: set[int] = set()  # offsets read and not handed out since
         self.dead_lettered = 0
@@ -160,12 +162,12 @@ class _SegmentQueue:
             return offset
         return None
 
-    def cached(self, offset: int) -> Batch | None:
+    def cached(self, offset: int) -> Located | None:
         at = bisect.bisect_right(self.bases, offset) - 1
         if at < 0:
             return None
-        batch = self.batches[self.bases[at]]
-        return batch if offset < decode_header(batch).next_offset else None
+        located = self.batches[self.bases[at]]
+        return located if offset < located[1] else None
 
     def handed(self, offset: int) -> None:
         """``offset`` went out for the first time since it was read: drop its batch from the
@@ -293,14 +295,14 @@ class Dispatcher:
                 heapq.heappush(queue.ready, offset)
         queue.fresh.update(offsets)
         queue.bases.append(base)
-        queue.batches[base] = batch
+        queue.batches[base] = (base, header.next_offset, batch)
         queue.unsent[base] = len(offsets)
 
     # --- handing out ---------------------------------------------------------------------
 
     def take(
         self, member_id: int, room: int, now: float
-    ) -> list[tuple[int, int, int, Batch | None]]:
+    ) -> list[tuple[int, int, int, Located | None]]:
         """Up to ``room`` ready events for the member, round-robin over the segments:
         ``(segment, offset, delivery count, cached batch or None)``."""
         order = sorted(self.segments)
@@ -309,7 +311,7 @@ class Dispatcher:
         shift = self.rotation % len(order)
         self.rotation += 1
         active = [self.segments[n] for n in order[shift:] + order[:shift] if self.segments[n].ready]
-        picked: list[tuple[int, int, int, Batch | None]] = []
+        picked: list[tuple[int, int, int, Located | None]] = []
         timeout = self.options.ack_timeout_ms / 1000
         held = self.held.setdefault(member_id, {})
         while len(picked) < room and active:
@@ -331,28 +333,28 @@ class Dispatcher:
         return picked
 
     async def payload(
-        self, picked: list[tuple[int, int, int, Batch | None]]
+        self, picked: list[tuple[int, int, int, Located | None]]
     ) -> tuple[list[list[int]], list[Batch]]:
         """The deliveries and the whole batches that hold them (each batch once)."""
         deliveries: list[list[int]] = []
-        batches: dict[tuple[int, int], Batch] = {}
-        for number, offset, count, batch in picked:
-            if batch is None:
-                batch = self._from(batches, number, offset) or await self._read(number, offset)
-            if batch is None:
+        batches: dict[tuple[int, int], Located] = {}
+        for number, offset, count, located in picked:
+            if located is None:
+                located = self._from(batches, number, offset) or await self._read(number, offset)
+            if located is None:
                 continue  # removed by retention meanwhile: settled as gone
-            batches.setdefault((number, decode_header(batch).base_offset), batch)
+            batches.setdefault((number, located[0]), located)
             deliveries.append([number, offset, count])
-        return deliveries, list(batches.values())
+        return deliveries, [batch for _, _, batch in batches.values()]
 
     @staticmethod
-    def _from(batches: dict[tuple[int, int], Batch], number: int, offset: int) -> Batch | None:
-        for (segment, base), batch in batches.items():
-            if segment == number and base <= offset < decode_header(batch).next_offset:
-                return batch
+    def _from(batches: dict[tuple[int, int], Located], number: int, offset: int) -> Located | None:
+        for (segment, base), located in batches.items():
+            if segment == number and base <= offset < located[1]:
+                return located
         return None
 
-    async def _read(self, number: int, offset: int) -> Batch | None:
+    async def _read(self, number: int, offset: int) -> Located | None:
         """The batch holding ``offset``, read again; None (and the event settled) if
         retention removed it."""
         segment = self.group.stream.segments[number]
@@ -364,7 +366,7 @@ class Dispatcher:
         for batch in batches:
             header = decode_header(batch)
             if header.base_offset <= offset < header.next_offset:
-                return batch
+                return header.base_offset, header.next_offset, batch
         log.warning(
             "event %d of segment %d of %s was removed by retention before it was settled",
             offset,
@@ -490,10 +492,10 @@ class Dispatcher:
         todo = [(q, o, why) for q in self.segments.values() for o, why in q.exhausted.items()]
         events: list[tuple[_SegmentQueue, Event, str]] = []
         for queue, offset, why in todo:
-            batch = await self._read(queue.number, offset)
-            if batch is None:
+            located = await self._read(queue.number, offset)
+            if located is None:
                 continue
-            base = decode_header(batch).base_offset
+            base, _, batch = located
             record = read_body(batch).slice(offset - base, 1)
             events.extend((queue, e, why) for e in events_of(record, queue.number, offset))
         if not events or self.closed:
