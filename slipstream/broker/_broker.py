@@ -289,6 +289,7 @@ class Broker:
             # a background loop that ends, by an error or not, stops the broker: never limp on
             failed = next((task for task in background if task in done), None)
             stopped.cancel()
+            self._stop.set()  # also when a background task ended it: sessions cancel requests
             server.close()
             for session in list(self.sessions):
                 if session.transport is not None:
@@ -338,6 +339,10 @@ class Broker:
         self.meta.close()
         if self._lock_file is not None:
             self._lock_file.close()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
 
     def stop(self) -> None:
         self._stop.set()

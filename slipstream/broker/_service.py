@@ -11,6 +11,12 @@ caller that ran ``init_producer`` for it. Appends carrying it, and transactions 
 connection of the same client re-claims the id with the token ``init_producer`` returned
 (``claim_producer``): the token is an HMAC of the id and epoch under a key kept in the data
 directory, so it still holds after a broker restart, when the broker remembers no owners.
+Callers let an operation run to its end once it started, also when the client that asked
+for it goes away: many operations store a change in the catalog and then apply it to the live
+state (a commit of positions, a reset, a stream's creation), and one cancelled in between
+would leave the two apart until a restart. The binary protocol's Session does so (it cancels
+only follows when a connection closes); other protocols must too.
+
 Anonymous transactions (no transactional id) stay shared by design: any caller that knows the
 id may stage into, merge or abort them (a Spark job's tasks and driver). An operator may abort
 any open transaction (``end_txn(..., operator=True)``); until callers authenticate (the
@@ -131,9 +137,6 @@ class Service:
         self._owners: dict[int, Caller] = {}  # producer id -> the caller that owns it
         self._connection_ids = itertools.count(1)
         self.subscriptions = Subscriptions(controller)
-        #: commits with positions, each run to its end even if its caller goes away (they
-        #: end with the coordinator's commit task, which the coordinator's close cancels)
-        self._position_commits: set[asyncio.Task[TxnEnded]] = set()
 
     # --- callers -----------------------------------------------------------------------------
 
@@ -310,29 +313,6 @@ class Service:
             self._check_txn_owner(caller, txn_id)
         if not (commit and positions and txn_id in self.coordinator.open):
             return await self.coordinator.end(txn_id, commit, metadata, list(merge))
-        # In a task of its own: a caller that goes away (kill -9) while the commit runs must
-        # not release the groups before its positions are recorded, or a new member is
-        # granted the positions the commit replaces and transforms that input again.
-        task = asyncio.get_running_loop().create_task(
-            self._end_with_positions(caller, txn_id, metadata, merge, positions)
-        )
-        self._position_commits.add(task)
-        task.add_done_callback(self._position_commit_done)
-        return await asyncio.shield(task)
-
-    def _position_commit_done(self, task: asyncio.Task[TxnEnded]) -> None:
-        self._position_commits.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: the caller, if still there, got it through shield
-
-    async def _end_with_positions(
-        self,
-        caller: Caller,
-        txn_id: int,
-        metadata: bytes,
-        merge: Sequence[int],
-        positions: Sequence[TxnPositions],
-    ) -> TxnEnded:
         # positions consumed: stored with the commit record if this caller's members still
         # hold those segments; if not (a zombie), the transaction aborts
         checked = False

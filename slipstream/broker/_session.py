@@ -188,6 +188,7 @@ class Session(asyncio.BufferedProtocol):
         self.writable.set()
         self.follows: dict[int, _Follow] = {}
         self.tasks: set[asyncio.Task[Any]] = set()
+        self.requests: set[asyncio.Task[Any]] = set()  # of self.tasks: run to the end
         self.limits: ConnectionLimits = broker.config.connection
         self.in_flight = 0  # requests and appends not answered yet
         self.read_slots = asyncio.Semaphore(MAX_CONCURRENT_READS)
@@ -219,8 +220,13 @@ class Session(asyncio.BufferedProtocol):
         for timer in (self._idle_timer, self._stall_timer):
             if timer is not None:
                 timer.cancel()
+        # follows stop with the connection; requests run to their end (their answer goes
+        # nowhere), so that a change a request began (a commit, a reset) is never half made:
+        # stored but not applied to the live state. Only a stopping broker cancels them.
+        stopping = self.broker.stopping
         for task in self.tasks:
-            task.cancel()
+            if stopping or task not in self.requests:
+                task.cancel()
         self.writable.set()
 
     def pause_writing(self) -> None:
@@ -324,6 +330,11 @@ class Session(asyncio.BufferedProtocol):
         task.add_done_callback(self.tasks.discard)
         return task
 
+    def _spawn_request(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = self._spawn(coro)
+        self.requests.add(task)
+        task.add_done_callback(self.requests.discard)
+
     # --- requests ----------------------------------------------------------------------------
 
     def _dispatch(self, item: Frame | Oversized | Malformed) -> None:
@@ -363,7 +374,7 @@ class Session(asyncio.BufferedProtocol):
                 self._append(message, cid, item.payload)
             else:
                 self.in_flight += 1
-                self._spawn(self._request(message, cid))
+                self._spawn_request(self._request(message, cid))
         except SlipstreamError as exc:
             self.send_error(cid, exc)
 
