@@ -483,10 +483,12 @@ class Worker:
         self.proc.wait()
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far, from /proc (0 if it is gone)."""
+def cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """User + system CPU time of a process (or of one of its threads) so far, from /proc (0 if
+    it is gone)."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -1002,10 +1004,14 @@ def _isolation_run(peer, s: dict, logs: Path, stream: str, tail: dict, replay: d
         produced0, tail0 = producer.count, follower.count
         pids = {"broker": peer.proc.pid, **{w.spec["label"]: w.proc.pid for w in workers}}
         cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        # the broker's main thread runs its event loop; reads, journal writes and the mover
+        # run in other threads
+        loop0 = cpu_seconds(peer.proc.pid, peer.proc.pid)
         time.sleep(s["iso_seconds"])
         t1 = time.monotonic()
         produced1, tail1 = producer.count, follower.count
         cpu = {name: (cpu_seconds(pid) - cpu0[name]) / (t1 - t0) for name, pid in pids.items()}
+        cpu["broker_loop_thread"] = (cpu_seconds(peer.proc.pid, peer.proc.pid) - loop0) / (t1 - t0)
         replay_result = workers[2].stop() if replay else None
         produced = producer.stop()
         time.sleep(0.5)
