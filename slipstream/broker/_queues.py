@@ -44,6 +44,7 @@ import asyncio
 import bisect
 import contextlib
 import heapq
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -162,24 +163,22 @@ class _SegmentQueue:
             return offset
         return None
 
-    def cached(self, offset: int) -> Located | None:
+    def hand_out(self, offset: int) -> Located | None:
+        """``offset`` goes out: the cached batch holding it (None: read it again). The
+        cache drops a batch once every event read with it went out once."""
         at = bisect.bisect_right(self.bases, offset) - 1
         if at < 0:
             return None
-        located = self.batches[self.bases[at]]
-        return located if offset < located[1] else None
-
-    def handed(self, offset: int) -> None:
-        """``offset`` went out for the first time since it was read: drop its batch from the
-        cache once every event of it went out."""
-        if offset not in self.fresh:
-            return
-        self.fresh.discard(offset)
-        at = bisect.bisect_right(self.bases, offset) - 1
         base = self.bases[at]
-        self.unsent[base] -= 1
-        if self.unsent[base] <= 0:
-            del self.bases[at], self.batches[base], self.unsent[base]
+        located = self.batches[base]
+        if offset >= located[1]:
+            return None
+        if offset in self.fresh:
+            self.fresh.discard(offset)
+            self.unsent[base] -= 1
+            if self.unsent[base] <= 0:
+                del self.bases[at], self.batches[base], self.unsent[base]
+        return located
 
     def counts_for_describe(self) -> tuple[int, int]:
         return len(self.in_flight), len(self.waiting) + len(self.exhausted)
@@ -197,7 +196,9 @@ class Dispatcher:
         self.key_ordered = record.mode == "key_ordered_queue"
         self.segments: dict[int, _SegmentQueue] = {}
         self.held: dict[int, dict[tuple[int, int], None]] = {}  # member -> its deliveries
-        self.deadlines: list[tuple[float, int, int, int]] = []  # (deadline, seg, offset, count)
+        # (deadline, id, segment, [(offset, delivery count), ...]): one entry per hand-out
+        self.deadlines: list[tuple[float, int, int, list[tuple[int, int]]]] = []
+        self._timer_ids = itertools.count()
         self.timers: list[tuple[float, int, int]] = []  # (ready at, segment, offset)
         self.changed = asyncio.Event()
         self.fetchers = 0
@@ -312,22 +313,27 @@ class Dispatcher:
         self.rotation += 1
         active = [self.segments[n] for n in order[shift:] + order[:shift] if self.segments[n].ready]
         picked: list[tuple[int, int, int, Located | None]] = []
-        timeout = self.options.ack_timeout_ms / 1000
+        deadline = now + self.options.ack_timeout_ms / 1000
         held = self.held.setdefault(member_id, {})
         while len(picked) < room and active:
+            share = max(1, (room - len(picked)) // len(active))  # per segment, this round
             for queue in list(active):
-                offset = queue.pop_ready()
-                if offset is None:
-                    active.remove(queue)
-                    continue
-                count = queue.counts.get(offset, 0) + 1
-                queue.counts[offset] = count
-                queue.in_flight[offset] = _Flight(member_id, now + timeout, count)
-                heapq.heappush(self.deadlines, (now + timeout, queue.number, offset, count))
-                held[(queue.number, offset)] = None
-                picked.append((queue.number, offset, count, queue.cached(offset)))
-                queue.handed(offset)
-                self._changed(queue)
+                number, counts, in_flight = queue.number, queue.counts, queue.in_flight
+                taken: list[tuple[int, int]] = []
+                while len(taken) < share and len(picked) < room:
+                    offset = queue.pop_ready()
+                    if offset is None:
+                        active.remove(queue)
+                        break
+                    count = counts.get(offset, 0) + 1
+                    counts[offset] = count
+                    in_flight[offset] = _Flight(member_id, deadline, count)
+                    held[(number, offset)] = None
+                    taken.append((offset, count))
+                    picked.append((number, offset, count, queue.hand_out(offset)))
+                if taken:  # one timer entry for the lot
+                    heapq.heappush(self.deadlines, (deadline, next(self._timer_ids), number, taken))
+                    self._changed(queue)
                 if len(picked) >= room:
                     break
         return picked
@@ -453,15 +459,16 @@ class Dispatcher:
         """Ack timeouts, ended backoffs, and new data for waiting fetches."""
         options = self.options
         while self.deadlines and self.deadlines[0][0] <= now:
-            _, number, offset, count = heapq.heappop(self.deadlines)
+            _, _, number, taken = heapq.heappop(self.deadlines)
             queue = self.segments[number]
-            flight = queue.in_flight.get(offset)
-            if flight is None or flight.count != count:
-                continue  # settled, or a later delivery
-            del queue.in_flight[offset]
-            self.held.get(flight.member, {}).pop((number, offset), None)
-            backoff = min(options.backoff_ms * 2 ** (count - 1), options.max_backoff_ms) / 1000
-            self._retry(queue, offset, count, now + backoff, now, "ack timeout")
+            for offset, count in taken:
+                flight = queue.in_flight.get(offset)
+                if flight is None or flight.count != count:
+                    continue  # settled, or a later delivery
+                del queue.in_flight[offset]
+                self.held.get(flight.member, {}).pop((number, offset), None)
+                backoff = min(options.backoff_ms * 2 ** (count - 1), options.max_backoff_ms)
+                self._retry(queue, offset, count, now + backoff / 1000, now, "ack timeout")
         woken = False
         while self.timers and self.timers[0][0] <= now:
             _, number, offset = heapq.heappop(self.timers)
