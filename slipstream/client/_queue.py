@@ -282,14 +282,15 @@ class QueueCore:
 
     def _events(self, deliveries: list[list[int]], payload: Payload) -> list[QueueEvent]:
         """The delivered events, from the whole batches that hold them (each batch once, in
-        the order of the deliveries that first need it; CRC32C checked)."""
+        the order of the deliveries that first need it; CRC32C checked). Only the span of a
+        batch that holds this member's events becomes Event objects: members that share a
+        large batch each build their own part of it, not all of it."""
         batches = iter(iter_batches(payload))
-        held: dict[int, list[tuple[int, int, Any]]] = {}  # segment -> (base, next, batch)
-        decoded: dict[int, list[Event]] = {}
-        out = []
+        held: dict[int, list[list[Any]]] = {}  # segment -> [base, next, batch, low, high]
+        placed = []
         for segment, offset, count in deliveries:
-            found = next(((b, n, v) for b, n, v in held.get(segment, ()) if b <= offset < n), None)
-            if found is None:
+            entry = next((e for e in held.get(segment, ()) if e[0] <= offset < e[1]), None)
+            if entry is None:
                 try:
                     header, view = next(batches)
                 except StopIteration:
@@ -297,13 +298,19 @@ class QueueCore:
                         f"EventsDelivered names {len(deliveries)} events, its payload holds "
                         "fewer batches than they need"
                     ) from None
-                found = (header.base_offset, header.next_offset, view)
-                held.setdefault(segment, []).append(found)
-            base, _, view = found
-            rows = decoded.get(id(view))
-            if rows is None:
-                rows = decoded[id(view)] = list(events_of(read_body(view), segment, base))
-            out.append(QueueEvent(rows[offset - base], count, self, self.session))
+                entry = [header.base_offset, header.next_offset, view, offset, offset]
+                held.setdefault(segment, []).append(entry)
+            entry[3], entry[4] = min(entry[3], offset), max(entry[4], offset)
+            placed.append((entry, segment, offset, count))
+        rows: dict[int, list[Event]] = {}
+        out = []
+        for entry, segment, offset, count in placed:
+            base, _, view, low, high = entry
+            events = rows.get(id(entry))
+            if events is None:
+                record = read_body(view).slice(low - base, high - low + 1)
+                events = rows[id(entry)] = list(events_of(record, segment, low))
+            out.append(QueueEvent(events[offset - low], count, self, self.session))
         return out
 
     # --- settling --------------------------------------------------------------------------
