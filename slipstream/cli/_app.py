@@ -16,7 +16,7 @@ from rich.markup import escape
 from .._errors import BrokerUnavailable, SlipstreamError
 from ..broker import FSYNC_MODES, ConnectionLimits
 from ..streams import parse_size_bytes
-from ._common import BrokerOption, connect, err, out
+from ._common import BrokerOption, connect, err, examples, out, print_json
 from ._subscriptions import subscription_app
 
 
@@ -64,11 +64,6 @@ txn_app = typer.Typer(
 )
 app.add_typer(txn_app, name="txn")
 app.add_typer(subscription_app, name="subscription")
-
-
-def examples(*lines: str) -> str:
-    """An epilog for --help: the example command lines, one per line."""
-    return "[bold]Examples[/]\n\n" + "\n".join(f"  {escape(line)}" for line in lines)
 
 
 @app.callback()
@@ -144,10 +139,6 @@ StreamName = Annotated[str, typer.Argument(help="Stream name: scope/name, e.g. d
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")]
 
 
-def _print_json(document: object) -> None:
-    sys.stdout.write(msgspec.json.format(msgspec.json.encode(document)).decode() + "\n")
-
-
 @stream_app.command(
     "create",
     epilog=examples(
@@ -177,7 +168,7 @@ def stream_create(
             name, segments, retention_time=retention_time, retention_bytes=retention_bytes
         )
     if as_json:
-        _print_json(stream_dict(info))
+        print_json(stream_dict(info))
     else:
         err.print(
             f"created [bold cyan]{escape(info.name)}[/]: {len(info.segments)} segment"
@@ -226,7 +217,7 @@ def stream_update(
             name, retention_time=retention_time, retention_bytes=retention_bytes
         )
     if as_json:
-        _print_json(stream_dict(info))
+        print_json(stream_dict(info))
     else:
         err.print(
             f"updated [bold cyan]{escape(info.name)}[/]: retention {retention_text(info)}",
@@ -249,7 +240,7 @@ def stream_list(
     with connect(broker) as client:
         infos = sorted(client.list_streams(scope), key=lambda info: info.name)
     if as_json:
-        _print_json([stream_dict(info) for info in infos])
+        print_json([stream_dict(info) for info in infos])
     else:
         out.print(streams_table(infos))
 
@@ -268,7 +259,7 @@ def stream_describe(name: StreamName, as_json: JsonFlag = False, broker: BrokerO
     with connect(broker) as client:
         info = client.describe_stream(name)
     if as_json:
-        _print_json(stream_dict(info))
+        print_json(stream_dict(info))
     else:
         out.print(describe_table(info))
 
@@ -444,7 +435,7 @@ def produce(
     if failure is None:
         err.print(stats.summary(), highlight=False, soft_wrap=True)
     if as_json:
-        _print_json(stats.as_dict())
+        print_json(stats.as_dict())
     if stopped is not None or failure is not None:
         raise typer.Exit(1)
     if interrupted:
@@ -625,7 +616,7 @@ def demo(
         console=out,
     )
     if as_json:
-        _print_json(summary)
+        print_json(summary)
 
 
 @txn_app.command("list", epilog=examples("slipstream txn list", "slipstream txn list --json"))
@@ -637,7 +628,7 @@ def txn_list(as_json: JsonFlag = False, broker: BrokerOption = "") -> None:
     with connect(broker) as client:
         txns = client.transactions()
     if as_json:
-        _print_json([txn_dict(t) for t in txns])
+        print_json([txn_dict(t) for t in txns])
     else:
         out.print(txns_table(txns))
 
@@ -671,7 +662,7 @@ def txn_status(
         last = client.last_commit(transactional_id)
     if last is None:
         if as_json:
-            _print_json(None)
+            print_json(None)
         else:
             out.print(f"{escape(transactional_id)} has never committed a transaction")
         return
@@ -683,7 +674,7 @@ def txn_status(
         "metadata": last.metadata,
     }
     if as_json:
-        _print_json(document)
+        print_json(document)
     else:
         out.print(
             f"[bold cyan]{escape(transactional_id)}[/]: transaction {last.txn_id} committed "

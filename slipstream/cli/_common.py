@@ -5,10 +5,13 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import os
+import sys
 from typing import Annotated, Any
 
+import msgspec
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 import slipstream
 
@@ -97,3 +100,13 @@ def json_ready(obj: Any) -> Any:
     import msgspec
 
     return msgspec.to_builtins(obj)
+
+
+def examples(*lines: str) -> str:
+    """An epilog for --help: the example command lines, one per line."""
+    return "[bold]Examples[/]\n\n" + "\n".join(f"  {escape(line)}" for line in lines)
+
+
+def print_json(document: object) -> None:
+    """A document as indented JSON on stdout (for scripts: ``--json``)."""
+    sys.stdout.write(msgspec.json.format(msgspec.json.encode(document)).decode() + "\n")

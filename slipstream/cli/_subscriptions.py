@@ -8,7 +8,6 @@ the lag, and the members reading it.
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated, Any
 
 import msgspec
@@ -22,7 +21,17 @@ from slipstream.protocol import SubscriptionInfo
 
 from .._errors import InvalidArgument
 from ..streams import parse_duration_ms
-from ._common import BrokerOption, connect, err, human_bytes, human_duration_ms, iso_ms, out
+from ._common import (
+    BrokerOption,
+    connect,
+    err,
+    examples,
+    human_bytes,
+    human_duration_ms,
+    iso_ms,
+    out,
+    print_json,
+)
 
 MODES = ("ordered", "queue", "key_ordered_queue")
 QUEUE_MODES = ("queue", "key_ordered_queue")
@@ -43,14 +52,6 @@ START_HELP = (
     "earliest, latest, an ISO-8601 time with a timezone, a time relative to now (-30s, -15m, "
     "-1h, -2d), or a StreamCut (JSON, as printed by 'slipstream consume --end-cut')."
 )
-
-
-def _examples(*lines: str) -> str:
-    return "[bold]Examples[/]\n\n" + "\n".join(f"  {escape(line)}" for line in lines)
-
-
-def _print_json(document: object) -> None:
-    sys.stdout.write(msgspec.json.format(msgspec.json.encode(document)).decode() + "\n")
 
 
 # --- rendering ---------------------------------------------------------------------------------
@@ -226,7 +227,7 @@ def queue_options(
 
 @subscription_app.command(
     "create",
-    epilog=_examples(
+    epilog=examples(
         "slipstream subscription create demo/orders billing",
         "slipstream subscription create demo/orders audit --start -1h",
         "slipstream subscription create demo/orders fraud --start latest --exist-ok",
@@ -297,7 +298,7 @@ def subscription_create(
         client.create_subscription(stream, name, start, mode, exist_ok=exist_ok, **options)
         info = client.describe_subscription(stream, name)
     if as_json:
-        _print_json(subscription_dict(info))
+        print_json(subscription_dict(info))
         return
     backlog = sum(s.backlog_events for s in info.segments)
     err.print(
@@ -309,7 +310,7 @@ def subscription_create(
 
 @subscription_app.command(
     "list",
-    epilog=_examples(
+    epilog=examples(
         "slipstream subscription list demo/orders",
         "slipstream subscription list demo/orders --json",
     ),
@@ -322,14 +323,14 @@ def subscription_list(
     with connect(broker) as client:
         infos = sorted(client.list_subscriptions(stream), key=lambda info: info.name)
     if as_json:
-        _print_json([subscription_dict(info) for info in infos])
+        print_json([subscription_dict(info) for info in infos])
     else:
         out.print(subscriptions_table(stream, infos))
 
 
 @subscription_app.command(
     "describe",
-    epilog=_examples(
+    epilog=examples(
         "slipstream subscription describe demo/orders billing",
         "slipstream subscription describe demo/orders billing --json",
     ),
@@ -345,7 +346,7 @@ def subscription_describe(
     with connect(broker) as client:
         info = client.describe_subscription(stream, name)
     if as_json:
-        _print_json(subscription_dict(info))
+        print_json(subscription_dict(info))
         return
     for table in describe_tables(info):
         out.print(table)
@@ -353,7 +354,7 @@ def subscription_describe(
 
 @subscription_app.command(
     "delete",
-    epilog=_examples("slipstream subscription delete demo/orders billing"),
+    epilog=examples("slipstream subscription delete demo/orders billing"),
 )
 def subscription_delete(
     stream: StreamName, name: SubscriptionName, broker: BrokerOption = ""
@@ -369,7 +370,7 @@ def subscription_delete(
 
 @subscription_app.command(
     "reset",
-    epilog=_examples(
+    epilog=examples(
         "slipstream subscription reset demo/orders billing --to -1d",
         "slipstream subscription reset demo/orders billing --to 2026-11-23T00:00:00Z",
         "slipstream subscription reset demo/orders billing --to latest",
@@ -391,7 +392,7 @@ def subscription_reset(
         reset = client.reset_subscription(stream, name, to)
         info = client.describe_subscription(stream, name)
     if as_json:
-        _print_json(subscription_dict(info))
+        print_json(subscription_dict(info))
         return
     backlog = sum(s.backlog_events for s in info.segments)
     err.print(
