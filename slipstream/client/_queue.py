@@ -363,8 +363,7 @@ class QueueCore:
                 acks.append([segment, offset])
             else:
                 nacks.setdefault(delay_ms, []).append([segment, offset])
-        if acks or nacks:
-            self.room.set()
+        freed = bool(acks or nacks)
         requests = [(acks, nacks.pop(0, []), 0)] if acks or 0 in nacks else []
         requests += [([], n, delay) for delay, n in nacks.items()]
         for acked, nacked, delay in requests:
@@ -374,6 +373,8 @@ class QueueCore:
             )
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
+        if freed:  # after the settles: they reach the broker before the next fetch
+            self.room.set()
 
     async def _settle(
         self, member_id: int, acks: list[list[int]], nacks: list[list[int]], delay_ms: int
