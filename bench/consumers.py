@@ -152,6 +152,9 @@ def _work_slipstream(spec: dict, progress: Progress, stop: threading.Event) -> N
     if kind == "diskread":
         _read_files(spec, progress, stop)
         return
+    if kind == "burn":
+        _burn(spec, progress, stop)
+        return
     client = _slipstream_client(spec)
     if kind == "produce":
         _produce_at_rate(client, spec, progress, stop)
@@ -202,6 +205,20 @@ def _work_slipstream(spec: dict, progress: Progress, stop: threading.Event) -> N
                 break
     else:
         raise ValueError(f"unknown worker kind {kind!r}")
+
+
+def _burn(spec: dict, progress: Progress, stop: threading.Event) -> None:
+    """The second control: keep ``cores`` of one CPU busy (busy for that share of every 10 ms,
+    asleep for the rest), as much CPU as the replay cost, without touching disk or broker."""
+    share = min(1.0, spec["cores"])
+    emit("ready")
+    spec["go"].wait()
+    while not stop.is_set():
+        until = time.perf_counter() + 0.01 * share
+        while time.perf_counter() < until:
+            pass
+        progress.add(1)
+        time.sleep(0.01 * (1 - share))
 
 
 def _read_files(spec: dict, progress: Progress, stop: threading.Event) -> None:
@@ -963,8 +980,19 @@ def isolation_slipstream(peer, s: dict, logs: Path) -> dict:
         "label": "diskread",
     }
     out["control"] = _isolation_run(peer, s, logs, stream, tail_spec("tail-control"), reader)
+    # the second control: as much CPU as the replay cost (its consumer and the broker's CPU
+    # above the run without), burnt by a process that touches neither disk nor broker
+    cpu = out["replay"]["cpu"]
+    extra = cpu["replayer"] + max(0.0, cpu["broker"] - out["baseline"]["cpu"]["broker"])
+    burner = {"peer": "slipstream", "kind": "burn", "cores": extra, "label": "burn"}
+    out["control_cpu"] = _isolation_run(peer, s, logs, stream, tail_spec("tail-cpu"), burner)
+    out["control_cpu"]["cores"] = extra
     runs = (out["baseline"], out["baseline_after"])
-    for prefix, loaded in (("", out["replay"]), ("control_", out["control"])):
+    for prefix, loaded in (
+        ("", out["replay"]),
+        ("control_", out["control"]),
+        ("control_cpu_", out["control_cpu"]),
+    ):
         out[f"{prefix}throughput_ratio"] = loaded["produce_events_s"] / max(
             r["produce_events_s"] for r in runs
         )
@@ -1293,6 +1321,20 @@ def build_rows(r: dict, s: dict) -> list[dict]:
                 f"control: {metric}, broker files read at the replay's MB/s",
                 "(ratio: vs the better without)",
                 control.get(key),
+                None,
+                "report",
+                ratio=iso.get(ratio_key),
+            )
+        cpu_control = iso.get("control_cpu") or {}
+        for metric, key, ratio_key in (
+            ("producer events/s", "produce_events_s", "control_cpu_throughput_ratio"),
+            ("tail p99 latency ms", "p99_ms", "control_cpu_p99_ratio"),
+        ):
+            row(
+                f"control: {metric}, a process burning the replay's CPU"
+                f" ({cpu_control.get('cores', 0):.2f} core)",
+                "(ratio: vs the better without)",
+                cpu_control.get(key),
                 None,
                 "report",
                 ratio=iso.get(ratio_key),
