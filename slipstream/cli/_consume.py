@@ -333,16 +333,6 @@ _RETRIED_COMMIT = (
 )
 
 
-def lease_starts(consumer: slipstream.Consumer) -> dict[int, int]:
-    """Per segment the consumer holds, the position it started reading that segment at
-    (the subscription's committed position when it was granted).
-
-    The public Consumer has no accessor for this yet; ``consumer.core.leases`` is written on
-    the client's loop, and reading one entry of it is a single dict lookup.
-    """
-    return {segment: lease.start for segment, lease in list(consumer.core.leases.items())}
-
-
 class GroupProgress:
     """What a group member printed, and committing it (``auto``): per segment, the offset
     after the last event written out. A commit takes, per held segment, the smaller of that
@@ -362,8 +352,7 @@ class GroupProgress:
     def commit(self) -> None:
         """Commit what was printed; a segment that moved meanwhile is left to its new
         holder, which starts from the last commit (at-least-once)."""
-        # core.committed: per held segment, where its grant started or the last commit
-        committed = self.consumer.core.committed
+        committed = self.consumer.committed
         positions = {
             segment: position
             for segment, handed in self.consumer.positions().items()
@@ -376,7 +365,7 @@ class GroupProgress:
 
     def caught_up(self, end: slipstream.StreamCut) -> bool:
         """Every segment held stands at ``end`` (the tail when the command started)."""
-        starts = lease_starts(self.consumer)
+        starts = self.consumer.granted
         handed = self.consumer.positions()
         return bool(starts) and all(
             max(start, handed.get(segment, start)) >= end.positions.get(segment, 0)

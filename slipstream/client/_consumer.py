@@ -517,6 +517,17 @@ class Consumer:
         """The segments this consumer reads now."""
         return self.core.assignment()
 
+    @property
+    def granted(self) -> dict[int, int]:
+        """Per segment held, the position reading it started at under its current grant
+        (the subscription's committed position when it was granted)."""
+        return {segment: lease.start for segment, lease in list(self.core.leases.items())}
+
+    @property
+    def committed(self) -> dict[int, int]:
+        """Per segment, the last position this consumer committed or was granted at."""
+        return dict(self.core.committed)
+
     def commit(self, positions: StreamCut | Mapping[int, int] | None = None) -> None:
         """Commit everything handed out so far (or ``positions``: a StreamCut or ``{segment:
         offset of the next event to consume}``), durably. Raises NotAssigned for segments
