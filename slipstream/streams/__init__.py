@@ -10,7 +10,7 @@ from ._graph import (
     merge_ranges,
     split_range,
 )
-from ._groups import assign
+from ._groups import SegmentProgress, assign, assignable
 from ._idempotence import (
     SEQUENCE_MODULUS,
     WINDOW,
@@ -61,9 +61,11 @@ __all__ = [
     "SegmentGraph",
     "SegmentLoad",
     "SegmentNode",
+    "SegmentProgress",
     "StreamCut",
     "WindowRates",
     "assign",
+    "assignable",
     "decide",
     "key_hash",
     "manual_merge",

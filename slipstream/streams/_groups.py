@@ -5,11 +5,16 @@ segments, and a segment stays with the member that has it whenever balance allow
 joining or leaving moves only the segments that must move (an incremental rebalance: the others
 never pause). Members and segments are ordered deterministically, so the same inputs give the
 same assignment on any broker.
+
+On an elastic stream only some segments may be assigned at a time (``assignable``): a
+successor waits until the subscription has committed every predecessor to its end, so each
+key's events are delivered in append order across splits and merges.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 
 def assign(
@@ -41,3 +46,48 @@ def assign(
         for _ in range(quota[member] - len(kept[member][: quota[member]])):
             target[free.pop()] = member
     return target
+
+
+class SegmentProgress(NamedTuple):
+    """What the read-order rule needs to know of one segment for one subscription: the
+    segments it succeeded, whether a scale sealed it, where the subscription's committed
+    position is (never below the first retained event) and where the segment ends (its final
+    end once sealed)."""
+
+    predecessors: tuple[int, ...]
+    sealed: bool
+    position: int
+    end: int
+
+
+def assignable(progress: Mapping[int, SegmentProgress]) -> list[int]:
+    """The segments (by number) an ordered group may hand to its members now: those not
+    complete whose predecessors are all complete.
+
+    A segment is complete when it is sealed, the subscription's position is at (or past) its
+    end (committed there, or its data is gone), and its predecessors are complete: an empty
+    sealed segment does not let its successors overtake its own predecessors. A predecessor
+    missing from ``progress`` (its record deleted with its data) counts as complete.
+    Predecessors have lower numbers than their successors (a scale numbers successors after
+    the highest segment so far).
+
+    This is the per-key order rule of :meth:`SegmentGraph.readable` for a subscription: a key's
+    events before a scale are in a predecessor and those after it in a successor, so a member
+    may read a successor only once every predecessor has been committed to its end, whoever
+    read it. A complete segment is no longer assigned (its holder is told to revoke it).
+    """
+    complete: set[int] = set()
+    for number in sorted(progress):
+        one = progress[number]
+        if (
+            one.sealed
+            and one.position >= one.end
+            and all(p in complete or p not in progress for p in one.predecessors)
+        ):
+            complete.add(number)
+    return sorted(
+        number
+        for number, one in progress.items()
+        if number not in complete
+        and all(p in complete or p not in progress for p in one.predecessors)
+    )
