@@ -206,6 +206,13 @@ class IdleTimeout(SlipstreamError):
     code = "idle_timeout"
 
 
+class SegmentSealed(SlipstreamError):
+    """An append to a segment that a split or merge sealed; ``details`` name its successors.
+    Nothing of the batch was stored; clients send its events to the successors that own
+    their keys now (the Python client does so by itself)."""
+
+    code = "segment_sealed"
+
 class SubscriptionNotFound(SlipstreamError):
     """No subscription of that name on the stream; ``details`` name stream and subscription."""
 

@@ -37,6 +37,7 @@ from ._container import (
     batch_checks_out,
 )
 from ._controller import Controller
+from ._faults import FAULT
 from ._service import Service, load_producer_key
 from ._session import ConnectionLimits
 from ._transactions import Coordinator
@@ -47,9 +48,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("slipstream.broker")
 
 DATA_FORMAT = 1
-#: Test hook: ``broker.container_dies`` makes container 0's background task raise once the
-#: broker has accepted a connection (the broker must then stop with a non-zero exit).
-_FAULT = os.environ.get("SLIPSTREAM_FAULT", "")
 
 
 class BrokerFailed(Exception):
@@ -325,8 +323,9 @@ class Broker:
         return session(self)
 
     async def _run_container(self, container: Container) -> None:
-        if _FAULT == "broker.container_dies" and container.id == 0:
-            await self._accepted.wait()  # once the broker serves: a crash, not a failed start
+        # fault injection: once the broker serves (a crash, not a failed start)
+        if FAULT == "broker.container_dies" and container.id == 0:
+            await self._accepted.wait()
             raise RuntimeError("fault injection: SLIPSTREAM_FAULT=broker.container_dies")
         await container.run()
 

@@ -31,6 +31,7 @@ from .._errors import (
     CorruptBatch,
     CorruptData,
     OffsetOutOfRange,
+    SegmentSealed,
     SlipstreamError,
     StorageError,
     StreamNotFound,
@@ -105,6 +106,7 @@ class _Append:
     batch: Payload
     header: BatchHeader
     future: asyncio.Future[int]
+    applying: bool = False  # a committed transaction's batch: taken also while sealing
 
 
 class Container:
@@ -247,7 +249,9 @@ class Container:
 
     # --- appends ---------------------------------------------------------------------------
 
-    def append(self, segment: Segment, batch: Payload, header: BatchHeader) -> asyncio.Future[int]:
+    def append(
+        self, segment: Segment, batch: Payload, header: BatchHeader, *, applying: bool = False
+    ) -> asyncio.Future[int]:
         """Queue a verified batch; the future gives its base offset once durable, or fails with
         StorageFull / StorageError / StreamNotFound (then nothing of it is acknowledged).
 
@@ -256,7 +260,7 @@ class Container:
         queues batches without waiting finds them stored as a gap-free prefix: everything up to
         its first failure, nothing after it."""
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Append(segment, batch, header, future))
+        self._queue.append(_Append(segment, batch, header, future, applying))
         self._wakeup.set()
         return future
 
@@ -288,6 +292,9 @@ class Container:
                         item.future, StreamNotFound(f"stream {segment.stream_name!r} was deleted")
                     )
                     continue
+                # a sealed (or sealing) segment takes only a committed transaction's batches;
+                # a retry of a batch it stored still gets its offset
+                closed = (segment.sealed or segment.sealing) and not item.applying
                 if header.producer_id >= 0:
                     pid, seq = header.producer_id, header.sequence
                     try:
@@ -295,7 +302,7 @@ class Container:
                             pid, header.producer_epoch, seq, header.event_count
                         )
                     except SlipstreamError as exc:
-                        _fail(item.future, exc)
+                        _fail(item.future, sealed_error(segment) if closed else exc)
                         continue
                     if original is not None:  # a retry: answer with the first append's offset
                         first = in_group.get((segment, pid, seq))
@@ -304,6 +311,10 @@ class Container:
                         else:
                             _chain(first, item.future)
                         continue
+                if closed:
+                    _fail(item.future, sealed_error(segment))
+                    continue
+                if header.producer_id >= 0:
                     if (segment, pid) not in saved:
                         state = segment.producers.get(pid)
                         saved[segment, pid] = None if state is None else state.copy()
@@ -759,6 +770,17 @@ def _lost(segment: Segment, offset: int, resume: int) -> CorruptData:
         segment=segment.number,
         offset=offset,
         resume=resume,
+    )
+
+
+def sealed_error(segment: Segment) -> SegmentSealed:
+    return SegmentSealed(
+        f"segment {segment.number} of {segment.stream_name!r} is sealed (the stream was "
+        f"scaled); its keys now go to segments {segment.successors}: describe the stream again "
+        "and send there (the client does this by itself)",
+        stream=segment.stream_name,
+        segment=segment.number,
+        successors=segment.successors,
     )
 
 

@@ -17,7 +17,7 @@ import logging
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -32,15 +32,19 @@ from .._errors import (
 )
 from ..format import decode_header, int64_values, read_body
 from ..protocol import SegmentInfo, StreamInfo
-from ..storage import ChunkRecord, LongTermStore, MetaStore, SegmentRecord
+from ..storage import ChunkRecord, LongTermStore, MetaStore, ScaleRecord, SegmentRecord
 from ..streams import (
     MAX_SEGMENTS,
+    KeyRange,
     ProducerTable,
+    merge_ranges,
     split_key_space,
+    split_range,
     validate_scope,
     validate_stream_name,
 )
 from ._container import Container
+from ._faults import crash_point
 from ._segment import Segment
 
 log = logging.getLogger("slipstream.controller")
@@ -66,6 +70,22 @@ class Stream:
         self.retention_bytes = retention_bytes
         self.created_ms = created_ms
         self.segments = {s.number: s for s in segments}
+        self.scaling = ""  # the scaling policy's text ("": fixed at the segments it has)
+        self.scale_lock = asyncio.Lock()  # one split or merge at a time
+
+    @property
+    def epoch(self) -> int:
+        return max(s.epoch for s in self.segments.values())
+
+    def add_segments(self, segments: Sequence[Segment]) -> None:
+        """Successors of a scale (or every segment at start): linked to their predecessors."""
+        for segment in segments:
+            self.segments[segment.number] = segment
+        for segment in segments:
+            for number in segment.predecessors:
+                predecessor = self.segments.get(number)
+                if predecessor is not None and segment.number not in predecessor.successors:
+                    predecessor.successors.append(segment.number)
 
     def segment(self, number: int) -> Segment:
         try:
@@ -93,12 +113,15 @@ class Stream:
                     s.bytes,
                     s.first_timestamp,
                     s.last_timestamp,
+                    s.predecessors,
                 )
-                for s in self.segments.values()
+                for s in sorted(self.segments.values(), key=lambda s: s.number)
             ],
             self.retention_ms,
             self.retention_bytes,
             self.created_ms,
+            self.epoch,
+            self.scaling,
         )
 
 
@@ -145,6 +168,7 @@ class Controller:
                     s.container % len(self.containers),
                     start_offset=s.start_offset,
                     sealed=s.sealed,
+                    predecessors=list(s.predecessors),
                 )
                 chunks = chunks_by_segment.get((record.id, s.number))
                 if chunks is not None:
@@ -157,16 +181,17 @@ class Controller:
                 segment.producers = ProducerTable.from_snapshot(moved)
                 segment.next_offset = segment.pending_offset = segment.chunk_end
                 segments.append(segment)
-            self._register(
-                Stream(
-                    record.id,
-                    record.name,
-                    record.retention_ms,
-                    record.retention_bytes,
-                    record.created_ms,
-                    segments,
-                )
+            stream = Stream(
+                record.id,
+                record.name,
+                record.retention_ms,
+                record.retention_bytes,
+                record.created_ms,
+                [],
             )
+            stream.add_segments(segments)
+            stream.scaling = record.scaling
+            self._register(stream)
         totals = {"streams": len(self.streams), "batches": 0, "skipped": 0}
         for container in self.containers:
             for key, value in container.recover().items():
@@ -286,6 +311,103 @@ class Controller:
             record.retention_bytes,
         )
         return stream
+
+    # --- scaling ---------------------------------------------------------------------------
+
+    async def scale(
+        self,
+        name: str,
+        numbers: Sequence[int],
+        into: int,
+        busy: Callable[[Collection[Segment]], bool],
+        reason: str = "manual",
+    ) -> Stream:
+        """Split one open segment into ``into`` successors, or merge adjacent open segments
+        into one, in a new epoch. Raises StreamNotFound, SegmentNotFound, InvalidArgument
+        (a sealed segment, non-adjacent ones, a bad count).
+
+        The steps, each safe against a crash: (1) the old segments refuse appends
+        (``sealing``: SegmentSealed, in memory only); (2) wait until every append they
+        took is durable and no transaction that staged into them is still open (``busy``:
+        new staging is refused too), so their ends hold everything acknowledged and nothing
+        after; (3) one catalog transaction seals them with those ends and adds the
+        successors; (4) the successors open. A crash before (3) leaves the old segments
+        open after a restart (nothing of the scale happened); after it, the restart finds
+        the new epoch whole. A failure of (2) or (3) opens the old segments again."""
+        stream = self.stream(name)
+        async with stream.scale_lock:
+            old = [stream.segment(n) for n in numbers]
+            ranges = _successor_ranges(stream, old, into)
+            epoch = stream.epoch + 1
+            first = max(stream.segments) + 1
+            base = zlib.crc32(name.encode())
+            records = [
+                SegmentRecord(
+                    first + i,
+                    epoch,
+                    r.lo,
+                    r.hi,
+                    (base + first + i) % len(self.containers),
+                    predecessors=sorted(
+                        s.number for s in old if KeyRange(s.key_lo, s.key_hi).overlaps(r)
+                    ),
+                )
+                for i, r in enumerate(ranges)
+            ]
+            for segment in old:
+                segment.sealing = True
+            try:
+                crash_point("scale.sealing")
+                while busy(old) or any(s.pending_offset != s.next_offset for s in old):
+                    await asyncio.sleep(0.005)
+                crash_point("scale.before_record")
+                ends = {s.number: s.next_offset for s in old}
+                await self.in_catalog(
+                    self.meta.scale_stream,
+                    stream.id,
+                    epoch,
+                    int(time.time() * 1000),
+                    ends,
+                    records,
+                    reason.encode(),
+                )
+            except BaseException:
+                for segment in old:
+                    segment.sealing = False
+                raise
+            crash_point("scale.after_record")
+            successors = [
+                Segment(
+                    stream.id,
+                    name,
+                    r.number,
+                    r.epoch,
+                    r.key_lo,
+                    r.key_hi,
+                    r.container,
+                    predecessors=list(r.predecessors),
+                )
+                for r in records
+            ]
+            stream.add_segments(successors)
+            for segment in successors:
+                self.containers[segment.container].segments[segment.global_id] = segment
+            for segment in old:
+                segment.sealed, segment.sealing = True, False
+                segment.notify()  # followers at its end learn that it ended
+        log.info(
+            "scaled %s in epoch %d: sealed %s at %s, opened %s",
+            name,
+            epoch,
+            [s.number for s in old],
+            ends,
+            [r.number for r in records],
+        )
+        return stream
+
+    def scale_history(self, name: str) -> list[ScaleRecord]:
+        """Every split and merge of the stream, oldest first (a catalog read)."""
+        return self.meta.scalings(self.stream(name).id)
 
     def _delete_chunks(self, chunks: Sequence[ChunkRecord]) -> None:
         """Delete chunk files (on the catalog thread), in order."""
@@ -534,3 +656,35 @@ def _plan_retention(
         for f, (start, _) in zip(fronts, spans.values(), strict=True)
         if f.cut > start
     }
+
+
+#: the most successors one split makes
+MAX_SPLIT = 64
+
+
+def _successor_ranges(stream: Stream, old: list[Segment], into: int) -> list[KeyRange]:
+    """The key ranges of the successors of a split (one segment) or merge (several)."""
+    if not old:
+        raise InvalidArgument("name the segment to split, or the segments to merge")
+    if len({s.number for s in old}) != len(old):
+        raise InvalidArgument(f"segments {[s.number for s in old]} name a segment twice")
+    for segment in old:
+        if segment.sealed or segment.sealing:
+            raise InvalidArgument(
+                f"segment {segment.number} of {stream.name!r} is sealed (successors "
+                f"{segment.successors}); only open segments scale",
+                segment=segment.number,
+            )
+    if len(old) == 1:
+        if not 2 <= into <= MAX_SPLIT:
+            raise InvalidArgument(f"a split makes 2 to {MAX_SPLIT} segments, not {into}")
+        ranges = list(split_range(KeyRange(old[0].key_lo, old[0].key_hi), into))
+    else:
+        ranges = [merge_ranges([KeyRange(s.key_lo, s.key_hi) for s in old])]
+    open_after = sum(not s.sealed for s in stream.segments.values()) - len(old) + len(ranges)
+    if open_after > MAX_SEGMENTS:
+        raise InvalidArgument(
+            f"the stream would have {open_after} open segments, above the limit of "
+            f"{MAX_SEGMENTS}: merge first"
+        )
+    return ranges

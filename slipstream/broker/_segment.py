@@ -91,7 +91,10 @@ class Segment:
     bytes: int = 0
     first_timestamp: int | None = None
     last_timestamp: int | None = None
-    sealed: bool = False
+    sealed: bool = False  # by a scale: its end is next_offset, for good
+    sealing: bool = False  # a scale is sealing it: appends are refused already
+    predecessors: list[int] = field(default_factory=list)
+    successors: list[int] = field(default_factory=list)
     deleted: bool = False
     #: idempotent producers' recent batches (see streams/_idempotence.py)
     producers: ProducerTable = field(default_factory=ProducerTable)

@@ -46,6 +46,7 @@ from ..protocol import (
     GroupAssignment,
     IdentityInfo,
     Payload,
+    ScaleEventInfo,
     StreamInfo,
     SubscriptionInfo,
     TxnEnded,
@@ -188,6 +189,21 @@ class Service:
         stream = self.controller.stream(name)
         await self.controller.delete_stream(name)
         self.subscriptions.forget_stream(stream)
+
+    async def scale_stream(
+        self, caller: Caller, name: str, segments: Sequence[int], into: int = 2
+    ) -> StreamInfo:
+        """Split one open segment into ``into`` successors, or merge adjacent open segments,
+        in a new epoch (see ``Controller.scale``). Waits for transactions that staged into
+        them to end. Raises StreamNotFound, SegmentNotFound, InvalidArgument."""
+        stream = await self.controller.scale(name, segments, into, self.coordinator.touching)
+        return stream.info()
+
+    def scale_history(self, caller: Caller, name: str) -> list[ScaleEventInfo]:
+        return [
+            ScaleEventInfo(r.epoch, r.at_ms, r.sealed, r.created, r.decision.decode())
+            for r in self.controller.scale_history(name)
+        ]
 
     def list_streams(self, caller: Caller, scope: str | None = None) -> list[StreamInfo]:
         return [s.info() for s in self.controller.list_streams(scope)]

@@ -68,6 +68,7 @@ from ..protocol import (
     FrameDecoder,
     GetCut,
     GetIdentity,
+    GetScaleHistory,
     GroupJoined,
     Hello,
     InitProducer,
@@ -83,6 +84,8 @@ from ..protocol import (
     PollGroup,
     ProducerGrant,
     ResetSubscription,
+    ScaleHistory,
+    ScaleStream,
     Settled,
     SettleEvents,
     StreamList,
@@ -519,6 +522,10 @@ class Session(asyncio.BufferedProtocol):
                     caller, stream, subscription, member_id, generation, positions
                 )
                 return Done()
+            case ScaleStream(stream, segments, into):
+                return await service.scale_stream(caller, stream, segments, into)
+            case GetScaleHistory(stream):
+                return ScaleHistory(stream, service.scale_history(caller, stream))
             case LeaveGroup(member_id):
                 service.leave_group(caller, member_id)
                 return Done()
@@ -593,7 +600,8 @@ class Session(asyncio.BufferedProtocol):
         assert caller is not None
         try:
             while True:
-                if follow.end_offset is not None and follow.offset >= follow.end_offset:
+                ended = follow.end_offset is not None and follow.offset >= follow.end_offset
+                if ended or (segment.sealed and follow.offset >= segment.next_offset):
                     self.send(FollowEnded(follow.sub_id, follow.offset))
                     self.follows.pop(follow.sub_id, None)
                     return

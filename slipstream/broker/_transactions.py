@@ -35,11 +35,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
-import signal
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +64,8 @@ from ..storage import (
     TxnCommit,
 )
 from ..streams import SEQUENCE_MODULUS, next_sequence
-from ._container import JOURNAL_CHECKPOINT_SECONDS
+from ._container import JOURNAL_CHECKPOINT_SECONDS, sealed_error
+from ._faults import FAULT, crash_point
 from ._segment import Segment, segment_global_id, split_global_id
 
 if TYPE_CHECKING:
@@ -86,15 +86,6 @@ _APPLY_WINDOW_BYTES = 64 * 1024 * 1024
 #: 1,000,000 x 100 B merged into one commit: broker CPU 0.8 -> 0.4 s, commit 0.6 -> 0.2 s.
 #: Past the budget, batches are read back.
 _HOLD_BYTES = 256 * 1024 * 1024
-#: Test hook: the broker kills itself with SIGKILL at this step of a commit
-#: (txn.before_commit_record, txn.after_commit_record, txn.mid_apply, txn.after_apply).
-_FAULT = os.environ.get("SLIPSTREAM_FAULT", "")
-
-
-def _crash_point(name: str) -> None:
-    if name == _FAULT:
-        log.warning("fault injection: killing the broker at %s", name)
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass(slots=True, eq=False)
@@ -410,6 +401,14 @@ class Coordinator:
             raise TransactionNotFound(f"no open transaction {txn_id}", txn_id=txn_id)
         return txn
 
+    def touching(self, segments: Collection[Segment]) -> bool:
+        """Whether an open or committing transaction staged into one of ``segments`` (or
+        has a staged write under way, whose segment is not known yet)."""
+        return any(
+            txn.writes or any(s.segment in segments for s in txn.staged)
+            for txn in self.open.values()
+        )
+
     def stage(
         self, txn_id: int, segment: Segment, batch: Payload, header: BatchHeader
     ) -> asyncio.Future[None]:
@@ -419,6 +418,8 @@ class Coordinator:
             raise TransactionAborted(
                 f"transaction {txn_id} is {txn.state}; no more events may join it", txn_id=txn_id
             )
+        if segment.sealed or segment.sealing:
+            raise sealed_error(segment)
         entry = [_STAGED.pack(txn_id, segment.global_id), batch]
         future = asyncio.get_running_loop().run_in_executor(self._io, self._write, txn_id, [entry])
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -585,13 +586,13 @@ class Coordinator:
             [m.txn_id for m in merged],
             positions,
         )
-        _crash_point("txn.before_commit_record")
+        crash_point("txn.before_commit_record")
         try:
             await loop.run_in_executor(self._io, self.meta.commit_txn, record)
         except SlipstreamError as exc:
             await abort_all(f"the commit record could not be stored: {exc}")
             raise
-        _crash_point("txn.after_commit_record")
+        crash_point("txn.after_commit_record")
         self.identities[identity.transactional_id] = Identity(
             identity.transactional_id,
             identity.producer_id,
@@ -609,7 +610,7 @@ class Coordinator:
             except (SlipstreamError, OSError) as exc:
                 log.error("applying transaction %d failed, retrying: %s", txn.txn_id, exc)
                 await asyncio.sleep(1)
-        _crash_point("txn.after_apply")
+        crash_point("txn.after_apply")
         # Marking the record applied need not hold up the answer: a restart before it lands
         # applies the record again, and finds every batch already in place. (The io thread is
         # FIFO, so staging files this transaction used are deleted only after it.)
@@ -658,7 +659,7 @@ class Coordinator:
         ranges: dict[Segment, list[int]] = {} if landed is None else landed
         latest: dict[tuple[int, int], asyncio.Future[int]] = {}  # each segment's last append
         window = 0
-        sequential = _FAULT == "txn.mid_apply"
+        sequential = FAULT == "txn.mid_apply"
         first_part: tuple[int, int] | None = None
         for item in staged:
             segment, header = item.segment, item.header
@@ -671,7 +672,7 @@ class Coordinator:
                 continue
             if sequential and first_part not in (None, key):
                 await _settled([f for _, f, _ in in_flight])
-                _crash_point("txn.mid_apply")
+                crash_point("txn.mid_apply")
             first_part = first_part or key
             batch = self._release(item)
             if batch is None:
@@ -688,7 +689,7 @@ class Coordinator:
             )
             sequence[key] = next_sequence(sequence[key], header.event_count)
             container = self.controller.containers[segment.container]
-            future = container.append(segment, batch, decode_header(batch))
+            future = container.append(segment, batch, decode_header(batch), applying=True)
             future.add_done_callback(functools.partial(_note_range, ranges, segment, header))
             latest[key] = future
             in_flight.append((segment, future, header.event_count))

@@ -55,6 +55,7 @@ from ..protocol import (
     DescribeSubscription,
     EndTxn,
     GetIdentity,
+    GetScaleHistory,
     IdentityInfo,
     InitProducer,
     ListStreams,
@@ -63,6 +64,9 @@ from ..protocol import (
     Message,
     ProducerGrant,
     ResetSubscription,
+    ScaleEventInfo,
+    ScaleHistory,
+    ScaleStream,
     StreamInfo,
     StreamList,
     SubscriptionInfo,
@@ -360,6 +364,30 @@ class AsyncClient:
     async def delete_stream(self, name: str) -> None:
         """Delete a stream and all its data. Readers following it get StreamNotFound."""
         await self._request(DeleteStream(name))
+
+    async def scale_stream(
+        self,
+        stream: str,
+        *,
+        split: int | None = None,
+        into: int = 2,
+        merge: Sequence[int] | None = None,
+    ) -> StreamInfo:
+        """Split segment ``split`` into ``into`` successors, or merge the adjacent segments
+        ``merge``; see :meth:`Client.scale_stream`."""
+        if (split is None) == (merge is None):
+            raise InvalidArgument("give split=SEGMENT (with into=N) or merge=[SEGMENTS]")
+        segments = [split] if split is not None else list(merge or ())
+        reply = await self._request(ScaleStream(stream, segments, into))
+        assert isinstance(reply, StreamInfo)
+        self._described.pop(stream, None)
+        return reply
+
+    async def scale_history(self, stream: str) -> list[ScaleEventInfo]:
+        """Every split and merge of ``stream``, oldest first."""
+        reply = await self._request(GetScaleHistory(stream))
+        assert isinstance(reply, ScaleHistory)
+        return reply.events
 
     async def list_streams(self, scope: str | None = None) -> list[StreamInfo]:
         reply = await self._request(ListStreams(scope))
@@ -992,6 +1020,27 @@ class Client:
 
     def delete_stream(self, name: str) -> None:
         self._loop.run(self._async.delete_stream(name))
+
+    def scale_stream(
+        self,
+        stream: str,
+        *,
+        split: int | None = None,
+        into: int = 2,
+        merge: Sequence[int] | None = None,
+    ) -> StreamInfo:
+        """Scale a stream by hand: ``split=S, into=N`` seals open segment S and opens N
+        successors that divide its key range; ``merge=[S1, S2]`` seals adjacent open segments
+        and opens one successor for their joint range. Both happen in one new epoch,
+        atomically (also across a broker crash). Producers and readers follow by themselves:
+        every key keeps its order. Raises SegmentNotFound, InvalidArgument (a sealed segment,
+        segments that are not neighbours, a bad count), StreamNotFound."""
+        return self._loop.run(self._async.scale_stream(stream, split=split, into=into, merge=merge))
+
+    def scale_history(self, stream: str) -> list[ScaleEventInfo]:
+        """Every split and merge of ``stream``, oldest first: epoch, time, the segments
+        sealed (with their ends) and opened, and why."""
+        return self._loop.run(self._async.scale_history(stream))
 
     def list_streams(self, scope: str | None = None) -> list[StreamInfo]:
         return self._loop.run(self._async.list_streams(scope))

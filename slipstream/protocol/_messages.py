@@ -288,6 +288,23 @@ class SettleEvents(Message, frozen=True):
     delay_ms: int = 0
 
 
+class ScaleStream(Message, frozen=True):
+    """Split one open segment into ``into`` successors (``segments`` names one), or merge
+    adjacent open segments into one (``segments`` names two or more) -> ``StreamInfo`` once
+    the old segments are sealed and the successors open, in one new epoch. Appends to a
+    sealed segment get ``segment_sealed``."""
+
+    stream: str
+    segments: list[int]
+    into: int = 2
+
+
+class GetScaleHistory(Message, frozen=True):
+    """-> ``ScaleHistory``: every split and merge of the stream, oldest first."""
+
+    stream: str
+
+
 # --- responses and pushes ---------------------------------------------------------------------
 
 
@@ -320,14 +337,21 @@ class SegmentInfo(Message, frozen=True):
     bytes: int
     first_timestamp: int | None
     last_timestamp: int | None
+    #: the segments it succeeded (a scale sealed them and opened it); [] for the first epoch.
+    #: A sealed segment's ``end_offset`` is its final end.
+    predecessors: list[int] = []
 
 
 class StreamInfo(Message, frozen=True):
+    """``segments``: those of every epoch, sealed ones too, by number."""
+
     name: str
     segments: list[SegmentInfo]
     retention_ms: int | None
     retention_bytes: int | None
     created_ms: int
+    epoch: int = 0
+    scaling: str = ""
 
 
 class StreamList(Message, frozen=True):
@@ -490,6 +514,23 @@ class Settled(Message, frozen=True):
     unknown: list[list[int]] = []
 
 
+class ScaleEventInfo(Message, frozen=True):
+    """One scale: in ``epoch``, at ``at_ms``, the segments ``sealed`` (segment -> end offset)
+    were sealed and ``created`` opened; ``reason``: why (JSON text; "manual" for an
+    operator's)."""
+
+    epoch: int
+    at_ms: int
+    sealed: dict[int, int]
+    created: list[int]
+    reason: str = ""
+
+
+class ScaleHistory(Message, frozen=True):
+    stream: str
+    events: list[ScaleEventInfo]
+
+
 KINDS: dict[int, type[Message]] = {
     1: Hello,
     2: CreateStream,
@@ -519,6 +560,8 @@ KINDS: dict[int, type[Message]] = {
     26: LeaveGroup,
     27: FetchEvents,
     28: SettleEvents,
+    29: ScaleStream,
+    30: GetScaleHistory,
     64: Welcome,
     65: Error,
     66: Done,
@@ -540,5 +583,6 @@ KINDS: dict[int, type[Message]] = {
     82: GroupAssignment,
     83: EventsDelivered,
     84: Settled,
+    85: ScaleHistory,
 }
 KIND_OF: dict[type[Message], int] = {cls: kind for kind, cls in KINDS.items()}

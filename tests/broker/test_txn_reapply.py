@@ -121,8 +121,8 @@ def test_appends_of_an_apply_that_fail_together_leave_no_exception_unretrieved(
     appends: list[asyncio.Future[int]] = []
     real_append = container.append
 
-    def recording_append(*args: Any) -> asyncio.Future[int]:
-        future = real_append(*args)
+    def recording_append(*args: Any, **kwargs: Any) -> asyncio.Future[int]:
+        future = real_append(*args, **kwargs)
         appends.append(future)
         return future
 

@@ -56,6 +56,7 @@ from slipstream.protocol import (
     FrameDecoder,
     GetCut,
     GetIdentity,
+    GetScaleHistory,
     GroupAssignment,
     GroupJoined,
     Hello,
@@ -73,6 +74,9 @@ from slipstream.protocol import (
     PollGroup,
     ProducerGrant,
     ResetSubscription,
+    ScaleEventInfo,
+    ScaleHistory,
+    ScaleStream,
     SegmentInfo,
     Settled,
     SettleEvents,
@@ -123,6 +127,7 @@ segment_infos = st.builds(
     bytes=OFFSETS,
     first_timestamp=OPTIONAL_I64,
     last_timestamp=OPTIONAL_I64,
+    predecessors=st.lists(I64, max_size=3),
 )
 stream_infos = st.builds(
     StreamInfo,
@@ -131,6 +136,8 @@ stream_infos = st.builds(
     retention_ms=OPTIONAL_I64,
     retention_bytes=OPTIONAL_I64,
     created_ms=I64,
+    epoch=I64,
+    scaling=TEXT,
 )
 
 POSITIONS = st.dictionaries(I64, OFFSETS, max_size=4)
@@ -192,6 +199,23 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
         options=DETAILS,
     ),
     ListSubscriptions: st.builds(ListSubscriptions, stream=TEXT),
+    ScaleStream: st.builds(ScaleStream, stream=TEXT, segments=st.lists(I64, max_size=3), into=I64),
+    GetScaleHistory: st.builds(GetScaleHistory, stream=TEXT),
+    ScaleHistory: st.builds(
+        ScaleHistory,
+        stream=TEXT,
+        events=st.lists(
+            st.builds(
+                ScaleEventInfo,
+                epoch=I64,
+                at_ms=I64,
+                sealed=POSITIONS,
+                created=st.lists(I64, max_size=3),
+                reason=TEXT,
+            ),
+            max_size=2,
+        ),
+    ),
     DescribeSubscription: st.builds(DescribeSubscription, stream=TEXT, name=TEXT),
     DeleteSubscription: st.builds(DeleteSubscription, stream=TEXT, name=TEXT),
     ResetSubscription: st.builds(
@@ -435,6 +459,7 @@ def test_kinds_are_a_bijection_covering_every_message() -> None:
     # these only travel inside other messages; every other message has a kind of its own
     assert set(Message.__subclasses__()) - set(KINDS.values()) == {
         MemberInfo,
+        ScaleEventInfo,
         SegmentInfo,
         SubscriptionSegment,
         TxnInfo,
