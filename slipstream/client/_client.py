@@ -448,6 +448,11 @@ class AsyncClient:
         identity = None
         if txn is None and (idempotent or transactional_id is not None):
             identity = await self._init_producer(transactional_id)
+
+        async def describe() -> StreamInfo:  # after a scale sealed a segment the core writes
+            self._described[stream] = info = await self.describe_stream(stream)
+            return info
+
         core = ProducerCore(
             self.connection,
             asyncio.get_running_loop(),
@@ -457,6 +462,7 @@ class AsyncClient:
             txn=txn,
             reconnect=self.live_connection,
             eager=txn is None,
+            describe=describe,
             **options,
         )
         self._cores.add(core)

@@ -14,6 +14,15 @@ unacknowledged batch again, in the original order: the broker stores the ones it
 and answers the others with their original offsets, so nothing is lost or duplicated. At most
 ``WINDOW`` batches are in flight, so every retry falls in the broker's window of remembered
 batches.
+
+Scaling (issue 17) is invisible to the producer's user: when a split or merge seals a segment,
+the broker refuses appends to it with SegmentSealed (storing nothing of them). The producer then
+pauses sending, waits for the answers of everything in flight, describes the stream again, and
+re-splits every refused batch, and every batch still buffered for a sealed segment, by key
+over the segments open now, oldest first, ahead of anything newer: each key's events keep
+their send order, none is lost or stored twice. Receipts resolve to where each event finally
+landed. Sequences are per segment, so successors start at 0; a transaction's re-routed
+appends stay in the transaction.
 """
 
 from __future__ import annotations
@@ -23,7 +32,8 @@ import concurrent.futures
 import itertools
 import threading
 import time
-from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -34,6 +44,7 @@ from .._errors import (
     BrokerShuttingDown,
     BrokerUnavailable,
     InvalidArgument,
+    SegmentSealed,
     SlipstreamError,
 )
 from ..format import (
@@ -47,22 +58,79 @@ from ..format import (
     int64_values,
     make_record_batch,
     numpy_array,
+    read_body,
     timestamp_array,
 )
-from ..protocol import Append, AppendAck
+from ..protocol import Append, AppendAck, StreamInfo
 from ..streams import WINDOW, Position, Router, next_sequence
 from ._connection import Connection
+from ._rerouting import KeyRanges, open_ranges, resplit
 
 _EVENT_OVERHEAD = 24  # bytes of Arrow offsets and timestamp per event, for sizing batches
 
 
 class Acknowledgement(concurrent.futures.Future[int]):
     """A batch's acknowledgement (its base offset), resolved on the producer's ``loop``:
-    a receipt knows from it whether waiting would block the very loop that resolves it."""
+    a receipt knows from it whether waiting would block the very loop that resolves it.
+
+    A batch that a sealed segment refused and the producer re-routed resolves to -1 with
+    ``landed`` set: per event, the Position where it was stored or the error that lost it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__()
         self.loop = loop
+        self.landed: list[Position | BaseException] | None = None
+
+
+def _landed(
+    future: concurrent.futures.Future[int], segment: int, base: int, index: int
+) -> Position:
+    """Event ``index`` of a batch sent to ``segment`` whose future resolved to ``base``."""
+    landed = getattr(future, "landed", None)
+    if landed is None:
+        return Position(segment, base + index)
+    outcome: Position | BaseException = landed[index]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
+class _Landing:
+    """Joins the parts of a re-routed batch: once every part is answered, the batch's own
+    future resolves with ``landed`` (see :class:`Acknowledgement`)."""
+
+    __slots__ = ("future", "landed", "on_done", "pending")
+
+    def __init__(
+        self,
+        future: concurrent.futures.Future[int],
+        count: int,
+        parts: int,
+        on_done: Callable[[concurrent.futures.Future[int]], None],
+    ) -> None:
+        self.future = future
+        self.landed: list[Position | BaseException | None] = [None] * count
+        self.pending = parts
+        self.on_done = on_done
+
+    def part_done(
+        self, segment: int, rows: np.ndarray, part: concurrent.futures.Future[int]
+    ) -> None:
+        error = part.exception()
+        for i, row in enumerate(rows.tolist()):
+            if error is not None:
+                self.landed[row] = error
+            else:
+                try:
+                    self.landed[row] = _landed(part, segment, part.result(), i)
+                except BaseException as exc:  # a part of the part was lost
+                    self.landed[row] = exc
+        self.pending -= 1
+        if self.pending == 0:
+            future = self.future
+            future.landed = self.landed  # type: ignore[attr-defined]
+            future.set_result(-1)
+            self.on_done(future)
 
 
 def _check_blocking(future: concurrent.futures.Future[int], timeout: float | None) -> None:
@@ -204,14 +272,14 @@ class Receipt:
 
     def result(self, timeout: float | None = None) -> Position:
         _check_blocking(self._future, timeout)
-        return Position(self._segment, self._future.result(timeout) + self._index)
+        return _landed(self._future, self._segment, self._future.result(timeout), self._index)
 
     def done(self) -> bool:
         return self._future.done()
 
     def __await__(self) -> Generator[Any, None, Position]:
         base = yield from asyncio.wrap_future(self._future).__await__()
-        return Position(self._segment, base + self._index)
+        return _landed(self._future, self._segment, base, self._index)
 
 
 class BulkReceipt:
@@ -225,13 +293,13 @@ class BulkReceipt:
     def result(self, timeout: float | None = None) -> list[Position]:
         for future, _, _ in self._parts:
             _check_blocking(future, timeout)
-        return self._positions(future.result(timeout) for future, _, _ in self._parts)
+        return self._positions([future.result(timeout) for future, _, _ in self._parts])
 
-    def _positions(self, bases: Iterable[int]) -> list[Position]:
+    def _positions(self, bases: Sequence[int]) -> list[Position]:
         out: list[Position | None] = [None] * self.count
-        for base, (_, segment, rows) in zip(bases, self._parts, strict=True):
+        for base, (future, segment, rows) in zip(bases, self._parts, strict=True):
             for i, row in enumerate(rows.tolist()):
-                out[row] = Position(segment, base + i)
+                out[row] = _landed(future, segment, base, i)
         return out  # type: ignore[return-value]
 
     def done(self) -> bool:
@@ -269,6 +337,7 @@ class ProducerCore:
         delivery_timeout: float = 120.0,
         request_timeout: float = 30.0,
         eager: bool = True,
+        describe: Callable[[], Awaitable[StreamInfo]] | None = None,
     ) -> None:
         if identity is not None and not 1 <= max_in_flight <= WINDOW:
             raise InvalidArgument(
@@ -308,6 +377,9 @@ class ProducerCore:
         self.acknowledged = 0
         #: events whose batch failed for good, over the producer's life
         self.failed = 0
+        #: events sent again to successors after a split or merge sealed their segment
+        #: (counted once per re-route), over the producer's life
+        self.rerouted = 0
         # failures not yet raised by flush()/close(): the first error and how many events
         self._unreported: BaseException | None = None
         self._unreported_events = 0
@@ -324,6 +396,9 @@ class ProducerCore:
         self._next_sequence: dict[int, int] = {}
         self._order = itertools.count()
         self._retry: list[_InFlight] = []
+        # refused by a sealed segment: re-routed once everything in flight is answered
+        self._refused: list[_InFlight] = []
+        self._describe = describe
         self._recovery: asyncio.Task[None] | None = None
 
     # --- any thread --------------------------------------------------------------------------
@@ -443,8 +518,9 @@ class ProducerCore:
             key_array = (
                 keys.cast(pa.binary()) if isinstance(keys, pa.Array) else binary_array(encoded)
             )
+            keyless = self._sticky_segment()
             segments = np.fromiter(
-                (self.router.segment_for(k) if k is not None else 0 for k in encoded),
+                (self.router.segment_for(k) if k is not None else keyless for k in encoded),
                 dtype=np.int64,
                 count=count,
             )
@@ -624,8 +700,11 @@ class ProducerCore:
         exc = done.exception()
         if exc is not None and self._retriable(exc, flight):
             self._retry.append(flight)
-            if self._recovery is None:
-                self._recovery = self.loop.create_task(self._recover())
+            self._start_recovery()
+            return
+        if isinstance(exc, SegmentSealed) and self._describe is not None and not self.closed:
+            self._refused.append(flight)  # nothing of it was stored: it goes to the successors
+            self._start_recovery()
             return
         future = flight.future
         self._unacked.discard(future)
@@ -660,14 +739,30 @@ class ProducerCore:
             and time.monotonic() - flight.first_sent < self.delivery_timeout
         )
 
+    def _start_recovery(self) -> None:
+        if self._recovery is None:
+            self._recovery = self.loop.create_task(self._recover())
+
     async def _recover(self) -> None:
-        """After a lost connection: once nothing is in flight, reconnect and send every
-        unacknowledged batch again in its original order, then carry on."""
-        assert self._reconnect is not None
+        """New batches wait while this runs. After a lost connection: once nothing is in
+        flight, reconnect and send every unacknowledged batch again in its original order.
+        After a refusal by a sealed segment: once nothing is in flight (so every batch of that
+        segment is either stored or refused), re-route (:meth:`_reroute`). Repeated until
+        neither is left, then carry on."""
         try:
-            while self._in_flight:  # the rest of the lost connection's batches fail at once
-                await asyncio.sleep(0.001)
-            self.connection = await self._reconnect()
+            while True:
+                while self._in_flight:  # the rest of the lost connection's batches fail at once
+                    await asyncio.sleep(0.001)
+                if self._retry:
+                    assert self._reconnect is not None
+                    self.connection = await self._reconnect()
+                    again, self._retry = sorted(self._retry, key=lambda f: f.order), []
+                    for flight in again:
+                        self._transmit(flight)
+                    continue  # a retry may be refused by a segment sealed meanwhile
+                if not self._refused:
+                    break
+                await self._reroute()
         except (SlipstreamError, asyncio.CancelledError) as exc:
             self._recovery = None
             self._give_up(
@@ -680,13 +775,79 @@ class ProducerCore:
             self._dispatch()  # batches sealed during the recovery go out (or fail) now
             return
         self._recovery = None
-        again, self._retry = sorted(self._retry, key=lambda f: f.order), []
-        for flight in again:
-            self._transmit(flight)
         self._dispatch()
 
+    async def _reroute(self) -> None:
+        """Send what sealed segments refused or still hold to the segments open now.
+
+        Runs with nothing in flight and sending paused, so for each sealed segment the stored
+        batches are a prefix of what was sent, and the refused, sealed and open ones (oldest
+        first) are exactly the rest. Each is decoded and re-split by key; its parts go first
+        in the send queue, and the router changes in the same step, so a key's later events
+        follow its re-routed ones. A batch whose parts fail loses only those parts' events."""
+        assert self._describe is not None
+        refused = {flight.segment for flight in self._refused}
+        for _ in range(200):  # the broker seals before it refuses; this is a safety net
+            info = await self._describe()
+            ranges = open_ranges(info)
+            if not refused & {segment for segment, _, _ in ranges}:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise SegmentSealed(
+                f"segments {sorted(refused)} of {self.stream} refuse appends but are not "
+                "described as sealed",
+                stream=self.stream,
+                segments=sorted(refused),
+            )
+        table = KeyRanges(ranges)
+        moved: list[tuple[pa.RecordBatch, concurrent.futures.Future[int], int]] = []
+        with self._lock:
+            self.router = Router(ranges)
+            open_now = set(table.segments)
+            for flight in sorted(self._refused, key=lambda f: f.order):
+                record = read_body(b"".join(flight.parts))
+                moved.append((record, flight.future, flight.size))
+            self._refused = []
+            kept: list[_Batch | tuple[pa.RecordBatch, int, concurrent.futures.Future[int]]] = []
+            for item in self._sealed:
+                if isinstance(item, _Batch):
+                    if item.segment in open_now:
+                        kept.append(item)
+                    else:
+                        moved.append((item.record_batch(), item.future, item.bytes))
+                elif item[1] in open_now:
+                    kept.append(item)
+                else:
+                    moved.append((item[0], item[2], item[0].nbytes))
+            for batch in self._open_batches():
+                if batch.segment not in open_now:
+                    if batch.keys is None:
+                        self._keyless = None
+                    else:
+                        del self._open[batch.segment]
+                    moved.append((batch.record_batch(), batch.future, batch.bytes))
+            parts: list[tuple[pa.RecordBatch, int, concurrent.futures.Future[int]]] = []
+            for record, future, size in moved:
+                self._buffered -= size
+                self.rerouted += record.num_rows
+                pieces = resplit(record, table, self._sticky_segment())
+                self._sticky += 1
+                landing = _Landing(future, record.num_rows, len(pieces), self._unacked.discard)
+                self._unacked.add(future)  # flush waits for it until its parts are answered
+                for segment, rows, piece in pieces:
+                    part = Acknowledgement(self.loop)
+                    part.add_done_callback(partial(landing.part_done, segment, rows))
+                    self._buffered += piece.nbytes
+                    parts.append((piece, segment, part))
+            self._sealed = [*parts, *kept]
+            for segment in [s for s in self._next_sequence if s not in open_now]:
+                del self._next_sequence[segment]  # a sealed segment takes no more batches
+        self._release(0)
+
     def _give_up(self, error: SlipstreamError) -> None:
-        failed, self._retry = self._retry, []
+        failed, self._retry = self._retry + self._refused, []
+        self._refused = []
         self.error = error
         for flight in failed:
             self._unacked.discard(flight.future)
