@@ -77,7 +77,7 @@ from .client import (
 )
 from .format import Event
 from .protocol import SegmentInfo, StreamInfo
-from .streams import Position, StreamCut
+from .streams import Position, ScalingPolicy, StreamCut
 
 __all__ = [
     "AsyncClient",
@@ -118,6 +118,7 @@ __all__ = [
     "QueueEvent",
     "Reader",
     "Receipt",
+    "ScalingPolicy",
     "SegmentInfo",
     "SegmentNotFound",
     "SegmentSealed",

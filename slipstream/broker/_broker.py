@@ -50,6 +50,11 @@ log = logging.getLogger("slipstream.broker")
 DATA_FORMAT = 1
 
 
+#: how often the automatic scaler looks at the streams' rates (the rules' windows are 10 s
+#: and more: a pass a second answers a step up within about a second of a rule firing)
+SCALING_PASS_S = 1.0
+
+
 class BrokerFailed(Exception):
     """The broker stopped because a background task (a container's group commit or mover,
     retention, transactions) failed; ``__cause__`` is that task's error. ``slipstream up``
@@ -279,6 +284,7 @@ class Broker:
             background.append(
                 loop.create_task(self.service.subscriptions.run(), name="group sessions")
             )
+            background.append(loop.create_task(self._scaling_loop(), name="scaling"))
             background.append(
                 loop.create_task(self.service.subscriptions.queues.run(), name="queue timers")
             )
@@ -345,6 +351,15 @@ class Broker:
 
     def stop(self) -> None:
         self._stop.set()
+
+    async def _scaling_loop(self) -> None:
+        """Automatic scaling: a pass over the streams with a policy every second."""
+        while True:
+            await asyncio.sleep(SCALING_PASS_S)
+            try:
+                await self.controller.autoscale(self.coordinator.touching)
+            except Exception:  # a failed pass (a full disk) is retried, never fatal
+                log.exception("scaling pass failed; will retry")
 
     async def _retention_loop(self) -> None:
         while True:

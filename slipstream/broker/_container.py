@@ -398,6 +398,7 @@ class Container:
 
     def _publish(self, group: list[_Append], addresses: list[JournalAddress]) -> None:
         touched: set[Segment] = set()
+        now_ms = int(asyncio.get_running_loop().time() * 1000)  # monotonic: rates for scaling
         for item, address in zip(group, addresses, strict=True):
             segment, header = item.segment, item.header
             base = segment.next_offset
@@ -412,6 +413,7 @@ class Container:
             segment.journal.append(cached)
             segment.next_offset = cached.next_offset
             segment.note_batch(header.batch_length, header.min_timestamp, header.max_timestamp)
+            segment.rates(now_ms).observe(now_ms, header.event_count, header.batch_length)
             self._cache(cached)
             touched.add(segment)
             if not item.future.done():

@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
 
 from .._errors import (
@@ -37,6 +38,9 @@ from ..streams import (
     MAX_SEGMENTS,
     KeyRange,
     ProducerTable,
+    ScalingPolicy,
+    SegmentLoad,
+    decide,
     merge_ranges,
     split_key_space,
     split_range,
@@ -216,12 +220,29 @@ class Controller:
         return stream
 
     async def create_stream(
-        self, name: str, segments: int, retention_ms: int | None, retention_bytes: int | None
+        self,
+        name: str,
+        segments: int,
+        retention_ms: int | None,
+        retention_bytes: int | None,
+        scaling: str = "",
     ) -> Stream:
         """Create a stream: stored in the catalog (on the catalog thread), then served.
-        Raises InvalidName, InvalidArgument, StreamExists (also when a create of the same
-        name ran first), StorageError / StorageFull when the catalog cannot be written."""
+        ``scaling``: a policy's text (``str(ScalingPolicy)``; "" for none: the segments stay
+        as they are unless scaled by hand); the stream starts with at least its
+        ``min_segments``. Raises InvalidName, InvalidArgument, StreamExists (also when a
+        create of the same name ran first), StorageError / StorageFull when the catalog
+        cannot be written."""
         validate_stream_name(name)
+        if scaling:
+            policy = ScalingPolicy.from_text(scaling)
+            scaling = str(policy)
+            segments = max(segments, policy.min_segments)
+            if segments > policy.segment_limit:
+                raise InvalidArgument(
+                    f"{segments} segments are more than the policy's {policy.segment_limit} "
+                    f"({policy}): create fewer, or raise max_segments"
+                )
         if not 1 <= segments <= MAX_SEGMENTS:
             raise InvalidArgument(f"segments must be between 1 and {MAX_SEGMENTS}, not {segments}")
         for value, what in ((retention_ms, "retention time"), (retention_bytes, "retention bytes")):
@@ -241,6 +262,7 @@ class Controller:
             retention_ms,
             retention_bytes,
             created_ms,
+            scaling,
         )
         stream = Stream(
             record.id,
@@ -253,8 +275,23 @@ class Controller:
                 for r in records
             ],
         )
+        stream.scaling = scaling
         self._register(stream)
-        log.info("created stream %s with %d segments", name, segments)
+        log.info("created stream %s with %d segments (scaling: %s)", name, segments, scaling or "-")
+        return stream
+
+    async def update_scaling(self, name: str, scaling: str) -> Stream:
+        """Change a stream's scaling policy ("" for none), stored before it returns; the
+        automatic scaler applies it from its next pass (its bounds first)."""
+        stream = self.stream(name)
+        if scaling:
+            scaling = str(ScalingPolicy.from_text(scaling))
+        try:
+            await self.in_catalog(self.meta.update_scaling, stream.id, scaling)
+        except StreamNotFound:
+            raise StreamNotFound(f"stream {name!r} was deleted", stream=name) from None
+        stream.scaling = scaling
+        log.info("scaling policy of %s is now %s", name, scaling or "none")
         return stream
 
     async def delete_stream(self, name: str) -> None:
@@ -338,6 +375,8 @@ class Controller:
         async with stream.scale_lock:
             old = [stream.segment(n) for n in numbers]
             ranges = _successor_ranges(stream, old, into)
+            if stream.scaling and reason == "manual":
+                _check_bounds(stream, ScalingPolicy.from_text(stream.scaling), old, ranges)
             epoch = stream.epoch + 1
             first = max(stream.segments) + 1
             base = zlib.crc32(name.encode())
@@ -390,8 +429,10 @@ class Controller:
                 for r in records
             ]
             stream.add_segments(successors)
+            now_ms = int(asyncio.get_running_loop().time() * 1000)
             for segment in successors:
                 self.containers[segment.container].segments[segment.global_id] = segment
+                segment.rates(now_ms)  # measured from its opening (the rules' cool-down)
             for segment in old:
                 segment.sealed, segment.sealing = True, False
                 segment.notify()  # followers at its end learn that it ended
@@ -404,6 +445,44 @@ class Controller:
             [r.number for r in records],
         )
         return stream
+
+    async def autoscale(self, busy: Callable[[Collection[Segment]], bool]) -> int:
+        """One pass of automatic scaling: for every stream with a policy, the decisions of
+        ``streams.decide`` on its open segments' rates, applied one by one with their
+        reasons (see docs/scaling.md). Returns how many scales it made. A decision that no
+        longer applies (the stream was deleted or scaled meanwhile) is logged and skipped."""
+        loop = asyncio.get_running_loop()
+        made = 0
+        for stream in list(self.streams.values()):
+            if not stream.scaling or stream.scale_lock.locked():
+                continue
+            policy = ScalingPolicy.from_text(stream.scaling)
+            now_ms = int(loop.time() * 1000)
+            loads = []
+            for segment in stream.segments.values():
+                if not segment.sealed:
+                    tracker = segment.rates(now_ms)
+                    loads.append(
+                        SegmentLoad(
+                            segment.number,
+                            KeyRange(segment.key_lo, segment.key_hi),
+                            tracker.started_ms,
+                            tracker.rates(now_ms),
+                        )
+                    )
+            for decision in decide(policy, loads, now_ms):
+                stamped = msgspec.structs.replace(decision, at_ms=int(time.time() * 1000))
+                into = len(decision.ranges) if decision.action == "split" else 1
+                try:
+                    await self.scale(
+                        stream.name, decision.segments, into, busy, stamped.to_json().decode()
+                    )
+                except (StreamNotFound, SegmentNotFound, InvalidArgument) as exc:
+                    log.warning("scaling %s skipped: %s", stream.name, exc)
+                    break
+                made += 1
+                log.info("scaled %s automatically: %s", stream.name, decision.reason)
+        return made
 
     def scale_history(self, name: str) -> list[ScaleRecord]:
         """Every split and merge of the stream, oldest first (a catalog read)."""
@@ -688,3 +767,20 @@ def _successor_ranges(stream: Stream, old: list[Segment], into: int) -> list[Key
             f"{MAX_SEGMENTS}: merge first"
         )
     return ranges
+
+
+def _check_bounds(
+    stream: Stream, policy: ScalingPolicy, old: list[Segment], ranges: list[KeyRange]
+) -> None:
+    """A scale by hand stays within the stream's policy (min and max segments)."""
+    after = sum(not s.sealed for s in stream.segments.values()) - len(old) + len(ranges)
+    if after > policy.segment_limit:
+        raise InvalidArgument(
+            f"that makes {after} open segments, above the policy's {policy.segment_limit} "
+            f"({policy}): raise max_segments first (stream update)"
+        )
+    if after < policy.min_segments:
+        raise InvalidArgument(
+            f"that leaves {after} open segments, below the policy's {policy.min_segments} "
+            f"({policy}): lower min_segments first (stream update)"
+        )

@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 
 from ..storage import ChunkRecord, JournalAddress
-from ..streams import ProducerTable
+from ..streams import ProducerTable, RateTracker
 
 
 @dataclass(slots=True, eq=False)
@@ -102,6 +102,13 @@ class Segment:
     #: the mover's next chunk builds on; retention does not touch it
     moved_producers: builtins.bytes | None = None
     _waiter: asyncio.Future[None] | None = None
+    #: its append rates since this broker started it (for automatic scaling; monotonic ms)
+    _rates: RateTracker | None = None
+
+    def rates(self, now_ms: int) -> RateTracker:
+        if self._rates is None:
+            self._rates = RateTracker(now_ms)
+        return self._rates
 
     @property
     def global_id(self) -> int:

@@ -163,9 +163,12 @@ class Service:
         segments: int,
         retention_ms: int | None = None,
         retention_bytes: int | None = None,
+        scaling: str = "",
     ) -> StreamInfo:
-        """Raises StreamExists, InvalidName, InvalidArgument."""
-        stream = await self.controller.create_stream(name, segments, retention_ms, retention_bytes)
+        """Raises StreamExists, InvalidName, InvalidArgument (also a bad scaling policy)."""
+        stream = await self.controller.create_stream(
+            name, segments, retention_ms, retention_bytes, scaling
+        )
         return stream.info()
 
     async def update_stream(
@@ -174,14 +177,19 @@ class Service:
         name: str,
         retention_ms: int | None = None,
         retention_bytes: int | None = None,
+        scaling: str | None = None,
     ) -> StreamInfo:
-        """Change a stream's retention. For each limit: None leaves it as it is, 0 removes it
+        """Change a stream's retention and/or scaling policy (``scaling``: a policy's text,
+        "" for none, None to leave it). For each limit: None leaves it as it is, 0 removes it
         (keep forever / no size limit), a positive value replaces it. Stored in the catalog
         before it returns (a restart keeps it); the next retention pass applies it, and what
         an earlier pass removed stays removed. Raises StreamNotFound, InvalidName,
         InvalidArgument (a negative or too large limit), StorageError / StorageFull."""
-        stream = await self.controller.update_retention(name, retention_ms, retention_bytes)
-        return stream.info()
+        if scaling is not None:
+            await self.controller.update_scaling(name, scaling)
+        if scaling is None or retention_ms is not None or retention_bytes is not None:
+            await self.controller.update_retention(name, retention_ms, retention_bytes)
+        return self.controller.stream(name).info()
 
     async def delete_stream(self, caller: Caller, name: str) -> None:
         """Delete a stream, its data and its subscriptions; its followers get StreamNotFound,

@@ -459,12 +459,14 @@ class Session(asyncio.BufferedProtocol):
         service, caller = self.service, self.caller
         assert caller is not None
         match message:
-            case CreateStream(name, segments, retention_ms, retention_bytes):
+            case CreateStream(name, segments, retention_ms, retention_bytes, scaling):
                 return await service.create_stream(
-                    caller, name, segments, retention_ms, retention_bytes
+                    caller, name, segments, retention_ms, retention_bytes, scaling
                 )
-            case UpdateStream(name, retention_ms, retention_bytes):
-                return await service.update_stream(caller, name, retention_ms, retention_bytes)
+            case UpdateStream(name, retention_ms, retention_bytes, scaling):
+                return await service.update_stream(
+                    caller, name, retention_ms, retention_bytes, scaling
+                )
             case DeleteStream(name):
                 await service.delete_stream(caller, name)
                 return Done()

@@ -78,7 +78,7 @@ from ..protocol import (
     TxnPositions,
     UpdateStream,
 )
-from ..streams import Router, StreamCut, parse_duration_ms, parse_size_bytes
+from ..streams import Router, ScalingPolicy, StreamCut, parse_duration_ms, parse_size_bytes
 from ._connection import DEFAULT_ADDRESS, Connection
 from ._consumer import (
     AsyncConsumer,
@@ -210,6 +210,13 @@ def _queue_options(given: Mapping[str, Any]) -> dict[str, Any]:
     return options
 
 
+def _policy_text(scaling: ScalingPolicy | str) -> str:
+    """A policy for the wire: its compact text (checked here when given as text)."""
+    if isinstance(scaling, ScalingPolicy):
+        return str(scaling)
+    return str(ScalingPolicy.from_text(scaling)) if scaling else ""
+
+
 def _router(info: StreamInfo) -> Router:
     return Router([(s.number, s.key_lo, s.key_hi) for s in info.segments if not s.sealed])
 
@@ -320,16 +327,27 @@ class AsyncClient:
         retention_time: str | int | dt.timedelta | None = None,
         retention_bytes: str | int | None = None,
         exist_ok: bool = False,
+        scaling: ScalingPolicy | str | None = None,
     ) -> StreamInfo:
-        """Create ``scope/name`` with a fixed number of segments. ``retention_time`` ("7d",
+        """Create ``scope/name`` with ``segments`` segments. ``retention_time`` ("7d",
         milliseconds or a timedelta) and ``retention_bytes`` ("10GiB" or bytes) bound how much
         history is kept; without them, everything is kept. Raises StreamExists, InvalidName.
+
+        ``scaling``: a ``ScalingPolicy`` (``ScalingPolicy.by_event_rate(5000, scale_factor=2,
+        min_segments=1)``, ``by_byte_rate(...)``, ``fixed(n)``): the broker then splits hot
+        segments and merges cold neighbours by itself (docs/scaling.md); the stream starts
+        with at least ``min_segments``. Without one, segments change only by hand
+        (:meth:`scale_stream`).
 
         ``exist_ok=True``: a stream of that name that exists already is returned as it is
         (its segments and retention are not compared or changed), so a program that creates
         its streams can run again."""
         request = CreateStream(
-            name, segments, _retention_ms(retention_time), _retention_bytes(retention_bytes)
+            name,
+            segments,
+            _retention_ms(retention_time),
+            _retention_bytes(retention_bytes),
+            "" if scaling is None else _policy_text(scaling),
         )
         try:
             reply = await self._request(request)
@@ -346,8 +364,10 @@ class AsyncClient:
         *,
         retention_time: str | int | dt.timedelta | None = None,
         retention_bytes: str | int | None = None,
+        scaling: ScalingPolicy | str | None = None,
     ) -> StreamInfo:
-        """Change the retention of an existing stream; returns the stream as it is now.
+        """Change the retention or the scaling policy (``scaling``; "" removes it, None
+        leaves it) of an existing stream; returns the stream as it is now.
         Same units as :meth:`create_stream` ("7d", milliseconds or a timedelta; "10GiB" or
         bytes). A limit left None stays as it is; ``retention_time="forever"`` and
         ``retention_bytes="unlimited"`` (or 0) remove that limit. The broker stores the
@@ -355,7 +375,10 @@ class AsyncClient:
         pass: shrinking a limit removes the old chunks then, and data already removed never
         comes back. Raises StreamNotFound, InvalidArgument (a bad or negative limit)."""
         request = UpdateStream(
-            name, _retention_change_ms(retention_time), _retention_change_bytes(retention_bytes)
+            name,
+            _retention_change_ms(retention_time),
+            _retention_change_bytes(retention_bytes),
+            None if scaling is None else _policy_text(scaling),
         )
         reply = await self._request(request)
         assert isinstance(reply, StreamInfo)
@@ -996,9 +1019,11 @@ class Client:
         retention_time: str | int | dt.timedelta | None = None,
         retention_bytes: str | int | None = None,
         exist_ok: bool = False,
+        scaling: ScalingPolicy | str | None = None,
     ) -> StreamInfo:
         """Create ``scope/name``; see :meth:`AsyncClient.create_stream` (``exist_ok=True``
-        returns an existing stream instead of raising StreamExists)."""
+        returns an existing stream instead of raising StreamExists; ``scaling``: a
+        ``ScalingPolicy`` that splits and merges its segments by load)."""
         return self._loop.run(
             self._async.create_stream(
                 name,
@@ -1006,6 +1031,7 @@ class Client:
                 retention_time=retention_time,
                 retention_bytes=retention_bytes,
                 exist_ok=exist_ok,
+                scaling=scaling,
             )
         )
 
@@ -1015,12 +1041,17 @@ class Client:
         *,
         retention_time: str | int | dt.timedelta | None = None,
         retention_bytes: str | int | None = None,
+        scaling: ScalingPolicy | str | None = None,
     ) -> StreamInfo:
-        """Change a stream's retention; see :meth:`AsyncClient.update_stream` (None keeps a
-        limit, "forever" / "unlimited" or 0 removes it)."""
+        """Change a stream's retention or scaling policy; see :meth:`AsyncClient.update_stream`
+        (None keeps a limit or the policy, "forever" / "unlimited" or 0 removes a limit, ""
+        removes the policy)."""
         return self._loop.run(
             self._async.update_stream(
-                name, retention_time=retention_time, retention_bytes=retention_bytes
+                name,
+                retention_time=retention_time,
+                retention_bytes=retention_bytes,
+                scaling=scaling,
             )
         )
 

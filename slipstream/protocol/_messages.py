@@ -37,6 +37,9 @@ class CreateStream(Message, frozen=True):
     segments: int
     retention_ms: int | None = None
     retention_bytes: int | None = None
+    #: a scaling policy's text (``str(ScalingPolicy)``: "events 5000/s factor 2 min 1"); ""
+    #: for none
+    scaling: str = ""
 
 
 class DeleteStream(Message, frozen=True):
@@ -46,14 +49,16 @@ class DeleteStream(Message, frozen=True):
 
 
 class UpdateStream(Message, frozen=True):
-    """Change a stream's retention -> ``StreamInfo``. For each limit: nil leaves it as it
-    is, 0 removes it (keep forever / no size limit), a positive value replaces it. The
-    change is stored in the catalog before the answer and applies from the next retention
-    pass on; data already removed does not come back."""
+    """Change a stream's retention or scaling policy -> ``StreamInfo``. For each limit: nil
+    leaves it as it is, 0 removes it (keep forever / no size limit), a positive value
+    replaces it. The change is stored in the catalog before the answer and applies from the
+    next retention (or scaling) pass on; data already removed does not come back."""
 
     name: str
     retention_ms: int | None = None
     retention_bytes: int | None = None
+    #: a new scaling policy's text ("" removes it); nil leaves it as it is
+    scaling: str | None = None
 
 
 class ListStreams(Message, frozen=True):

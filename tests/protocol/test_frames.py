@@ -273,12 +273,17 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
         segments=I64,
         retention_ms=OPTIONAL_I64,
         retention_bytes=OPTIONAL_I64,
+        scaling=TEXT,
     ),
     DeleteStream: st.builds(DeleteStream, name=TEXT),
     ListStreams: st.builds(ListStreams, scope=st.none() | TEXT),
     DescribeStream: st.builds(DescribeStream, name=TEXT),
     UpdateStream: st.builds(
-        UpdateStream, name=TEXT, retention_ms=OPTIONAL_I64, retention_bytes=OPTIONAL_I64
+        UpdateStream,
+        name=TEXT,
+        retention_ms=OPTIONAL_I64,
+        retention_bytes=OPTIONAL_I64,
+        scaling=st.none() | TEXT,
     ),
     Append: st.builds(Append, stream=TEXT, segment=I64, txn=OPTIONAL_I64),
     GetCut: st.builds(GetCut, stream=TEXT, at=TEXT, timestamp_ms=OPTIONAL_I64),
