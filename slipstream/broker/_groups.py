@@ -58,7 +58,7 @@ from ..protocol import (
     TxnPositions,
 )
 from ..storage import PositionCommit, QueueOptions, SubscriptionRecord
-from ..streams import assign, validate_subscription_name
+from ..streams import SegmentProgress, assign, assignable, validate_subscription_name
 from ._queues import Queues
 
 if TYPE_CHECKING:
@@ -112,10 +112,21 @@ class Group:
         return max(self.record.positions.get(segment, start), start)
 
     def target(self) -> dict[int, int]:
-        """Which member should hold each segment (balanced, sticky to the holders)."""
+        """Which member should hold each segment (balanced, sticky to the holders), among
+        those the read order allows (``streams.assignable``): a successor only once every
+        predecessor is committed to its end; a sealed segment committed to its end is no
+        longer held by anyone."""
         members = {str(m): m for m in self.members}
         current = {s: str(m) for s, m in self.holder.items()}
-        return {s: members[m] for s, m in assign(self.stream.segments, members, current).items()}
+        ready = assignable(
+            {
+                number: SegmentProgress(
+                    tuple(s.predecessors), s.sealed, self.position(number), s.next_offset
+                )
+                for number, s in self.stream.segments.items()
+            }
+        )
+        return {s: members[m] for s, m in assign(ready, members, current).items()}
 
     def view(self, member: Member) -> tuple[int, frozenset[int], frozenset[int]]:
         """What ``member`` should do now; grants it the free segments it is the target of."""
@@ -455,6 +466,9 @@ class Subscriptions:
         group.record = msgspec.structs.replace(
             group.record, positions={**group.record.positions, **positions}
         )
+        segments = group.stream.segments
+        if any(segments[s].sealed and p >= segments[s].next_offset for s, p in positions.items()):
+            group.wake()  # a sealed segment read to its end: its successors may be assigned
         self.queues.drop(group)  # a queue's dispatcher starts again from the new floors
 
     def _check_positions(self, stream: Stream, positions: Mapping[int, int]) -> None:

@@ -895,8 +895,9 @@ class AsyncReader:
                 delivery = await self._queue.get()
                 if delivery.error is not None:
                     raise delivery.error
-                if delivery.payload is None:
+                if delivery.payload is None:  # its end; successors may follow
                     remaining.discard(delivery.segment)
+                    remaining.update(delivery.opened)
                     continue
                 for item in decode_delivery(delivery, self.core):
                     yield item
@@ -1491,8 +1492,9 @@ class Reader:
                 delivery = self._queue.get()
                 if delivery.error is not None:
                     raise delivery.error
-                if delivery.payload is None:
+                if delivery.payload is None:  # its end; successors may follow
                     remaining.discard(delivery.segment)
+                    remaining.update(delivery.opened)
                     continue
                 yield from decode_delivery(delivery, self.core)
                 self._loop.call(self.core.grant, delivery.segment, len(delivery.payload))

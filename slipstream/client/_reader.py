@@ -8,10 +8,11 @@ holds. Every batch's CRC32C is checked here again: end-to-end, not just on the b
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,12 +24,15 @@ from ..format import check_event_schema, iter_batches, numpy_array, read_body
 from ..protocol import (
     Credit,
     Data,
+    DescribeStream,
     Follow,
     FollowEnded,
     FollowFailed,
     GetCut,
     Message,
     Payload,
+    SegmentInfo,
+    StreamInfo,
     Unfollow,
 )
 from ..streams import StreamCut, relative_time_ms
@@ -41,12 +45,14 @@ MIN_SEGMENT_CREDIT = 1024 * 1024
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
-    """What the loop hands to the consuming side: one Data payload, or a segment's end, or an
-    error."""
+    """What the loop hands to the consuming side: one Data payload, or a segment's end (with
+    the segments that became readable), or an error."""
 
     segment: int
     payload: Payload | None = None
     error: SlipstreamError | None = None
+    #: with a segment's end: the segments its end made readable, now followed
+    opened: tuple[int, ...] = ()
 
 
 def parse_start(start: Start) -> tuple[str, int | None, StreamCut | None]:
@@ -80,7 +86,25 @@ def parse_start(start: Start) -> tuple[str, int | None, StreamCut | None]:
 
 
 class ReaderCore:
-    """Runs on the loop: resolves positions, opens follows, routes pushes to ``deliver``."""
+    """Runs on the loop: resolves positions, opens follows, routes pushes to ``deliver``.
+
+    Read order across scaling: a segment is followed only once it is *readable*, that is not
+    finished and every predecessor finished (:meth:`SegmentGraph.readable`). A segment is
+    finished when its start is at or past its end (a sealed segment's end, or the end cut's
+    position), or when its follow ended. A follow of a sealed segment ends at the seal
+    (``FollowEnded``); the core then describes the stream again (successors may have appeared
+    after it opened) and follows the successors that became readable, from their start. So a
+    key's events arrive in append order across any splits and merges: everything of a
+    predecessor is delivered before anything of its successors.
+
+    A segment's end is delivered (``Delivery(segment, opened=...)``) only after the segments
+    it made readable are registered and before their follows are requested, so a consumer
+    that adds ``opened`` to the segments it waits for never stops early.
+
+    Credit: each follow gets a share of ``CREDIT_BYTES`` (at least ``MIN_SEGMENT_CREDIT``); a
+    follow opened later gets what the live follows leave, so the total stays within
+    ``max(CREDIT_BYTES, live follows x MIN_SEGMENT_CREDIT)``.
+    """
 
     def __init__(
         self,
@@ -100,13 +124,43 @@ class ReaderCore:
         self.sub_ids: dict[int, int] = {}
         #: per segment, the offset the next delivered batch must hold
         self.positions: dict[int, int] = {}
+        #: every segment of every epoch, as last described
+        self.segments: dict[int, SegmentInfo] = {}
+        #: segments read to their end (or with nothing to read)
+        self.finished: set[int] = set()
+        #: live follows -> the credit each was opened with
+        self._credit: dict[int, int] = {}
+        #: follows that ended, whose successors are still to be looked up
+        self._ended: list[int] = []
+        self._advancing: asyncio.Task[None] | None = None
 
     async def _cut(self, at: str, timestamp_ms: int | None = None) -> dict[int, int]:
         reply, _ = await self.connection.request(GetCut(self.stream, at, timestamp_ms))
         return dict(reply.positions)  # type: ignore[attr-defined]
 
+    async def _describe(self) -> None:
+        reply, _ = await self.connection.request(DescribeStream(self.stream))
+        assert isinstance(reply, StreamInfo)
+        self.segments = {s.number: s for s in reply.segments}
+
+    def _ancestors(self, numbers: Collection[int]) -> set[int]:
+        seen: set[int] = set()
+        stack = [p for n in numbers if n in self.segments for p in self.segments[n].predecessors]
+        while stack:
+            number = stack.pop()
+            if number not in seen and number in self.segments:
+                seen.add(number)
+                stack.extend(self.segments[number].predecessors)
+        return seen
+
     async def open(self) -> list[int]:
-        """Resolve the start and end, open a follow per segment; returns the segments read."""
+        """Resolve the start and end, open a follow per readable segment; returns them.
+
+        A StreamCut (or a resolved start) names a position per segment; segments it does not
+        name are finished if they precede one it names (a cut taken before or after any
+        scale), else read from their start. With an end cut, a segment ends at the cut's
+        position, one that precedes a segment of the cut at its own end, and any other has
+        nothing to read."""
         kind, timestamp_ms, cut = self.start_spec
         if cut is not None:
             if cut.stream != self.stream:
@@ -114,26 +168,77 @@ class ReaderCore:
             self.starts = dict(cut.positions)
         else:
             self.starts = await self._cut(kind, timestamp_ms)
-        if self.end is not None:
-            if self.end.stream != self.stream:
-                raise InvalidArgument(
-                    f"end StreamCut is for {self.end.stream!r}, not {self.stream!r}"
-                )
-            self.ends = {s: self.end.positions.get(s, self.starts[s]) for s in self.starts}
-        else:
-            self.ends = dict.fromkeys(self.starts)
-        segments = [s for s in self.starts if self.ends[s] is None or self.ends[s] > self.starts[s]]  # type: ignore[operator]
-        credit = max(MIN_SEGMENT_CREDIT, CREDIT_BYTES // max(1, len(segments)))
+        if self.end is not None and self.end.stream != self.stream:
+            raise InvalidArgument(f"end StreamCut is for {self.end.stream!r}, not {self.stream!r}")
+        await self._describe()
+        self.finished = self._ancestors(self.starts.keys()) - self.starts.keys()
+        segments = self._follow(self._readable())
+        await self._request(segments)
+        return segments
+
+    def _end_of(self, segment: int) -> int | None:
+        """Where reading ``segment`` stops (None: at its tail, for ever)."""
+        if self.end is None:
+            return None
+        cut = self.end.positions
+        if segment in cut:
+            return cut[segment]
+        if segment in self._ancestors(cut.keys()):
+            return self.segments[segment].end_offset  # sealed: read it all
+        return self.starts[segment]  # after the end cut: nothing to read
+
+    def _readable(self) -> list[int]:
+        """The segments to follow now, their starts and ends resolved; those with nothing to
+        read are finished on the way (which may make their successors readable)."""
+        readable: list[int] = []
+        for number in sorted(self.segments):  # predecessors have lower numbers
+            info = self.segments[number]
+            if (
+                number in self.finished
+                or number in self.sub_ids
+                or not all(p in self.finished for p in info.predecessors)
+            ):
+                continue
+            self.starts.setdefault(number, info.start_offset)
+            if number not in self.ends:
+                self.ends[number] = self._end_of(number)
+            end = self.ends[number]
+            if end is None and info.sealed:
+                end = info.end_offset
+            if end is not None and self.starts[number] >= end:
+                self.finished.add(number)
+            else:
+                readable.append(number)
+        return readable
+
+    def _follow(self, segments: list[int]) -> list[int]:
+        """Register follows for ``segments`` (their pushes are routed from now on); returns
+        them; :meth:`_request` then asks the broker for them."""
+        if segments:
+            held = sum(self._credit.values())
+            share = min(
+                CREDIT_BYTES // (len(self._credit) + len(segments)),
+                (CREDIT_BYTES - held) // len(segments),
+            )
+            for segment in segments:
+                sub_id = next(self.connection.follow_ids)
+                self.sub_ids[segment] = sub_id
+                self._credit[segment] = max(MIN_SEGMENT_CREDIT, share)
+                self.connection.follows[sub_id] = self._handler(segment)
+        return segments
+
+    async def _request(self, segments: list[int]) -> None:
         for segment in segments:
-            sub_id = next(self.connection.follow_ids)
-            self.sub_ids[segment] = sub_id
-            self.connection.follows[sub_id] = self._handler(segment)
             await self.connection.request(
                 Follow(
-                    sub_id, self.stream, segment, self.starts[segment], self.ends[segment], credit
+                    self.sub_ids[segment],
+                    self.stream,
+                    segment,
+                    self.starts[segment],
+                    self.ends[segment],
+                    self._credit[segment],
                 )
             )
-        return segments
 
     def _handler(self, segment: int) -> Callable[[Message | SlipstreamError, Payload], None]:
         def handle(message: Message | SlipstreamError, payload: Payload) -> None:
@@ -141,7 +246,10 @@ class ReaderCore:
                 self.deliver(Delivery(segment, payload))
             elif isinstance(message, FollowEnded):
                 self.connection.follows.pop(message.sub_id, None)
-                self.deliver(Delivery(segment))
+                self._credit.pop(segment, None)
+                self._ended.append(segment)
+                if self._advancing is None or self._advancing.done():
+                    self._advancing = asyncio.get_running_loop().create_task(self._advance())
             elif isinstance(message, FollowFailed):
                 self.connection.follows.pop(message.sub_id, None)
                 self.deliver(
@@ -155,12 +263,32 @@ class ReaderCore:
 
         return handle
 
+    async def _advance(self) -> None:
+        """Segments whose follows ended are finished: deliver their ends with the segments
+        that became readable, then follow those. Owned by the core (``close`` cancels it)."""
+        while self._ended:
+            ended, self._ended = self._ended, []
+            try:
+                self.finished.update(ended)
+                await self._describe()  # successors may be newer than what the reader knew
+                opened = self._follow(self._readable())
+                for i, segment in enumerate(ended):
+                    self.deliver(Delivery(segment, opened=tuple(opened) if i == 0 else ()))
+                await self._request(opened)
+            except SlipstreamError as exc:
+                self.deliver(Delivery(ended[0], error=exc))
+                return
+
     def grant(self, segment: int, credit: int) -> None:
         sub_id = self.sub_ids.get(segment)
         if sub_id is not None and sub_id in self.connection.follows:
             self.connection.send_oneway(Credit(sub_id, credit))
 
     async def close(self) -> None:
+        if self._advancing is not None:
+            self._advancing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._advancing
         for sub_id in self.sub_ids.values():
             if self.connection.follows.pop(sub_id, None) is not None:
                 with contextlib.suppress(SlipstreamError):  # already gone with the connection
