@@ -99,6 +99,7 @@ class Group:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     deleted: str | None = None  # why it is gone (deleted, its stream deleted)
+    epoch: int = 0  # the stream's epoch when the group last looked (a scale changes targets)
 
     def wake(self) -> None:
         """Answer every waiting poll: something changed for someone."""
@@ -166,10 +167,16 @@ class Subscriptions:
         return len(self.groups)
 
     async def run(self) -> None:
-        """Remove members whose session expired (they stopped polling), forever."""
+        """Remove members whose session expired (they stopped polling), and wake the groups
+        of a stream that scaled (a sealed segment may be complete already, successors may be
+        assignable), forever."""
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(EXPIRY_CHECK_S)
+            for group in self.groups.values():
+                if group.epoch != group.stream.epoch:
+                    group.epoch = group.stream.epoch
+                    group.wake()
             now = loop.time()
             for member in [
                 m for m in self.members.values() if now - m.last_seen > m.session_timeout

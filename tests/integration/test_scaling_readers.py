@@ -232,3 +232,39 @@ def test_a_group_of_two_reads_every_event_in_each_keys_order_while_the_stream_sc
             firsts[key].append(sequence)
     for key, sequences in firsts.items():
         assert sequences == sorted(sequences), f"key {key}: {sequences}"
+
+
+def test_a_sealed_segment_waits_with_its_backlog_and_is_released_once_committed_to_its_end(
+    client: slipstream.Client,
+) -> None:
+    client.create_stream("sr/backlog", segments=1)
+    client.create_subscription("sr/backlog", "app")
+    appender = Appender(client, "sr/backlog")
+    appender.produce(300)
+    client.scale_stream("sr/backlog", split=0, into=2)
+    appender.produce(100)
+
+    def rows() -> dict[int, tuple[int, int, int, int]]:
+        info = client.describe_subscription("sr/backlog", "app")
+        return {
+            s.segment: (s.position, s.end_offset, s.backlog_events, s.owner) for s in info.segments
+        }
+
+    before = rows()
+    assert before[0] == (0, 300, 300, 0)  # the sealed segment: end minus position
+    assert before[1][2] + before[2][2] == 100
+    with client.consumer("sr/backlog", "app", commit="manual") as consumer:
+        wait_for(lambda: consumer.assignment == {0})  # successors wait for 0
+        events: list[Event] = []
+        while len(events) < 300:
+            events.extend(consumer.poll(0.05))
+        assert {e.segment for e in events} == {0}
+        consumer.commit()  # 0 read to its end: released, its successors granted
+        wait_for(lambda: consumer.assignment == {1, 2})
+        while len(events) < 400:
+            events.extend(consumer.poll(0.05))
+        consumer.commit()
+    check_order_and_completeness(events, appender.sent)
+    after = rows()
+    assert after[0] == (300, 300, 0, 0)
+    assert all(after[s][2] == 0 for s in (1, 2))
