@@ -80,6 +80,7 @@ from ..streams import Router
 if TYPE_CHECKING:
     from ._controller import Stream
     from ._groups import Group, Member, Subscriptions
+    from ._segment import Segment
     from ._service import Caller
 
 log = logging.getLogger("slipstream.queues")
@@ -226,6 +227,21 @@ class Dispatcher:
         self.changed.set()
         self.changed = asyncio.Event()
 
+    def _may_read(self, segment: Segment) -> bool:
+        """key_ordered_queue: a successor of a scale is read only once every predecessor is
+        settled to its end, so two events of one key (one on each side of the scale) are
+        never out at once or out of order. A plain queue reads every segment at once."""
+        if self.group.record.mode != "key_ordered_queue":
+            return True
+        stream = self.group.stream
+        for number in segment.predecessors:
+            predecessor, queue = stream.segments.get(number), self.segments.get(number)
+            if predecessor is None or queue is None:
+                continue  # gone with retention or its stream: nothing left to settle
+            if not predecessor.sealed or queue.floor < predecessor.next_offset:
+                return False
+        return True
+
     def close(self) -> None:
         self.closed = True
         self.wake()
@@ -246,7 +262,7 @@ class Dispatcher:
             if self.closed or self.ready_count() >= want:
                 return
             segment = self.group.stream.segments.get(queue.number)
-            if segment is None or queue.reading.locked():
+            if segment is None or queue.reading.locked() or not self._may_read(segment):
                 continue
             if segment.start_offset > queue.floor:
                 queue.skip_to(segment.start_offset)
