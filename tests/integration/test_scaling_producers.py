@@ -245,3 +245,36 @@ def test_a_transaction_open_across_scales_commits_every_event_once_in_order(
             assert core.rerouted > 0 and core.failed == 0
     assert client.describe_stream(stream).epoch == 9
     check_history(broker, client, stream, sent, {})
+
+
+def test_a_transaction_writing_again_to_a_segment_whose_scale_waits_for_it_aborts(
+    client: slipstream.Client, broker: BrokerProcess
+) -> None:
+    """The documented limit: the scale waits for the transaction (it staged into segment 0),
+    and the transaction's next batch for segment 0 is refused until the scale ends, so the
+    producer gives up, the transaction aborts, nothing of it is visible, and the scale ends."""
+    stream = "scp/txn-wait"
+    client.create_stream(stream, segments=1)
+    scaled: list[StreamInfo] = []
+    with broker.client() as operator:
+        txn = client.transaction("scp-wait")
+        txn.send(stream, b"staged", key="a")
+        txn.flush()
+        scaler = threading.Thread(
+            target=lambda: scaled.append(operator.scale_stream(stream, split=0))
+        )
+        scaler.start()
+        for _ in range(400):  # staged until the scale starts sealing, then refused
+            txn.send(stream, b"more", key="a")
+            try:
+                txn.flush()
+            except slipstream.SegmentSealed:
+                break
+            threading.Event().wait(0.01)
+        else:
+            pytest.fail("the transaction's appends were never refused")
+        with pytest.raises(slipstream.TransactionAborted):
+            txn.commit()
+        scaler.join(30)
+    assert scaled and scaled[0].epoch == 1
+    assert check_history(broker, client, stream, {}, {}) == {}
