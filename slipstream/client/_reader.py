@@ -189,14 +189,15 @@ class ReaderCore:
 
     def _readable(self) -> list[int]:
         """The segments to follow now, their starts and ends resolved; those with nothing to
-        read are finished on the way (which may make their successors readable)."""
+        read are finished on the way (which may make their successors readable). A
+        predecessor the stream no longer lists (its data deleted) holds nothing back."""
         readable: list[int] = []
         for number in sorted(self.segments):  # predecessors have lower numbers
             info = self.segments[number]
             if (
                 number in self.finished
                 or number in self.sub_ids
-                or not all(p in self.finished for p in info.predecessors)
+                or not all(p in self.finished or p not in self.segments for p in info.predecessors)
             ):
                 continue
             self.starts.setdefault(number, info.start_offset)
@@ -277,6 +278,10 @@ class ReaderCore:
                 await self._request(opened)
             except SlipstreamError as exc:
                 self.deliver(Delivery(ended[0], error=exc))
+                return
+            except Exception as exc:  # a bug: the reader must fail, not wait for ever
+                error = SlipstreamError(f"the reader could not follow the successors: {exc!r}")
+                self.deliver(Delivery(ended[0], error=error))
                 return
 
     def grant(self, segment: int, credit: int) -> None:
