@@ -10,6 +10,7 @@ Every event's value is its key's sequence number, so a key's events as read must
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import defaultdict
@@ -158,6 +159,29 @@ def test_a_stream_cut_taken_before_the_scales_reads_what_came_after_it_in_order(
         assert got.get(key, []) == list(range(before.get(key, 0), count)), key
     with client.reader("sr/cut", start=client.tail("sr/cut"), end=client.tail("sr/cut")) as r:
         assert list(r) == []  # the end of every epoch: nothing left
+
+
+def test_the_asyncio_reader_follows_successors_in_order_too(
+    client: slipstream.Client, broker: BrokerProcess
+) -> None:
+    client.create_stream("sr/async", segments=2)
+    appender = Appender(client, "sr/async")
+    appender.produce(10)
+
+    async def read(count: int) -> list[Event]:
+        async with slipstream.connect_async(broker.address) as aclient:
+            events: list[Event] = []
+            async with aclient.reader("sr/async", start="earliest") as reader:
+                async for event in reader:  # a tail reader opened before the scales
+                    events.append(event)
+                    if len(events) == 10:
+                        await asyncio.to_thread(split_split_merge, client, "sr/async", appender)
+                    if len(events) == count:
+                        return events
+            return events
+
+    events = asyncio.run(asyncio.wait_for(read(10 + 4 * PER_PHASE), 60))
+    check_order_and_completeness(events, appender.sent)
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
