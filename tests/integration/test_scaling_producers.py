@@ -278,3 +278,45 @@ def test_a_transaction_writing_again_to_a_segment_whose_scale_waits_for_it_abort
         scaler.join(30)
     assert scaled and scaled[0].epoch == 1
     assert check_history(broker, client, stream, {}, {}) == {}
+
+
+def test_an_idempotent_producer_resending_after_a_kill_follows_a_scale_done_meanwhile(
+    client: slipstream.Client, broker: BrokerProcess
+) -> None:
+    """kill -9 with batches in flight, a scale as soon as the broker is back: the producer's
+    retries are stored once (answered with their offsets) or refused and re-routed, in
+    order, whichever comes first."""
+    stream = "scp/kill"
+    client.create_stream(stream, segments=2)
+    receipts: dict[bytes, slipstream.Receipt] = {}
+    sent: dict[str, list[bytes]] = defaultdict(list)
+    stop = threading.Event()
+    with broker.client() as writer, writer.producer(stream, linger_ms=2) as producer:
+
+        def produce() -> None:
+            for i in itertools.count():
+                if stop.is_set():
+                    return
+                key = KEYS[(i * 5) % len(KEYS)]
+                value = b"%s:%d" % (key.encode(), len(sent[key]))
+                sent[key].append(value)
+                receipts[value] = producer.send(value, key=key)
+                if i % 50 == 0:
+                    threading.Event().wait(0.001)
+
+        thread = threading.Thread(target=produce)
+        thread.start()
+        try:
+            for _ in range(3):
+                threading.Event().wait(0.2)
+                broker.restart()
+                with broker.client() as operator:
+                    info = operator.describe_stream(stream)
+                    operator.scale_stream(stream, split=live_segments(info)[0].number)
+        finally:
+            stop.set()
+            thread.join(60)
+    positions = {value: receipt.result() for value, receipt in receipts.items()}
+    assert producer.core.failed == 0 and producer.core.rerouted > 0
+    assert producer.acknowledged == sum(len(v) for v in sent.values())
+    check_history(broker, client, stream, sent, positions)
