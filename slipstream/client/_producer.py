@@ -354,6 +354,9 @@ class ProducerCore:
         self.loop = loop
         self.stream = stream
         self.router = router
+        # the open segments by key range, as of the last re-route (send_many checks against it)
+        self._routed = frozenset(router.segments)
+        self._ranges: KeyRanges | None = None
         self.linger = linger_ms / 1000
         self.batch_bytes = batch_bytes
         self.compression = compression
@@ -552,14 +555,22 @@ class ProducerCore:
                 # Each batch gets its own headers column: a slice of one big null list array
                 # would drag the whole array's offsets into the IPC body.
                 record = make_record_batch(*part)
-                future: concurrent.futures.Future[int] = Acknowledgement(self.loop)
-                size = record.nbytes
                 with self._lock:
                     self._wait_for_space()
-                    self._buffered += size
-                    self._sealed.append((record, target, future))
+                    pieces: list[tuple[int, np.ndarray | None, pa.RecordBatch]]
+                    if segment is None or target in self._routed:
+                        pieces = [(target, None, record)]
+                    else:  # routed before a re-route sealed the segment: sent after it, so
+                        # queued after the re-routed batches, it must go to the successors now
+                        assert self._ranges is not None  # only a re-route changes the routing
+                        pieces = list(resplit(record, self._ranges, self._sticky_segment()))
+                    for piece_segment, picked, piece in pieces:
+                        future: concurrent.futures.Future[int] = Acknowledgement(self.loop)
+                        self._buffered += piece.nbytes
+                        self._sealed.append((piece, piece_segment, future))
+                        piece_rows = chunk_rows if picked is None else chunk_rows[picked]
+                        parts.append((future, piece_segment, piece_rows))
                     self._wake()
-                parts.append((future, target, chunk_rows))
         return BulkReceipt(parts)
 
     def _sticky_segment(self) -> int:
@@ -804,7 +815,8 @@ class ProducerCore:
         moved: list[tuple[pa.RecordBatch, concurrent.futures.Future[int], int]] = []
         with self._lock:
             self.router = Router(ranges)
-            open_now = set(table.segments)
+            self._routed = open_now = frozenset(table.segments)
+            self._ranges = table
             for flight in sorted(self._refused, key=lambda f: f.order):
                 record = read_body(b"".join(flight.parts))
                 moved.append((record, flight.future, flight.size))

@@ -320,3 +320,43 @@ def test_an_idempotent_producer_resending_after_a_kill_follows_a_scale_done_mean
     assert producer.core.failed == 0 and producer.core.rerouted > 0
     assert producer.acknowledged == sum(len(v) for v in sent.values())
     check_history(broker, client, stream, sent, positions)
+
+
+def test_send_many_routed_just_before_a_re_route_goes_to_the_successors(
+    client: slipstream.Client, broker: BrokerProcess
+) -> None:
+    """``send_many`` routes its keys before it takes the producer's lock; a re-route in between
+    (another thread's batch refused) must not let its batch reach the sealed segment after
+    the same thread's next batch reached a successor. Simulated by handing it the router from
+    before the scale."""
+    stream = "scp/stale"
+    client.create_stream(stream, segments=1)
+    sent: dict[str, list[bytes]] = defaultdict(list)
+    positions: dict[bytes, slipstream.Position] = {}
+
+    def batch_of(round_: int) -> tuple[list[bytes], list[str]]:
+        keys = [KEYS[(round_ * 3 + i) % len(KEYS)] for i in range(200)]
+        values = []
+        for key in keys:
+            values.append(b"%s:%d" % (key.encode(), len(sent[key])))
+            sent[key].append(values[-1])
+        return values, keys
+
+    with client.producer(stream, linger_ms=50) as producer:
+        stale = producer.core.router
+        client.scale_stream(stream, split=0, into=3)
+        values, keys = batch_of(0)
+        positions.update(zip(values, producer.send_many(values, keys=keys).result(), strict=True))
+        assert producer.core.rerouted == 200 and producer.core.router is not stale
+        receipts = []
+        for round_ in range(1, 6):
+            current = producer.core.router
+            producer.core.router = stale  # as read by a thread just before the re-route
+            values, keys = batch_of(round_)
+            receipts.append((values, producer.send_many(values, keys=keys)))
+            producer.core.router = current
+            values, keys = batch_of(round_ + 100)
+            receipts.append((values, producer.send_many(values, keys=keys)))
+        for values, receipt in receipts:
+            positions.update(zip(values, receipt.result(), strict=True))
+    check_history(broker, client, stream, sent, positions)
