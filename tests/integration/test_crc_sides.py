@@ -31,6 +31,7 @@ from slipstream.protocol import (
     CreateStream,
     Cut,
     Data,
+    DescribeStream,
     Done,
     Error,
     Follow,
@@ -40,6 +41,7 @@ from slipstream.protocol import (
     GetCut,
     Hello,
     Message,
+    SegmentInfo,
     StreamInfo,
     Unfollow,
     Welcome,
@@ -138,6 +140,9 @@ class FakeBroker:
                 yield Welcome(PROTOCOL_VERSION, "fake", 8 * 1024 * 1024), cid, []
             case GetCut(stream, "earliest"):
                 yield Cut(stream, {0: 0}), cid, []
+            case DescribeStream(stream):  # the reader's segment graph: one open segment
+                segment = SegmentInfo(0, 0, 0, 2**64 - 1, False, 0, self.next_offset, 0, None, None)
+                yield StreamInfo(stream, [segment], None, None, 0), cid, []
             case Follow(sub_id, stream, 0, 0, end_offset) if stream == self.stream:
                 yield Done(), cid, []
                 yield Data(sub_id), 0, [self.served]

@@ -161,6 +161,25 @@ def test_a_stream_cut_taken_before_the_scales_reads_what_came_after_it_in_order(
         assert list(r) == []  # the end of every epoch: nothing left
 
 
+def test_cuts_that_name_only_open_segments_bound_and_start_reads_across_epochs(
+    client: slipstream.Client,
+) -> None:
+    """A cut naming only the segments open at its time (as one stored by an older client):
+    as an end, the segments before them are read to their ends; as a start, they are done."""
+    client.create_stream("sr/open-cut", segments=2)
+    appender = Appender(client, "sr/open-cut")
+    split_split_merge(client, "sr/open-cut", appender)
+    open_now = {2, 5, 6}
+    tail = client.tail("sr/open-cut")
+    end = StreamCut("sr/open-cut", {s: p for s, p in tail.positions.items() if s in open_now})
+    with client.reader("sr/open-cut", start="earliest", end=end) as reader:
+        check_order_and_completeness(list(reader), appender.sent)
+    appender.produce(300)
+    start = StreamCut("sr/open-cut", dict(end.positions))
+    with client.reader("sr/open-cut", start=start, end=client.tail("sr/open-cut")) as reader:
+        assert len(list(reader)) == 300  # only what came after the cut
+
+
 def test_the_asyncio_reader_follows_successors_in_order_too(
     client: slipstream.Client, broker: BrokerProcess
 ) -> None:
