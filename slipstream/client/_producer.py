@@ -774,6 +774,8 @@ class ProducerCore:
                 if not self._refused:
                     break
                 await self._reroute()
+                if self._reconnect is not None:  # describing may have dialled again
+                    self.connection = await self._reconnect()
         except (SlipstreamError, asyncio.CancelledError) as exc:
             self._recovery = None
             self._give_up(
@@ -798,19 +800,30 @@ class ProducerCore:
         follow its re-routed ones. A batch whose parts fail loses only those parts' events."""
         assert self._describe is not None
         refused = {flight.segment for flight in self._refused}
-        for _ in range(200):  # the broker seals before it refuses; this is a safety net
-            info = await self._describe()
+        # The broker refuses from the moment a scale starts sealing (it then waits for the
+        # segments' appends to be durable and their transactions to end); the description
+        # shows the successors once the scale is recorded. Wait for that, like for a broker
+        # that is away, up to delivery_timeout.
+        deadline = min(f.first_sent for f in self._refused) + self.delivery_timeout
+        while True:
+            try:
+                info = await self._describe()
+            except (BrokerUnavailable, BrokerShuttingDown):
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.05)
+                continue
             ranges = open_ranges(info)
             if not refused & {segment for segment, _, _ in ranges}:
                 break
-            await asyncio.sleep(0.05)
-        else:
-            raise SegmentSealed(
-                f"segments {sorted(refused)} of {self.stream} refuse appends but are not "
-                "described as sealed",
-                stream=self.stream,
-                segments=sorted(refused),
-            )
+            if time.monotonic() >= deadline:
+                raise SegmentSealed(
+                    f"segments {sorted(refused)} of {self.stream} refuse appends and no scale "
+                    f"replaced them within delivery_timeout ({self.delivery_timeout:g} s)",
+                    stream=self.stream,
+                    segments=sorted(refused),
+                )
+            await asyncio.sleep(0.02)
         table = KeyRanges(ranges)
         moved: list[tuple[pa.RecordBatch, concurrent.futures.Future[int], int]] = []
         with self._lock:

@@ -257,7 +257,7 @@ def test_a_transaction_writing_again_to_a_segment_whose_scale_waits_for_it_abort
     client.create_stream(stream, segments=1)
     scaled: list[StreamInfo] = []
     with broker.client() as operator:
-        txn = client.transaction("scp-wait")
+        txn = client.transaction("scp-wait", delivery_timeout=2)
         txn.send(stream, b"staged", key="a")
         txn.flush()
         scaler = threading.Thread(
