@@ -69,11 +69,12 @@ def check_history(
     broker: BrokerProcess,
     client: slipstream.Client,
     stream: str,
-    sent: dict[str, list[bytes]],
+    sent: dict[str | None, list[bytes]],
     positions: dict[bytes, slipstream.Position],
 ) -> Stored:
     """Every sent event stored exactly once, each key's events in send order through the
-    graph, each receipt's position where its event is. Returns what is stored."""
+    graph (keyless ones, under None, in any order), each receipt's position where its event
+    is. Returns what is stored."""
     info = client.describe_stream(stream)
     stored: Stored = {}
     by_key: dict[bytes | None, list[bytes]] = defaultdict(list)
@@ -87,7 +88,10 @@ def check_history(
     assert expected - stored.keys() == set(), "acknowledged events missing"
     assert stored.keys() - expected == set(), "events stored that were never sent"
     for key, values in sent.items():
-        assert by_key[key.encode()] == values, f"{key}: out of send order across segments"
+        if key is None:
+            assert sorted(by_key[None]) == sorted(values)
+        else:
+            assert by_key[key.encode()] == values, f"{key}: out of send order across segments"
     for value, position in positions.items():
         assert stored[value][1] == position, f"the receipt of {value!r} names {position}"
     return stored
@@ -119,12 +123,12 @@ def scale_around(client: slipstream.Client, stream: str, rounds: int, pause: flo
 def send_while_scaling(
     client: slipstream.Client,
     stream: str,
-    send: Callable[[str, bytes], None],
+    send: Callable[[str | None, bytes], None],
     rounds: int = 7,
-) -> dict[str, list[bytes]]:
+) -> dict[str | None, list[bytes]]:
     """``send(key, value)`` in a thread, continuously, while the stream scales ``rounds``
-    times; returns what was sent per key, in order."""
-    sent: dict[str, list[bytes]] = defaultdict(list)
+    times, one event in nine keyless (key None); returns what was sent per key, in order."""
+    sent: dict[str | None, list[bytes]] = defaultdict(list)
     stop = threading.Event()
     failure: list[BaseException] = []
 
@@ -133,8 +137,8 @@ def send_while_scaling(
             for i in itertools.count():
                 if stop.is_set() and i % len(KEYS) == 0:
                     return
-                key = KEYS[(i * 7) % len(KEYS)]
-                value = b"%s:%d" % (key.encode(), len(sent[key]))
+                key = None if i % 9 == 0 else KEYS[(i * 7) % len(KEYS)]
+                value = b"%s:%d" % (str(key).encode(), len(sent[key]))
                 sent[key].append(value)
                 send(key, value)
                 if i % 50 == 0:
@@ -162,7 +166,7 @@ def test_a_producer_sending_through_splits_and_merges_loses_and_reorders_nothing
     receipts: dict[bytes, slipstream.Receipt] = {}
     with client.producer(stream, idempotent=idempotent, linger_ms=2) as producer:
 
-        def send(key: str, value: bytes) -> None:
+        def send(key: str | None, value: bytes) -> None:
             receipts[value] = producer.send(value, key=key)
 
         sent = send_while_scaling(client, stream, send)
@@ -183,7 +187,7 @@ def test_bulk_sends_of_an_asyncio_producer_land_where_their_receipts_say(
 ) -> None:
     stream = "scp/bulk"
     client.create_stream(stream, segments=1)
-    sent: dict[str, list[bytes]] = defaultdict(list)
+    sent: dict[str | None, list[bytes]] = defaultdict(list)
     positions: dict[bytes, slipstream.Position] = {}
 
     async def main() -> None:
@@ -224,7 +228,7 @@ def test_a_transaction_open_across_scales_commits_every_event_once_in_order(
     starts from this client's description of the stream, stale by then: refused again."""
     stream = "scp/txn"
     client.create_stream(stream, segments=2)
-    sent: dict[str, list[bytes]] = defaultdict(list)
+    sent: dict[str | None, list[bytes]] = defaultdict(list)
     rng = random.Random(5)
     with broker.client() as operator:
         for txn_round in range(3):
@@ -289,7 +293,7 @@ def test_an_idempotent_producer_resending_after_a_kill_follows_a_scale_done_mean
     stream = "scp/kill"
     client.create_stream(stream, segments=2)
     receipts: dict[bytes, slipstream.Receipt] = {}
-    sent: dict[str, list[bytes]] = defaultdict(list)
+    sent: dict[str | None, list[bytes]] = defaultdict(list)
     stop = threading.Event()
     with broker.client() as writer, writer.producer(stream, linger_ms=2) as producer:
 
@@ -331,7 +335,7 @@ def test_send_many_routed_just_before_a_re_route_goes_to_the_successors(
     before the scale."""
     stream = "scp/stale"
     client.create_stream(stream, segments=1)
-    sent: dict[str, list[bytes]] = defaultdict(list)
+    sent: dict[str | None, list[bytes]] = defaultdict(list)
     positions: dict[bytes, slipstream.Position] = {}
 
     def batch_of(round_: int) -> tuple[list[bytes], list[str]]:
