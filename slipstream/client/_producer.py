@@ -253,7 +253,9 @@ class _InFlight:
 
 class Receipt:
     """The outcome of one ``send``: ``result()`` blocks until the event is acknowledged and
-    returns its Position; ``await receipt`` does the same in asyncio code.
+    returns its Position; ``await receipt`` does the same in asyncio code. If a split or
+    merge sealed the segment first, the event went to the successor owning its key, and the
+    Position is there.
 
     An acknowledgement means the broker has made the event durable (with the broker's default
     ``fsync=always``: on stable storage). If the batch failed, ``result()`` raises the typed
@@ -858,6 +860,10 @@ class ProducerCore:
                 self.rerouted += record.num_rows
                 pieces = resplit(record, table, self._sticky_segment())
                 self._sticky += 1
+                if not pieces:  # no events: nothing to wait for
+                    future.landed = []  # type: ignore[attr-defined]
+                    future.set_result(-1)
+                    continue
                 landing = _Landing(future, record.num_rows, len(pieces), self._unacked.discard)
                 self._unacked.add(future)  # flush waits for it until its parts are answered
                 for segment, rows, piece in pieces:
