@@ -35,9 +35,11 @@ WORKLOADS = [
     "streams",
     "storage",
     "consumers",
+    "scaling",
 ]
-#: not run unless named: bench/consumers.py loads gigabytes and takes 5 to 10 minutes
-OPT_IN = {"consumers"}
+#: not run unless named: bench/consumers.py loads gigabytes and takes 5 to 10 minutes;
+#: bench/scaling.py waits 300 s for a merge and takes about 8 minutes
+OPT_IN = {"consumers", "scaling"}
 SIZES = {
     "full": {
         "p1k": 200_000,
@@ -568,10 +570,10 @@ def main(argv: list[str] | None = None) -> int:
                 sizes["disk_bytes"],
                 sizes["fsync_iterations"],
             )
-        timed = only - {"machine", "streams", "transactions", "storage", "consumers"}
+        timed = only - {"machine", "streams", "transactions", "storage", "consumers", "scaling"}
         if "jetstream" in peers and timed:
             results["jetstream"] = run_jetstream(root, sizes, only, args)
-        if "slipstream" in peers and only - {"machine", "storage", "consumers"}:
+        if "slipstream" in peers and only - {"machine", "storage", "consumers", "scaling"}:
             results["slipstream"] = run_slipstream(root, sizes, only, args)
         if "storage" in only:  # bytes on disk per event, both peers (bench/storage.py)
             import storage
@@ -584,6 +586,11 @@ def main(argv: list[str] | None = None) -> int:
 
             print("consumers: subscriptions, groups and queues (bench/consumers.py)")
             attempt(results, "consumers", consumers.measure, root / "consumers", args.quick, peers)
+        if "scaling" in only and "slipstream" in peers:  # elastic streams (bench/scaling.py)
+            import scaling
+
+            print("scaling: a rate ramp on an elastic stream (bench/scaling.py)")
+            attempt(results, "scaling", scaling.measure, root / "scaling", args.quick)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results["meta"]["load_after"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -599,6 +606,10 @@ def main(argv: list[str] | None = None) -> int:
         import consumers
 
         consumers.print_report(results["consumers"], results["consumers"]["rows"])
+    if "rows" in results.get("scaling", {}):
+        import scaling
+
+        scaling.print_report(results["scaling"])
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
         print(f"results written to {args.json}")
