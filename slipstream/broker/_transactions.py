@@ -418,7 +418,12 @@ class Coordinator:
             raise TransactionAborted(
                 f"transaction {txn_id} is {txn.state}; no more events may join it", txn_id=txn_id
             )
-        if segment.sealed or segment.sealing:
+        # a sealing segment still takes a transaction that staged into it already: the scale
+        # waits for that transaction to end anyway, and refusing it would leave it nowhere to
+        # send (the successors open only after the scale)
+        if segment.sealed or (
+            segment.sealing and not any(s.segment is segment for s in txn.staged)
+        ):
             raise sealed_error(segment)
         entry = [_STAGED.pack(txn_id, segment.global_id), batch]
         future = asyncio.get_running_loop().run_in_executor(self._io, self._write, txn_id, [entry])
