@@ -213,6 +213,7 @@ class SegmentSealed(SlipstreamError):
 
     code = "segment_sealed"
 
+
 class SubscriptionNotFound(SlipstreamError):
     """No subscription of that name on the stream; ``details`` name stream and subscription."""
 
