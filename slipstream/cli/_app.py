@@ -15,6 +15,7 @@ from rich.markup import escape
 
 from .._errors import BrokerUnavailable, SlipstreamError
 from ..broker import FSYNC_MODES, ConnectionLimits
+from ..protocol import StreamInfo
 from ..streams import parse_size_bytes
 from ._common import BrokerOption, connect, err, examples, out, print_json
 from ._subscriptions import subscription_app
@@ -139,41 +140,113 @@ StreamName = Annotated[str, typer.Argument(help="Stream name: scope/name, e.g. d
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")]
 
 
+ScaleByEvents = Annotated[
+    str | None,
+    typer.Option(
+        help="Scale by load: aim at this many events per second per segment (5000/s, 5k/s); "
+        "hot segments split, cold neighbours merge (docs/scaling.md).",
+        show_default=False,
+    ),
+]
+ScaleByBytes = Annotated[
+    str | None,
+    typer.Option(
+        help="Scale by load: aim at this many stored bytes per second per segment (2MiB/s).",
+        show_default=False,
+    ),
+]
+ScaleFactor = Annotated[
+    int | None,
+    typer.Option(
+        help="The most successors one split makes (2 or more; default 2).", show_default=False
+    ),
+]
+MinSegments = Annotated[
+    int | None,
+    typer.Option(
+        help="Never fewer open segments (default 1); a new stream starts with this many.",
+        show_default=False,
+    ),
+]
+MaxSegments = Annotated[
+    int | None,
+    typer.Option(help="Never more open segments (default: the limit, 1024).", show_default=False),
+]
+
+
+def _policy_text(info: StreamInfo) -> str:
+    return f", scaling {info.scaling}" if info.scaling else ""
+
+
 @stream_app.command(
     "create",
     epilog=examples(
         "slipstream stream create demo/orders --segments 4",
         "slipstream stream create demo/clicks --retention-time 7d --retention-bytes 10GiB",
+        "slipstream stream create demo/events --scale-by-events 5000/s --scale-factor 2 "
+        "--min-segments 1 --max-segments 64",
+        "slipstream stream create demo/blobs --scale-by-bytes 2MiB/s",
     ),
 )
 def stream_create(
     name: StreamName,
     segments: Annotated[
-        int, typer.Option("--segments", "-s", help="Segments (parallelism; keys are spread).")
-    ] = 1,
+        int | None,
+        typer.Option(
+            "--segments",
+            "-s",
+            help="Segments (parallelism; keys are spread). Default 1; they change only by hand "
+            "('slipstream stream scale') unless a --scale-by option is given.",
+            show_default=False,
+        ),
+    ] = None,
     retention_time: Annotated[
         str | None, typer.Option(help="Keep events this long: 90s, 15m, 12h, 7d, 1h30m.")
     ] = None,
     retention_bytes: Annotated[
         str | None, typer.Option(help="Keep at most this much data: 512MiB, 10GiB, 1TB.")
     ] = None,
+    scale_by_events: ScaleByEvents = None,
+    scale_by_bytes: ScaleByBytes = None,
+    scale_factor: ScaleFactor = None,
+    min_segments: MinSegments = None,
+    max_segments: MaxSegments = None,
     as_json: JsonFlag = False,
     broker: BrokerOption = "",
 ) -> None:
-    """Create a stream. Without retention options it keeps everything."""
+    """Create a stream. Without retention options it keeps everything; without a --scale-by
+    option its segments change only by hand."""
+    from ..streams import policy_from_options
     from ._streams import retention_text, stream_dict
 
+    by_rate = scale_by_events is not None or scale_by_bytes is not None
+    policy = policy_from_options(
+        # --segments alone is a segment count, not fixed(n): a stream without a policy scales
+        # by hand freely; with a rate option it is refused (use --min-segments)
+        segments=segments if by_rate else None,
+        scale_by_events=scale_by_events,
+        scale_by_bytes=scale_by_bytes,
+        scale_factor=scale_factor,
+        min_segments=min_segments,
+        max_segments=max_segments,
+    )
     with connect(broker) as client:
         info = client.create_stream(
-            name, segments, retention_time=retention_time, retention_bytes=retention_bytes
+            name,
+            1 if segments is None else segments,
+            retention_time=retention_time,
+            retention_bytes=retention_bytes,
+            scaling=policy,
         )
     if as_json:
         print_json(stream_dict(info))
     else:
         err.print(
             f"created [bold cyan]{escape(info.name)}[/]: {len(info.segments)} segment"
-            f"{'s' if len(info.segments) != 1 else ''}, retention {retention_text(info)}",
+            f"{'s' if len(info.segments) != 1 else ''}, retention {retention_text(info)}"
+            f"{escape(_policy_text(info))}",
             highlight=False,
+            soft_wrap=True,
         )
 
 
@@ -183,6 +256,9 @@ def stream_create(
         "slipstream stream update demo/orders --retention-time 7d --retention-bytes 10GiB",
         "slipstream stream update demo/orders --retention-time forever",
         "slipstream stream update demo/orders --retention-bytes unlimited --json",
+        "slipstream stream update demo/orders --scale-by-events 5000/s --max-segments 64",
+        "slipstream stream update demo/orders --segments 8",
+        "slipstream stream update demo/orders --no-scaling",
     ),
 )
 def stream_update(
@@ -199,29 +275,73 @@ def stream_update(
             help="Keep at most this much data: 512MiB, 10GiB, 1TB; 'unlimited' removes the limit."
         ),
     ] = None,
+    scale_by_events: ScaleByEvents = None,
+    scale_by_bytes: ScaleByBytes = None,
+    scale_factor: ScaleFactor = None,
+    min_segments: MinSegments = None,
+    max_segments: MaxSegments = None,
+    segments: Annotated[
+        int | None,
+        typer.Option(
+            "--segments",
+            "-s",
+            help="Keep exactly this many open segments (the policy fixed(n)); the broker "
+            "splits or merges to get there.",
+            show_default=False,
+        ),
+    ] = None,
+    no_scaling: Annotated[
+        bool,
+        typer.Option(
+            "--no-scaling",
+            help="Remove the scaling policy: segments stay as they are and change only by hand.",
+        ),
+    ] = False,
     as_json: JsonFlag = False,
     broker: BrokerOption = "",
 ) -> None:
-    """Change a stream's retention. An option left out keeps that limit as it is. The
-    broker applies the new limits at its next retention pass (--retention-check-seconds of
-    'slipstream up'): shrinking one removes the old data then, for good."""
+    """Change a stream's retention or scaling policy. An option left out keeps that limit
+    or the policy as it is; a --scale-by option replaces the whole policy (options not given
+    take their defaults). The broker applies new limits at its next retention pass
+    (--retention-check-seconds of 'slipstream up'): shrinking one removes the old data then,
+    for good. A new policy applies from the broker's next scaling pass (within a second or
+    so), its bounds first."""
+    from .._errors import InvalidArgument
+    from ..streams import ScalingPolicy, policy_from_options
     from ._streams import retention_text, stream_dict
 
-    if retention_time is None and retention_bytes is None:
+    policy: ScalingPolicy | str | None = policy_from_options(
+        segments=segments,
+        scale_by_events=scale_by_events,
+        scale_by_bytes=scale_by_bytes,
+        scale_factor=scale_factor,
+        min_segments=min_segments,
+        max_segments=max_segments,
+    )
+    if no_scaling:
+        if policy is not None:
+            raise InvalidArgument(
+                "--no-scaling removes the policy; leave out --segments and the --scale options"
+            )
+        policy = ""
+    if retention_time is None and retention_bytes is None and policy is None:
         raise typer.BadParameter(
-            "nothing to change: give --retention-time, --retention-bytes or both",
+            "nothing to change: give --retention-time, --retention-bytes or both, or a scaling "
+            "option (--scale-by-events, --scale-by-bytes, --segments, --no-scaling)",
             param_hint="'--retention-time' / '--retention-bytes'",
         )
     with connect(broker) as client:
         info = client.update_stream(
-            name, retention_time=retention_time, retention_bytes=retention_bytes
+            name, retention_time=retention_time, retention_bytes=retention_bytes, scaling=policy
         )
     if as_json:
         print_json(stream_dict(info))
     else:
         err.print(
-            f"updated [bold cyan]{escape(info.name)}[/]: retention {retention_text(info)}",
+            f"updated [bold cyan]{escape(info.name)}[/]: retention {retention_text(info)}"
+            f"{escape(_policy_text(info) or ', no scaling policy')}",
             highlight=False,
+            soft_wrap=True,
         )
 
 
@@ -248,20 +368,133 @@ def stream_list(
 @stream_app.command(
     "describe",
     epilog=examples(
-        "slipstream stream describe demo/orders", "slipstream stream describe demo/orders --json"
+        "slipstream stream describe demo/orders",
+        "slipstream stream describe demo/orders --json",
+        "slipstream stream describe demo/orders --history",
+        "slipstream stream describe demo/orders --history --json",
     ),
 )
-def stream_describe(name: StreamName, as_json: JsonFlag = False, broker: BrokerOption = "") -> None:
+def stream_describe(
+    name: StreamName,
+    history: Annotated[
+        bool,
+        typer.Option(
+            "--history",
+            help="Show the epochs over time instead: when each split or merge happened, which "
+            "segments it sealed (with their end offsets) and opened, which segment owned which "
+            "key range, and why (by hand, or the rule with its rates and threshold).",
+        ),
+    ] = False,
+    as_json: JsonFlag = False,
+    broker: BrokerOption = "",
+) -> None:
     """Show a stream's segments: key-hash ranges (hex), events, offsets, bytes, first and
-    last event times. Events counts what is retained: end offset minus start offset."""
-    from ._streams import describe_table, stream_dict
+    last event times. Events counts what is retained: end offset minus start offset. Once
+    the stream has scaled, segments of every epoch are listed: a sealed one's End is its final
+    end, and From/to names its predecessors (<-) and successors (->)."""
+    from ._streams import describe_table, history_dict, history_text, stream_dict
 
     with connect(broker) as client:
         info = client.describe_stream(name)
-    if as_json:
+        events = client.scale_history(name) if history else []
+    if history:
+        document = history_dict(info, events)
+        if as_json:
+            print_json(document)
+        else:
+            out.print(history_text(document), highlight=False)
+    elif as_json:
         print_json(stream_dict(info))
     else:
         out.print(describe_table(info))
+
+
+@stream_app.command(
+    "scale",
+    epilog=examples(
+        "slipstream stream scale demo/orders --split 0",
+        "slipstream stream scale demo/orders --split 0 --into 4",
+        "slipstream stream scale demo/orders --merge 2 3",
+        "slipstream stream scale demo/orders --merge 2,3,4 --json",
+    ),
+)
+def stream_scale(
+    name: StreamName,
+    split: Annotated[
+        int | None,
+        typer.Option(help="Split this open segment into --into successors.", show_default=False),
+    ] = None,
+    into: Annotated[int, typer.Option(help="How many successors a split makes (2 or more).")] = 2,
+    merge: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Merge these adjacent open segments into one: --merge 2 3 or --merge 2,3.",
+            show_default=False,
+        ),
+    ] = None,
+    more: Annotated[list[str] | None, typer.Argument(hidden=True)] = None,
+    as_json: JsonFlag = False,
+    broker: BrokerOption = "",
+) -> None:
+    """Split or merge segments by hand. The old segments are sealed and their successors
+    opened in a new epoch, in one step (also across a broker crash); producers and readers
+    follow by themselves and every key keeps its order. Under a scaling policy the result must
+    stay within its --min-segments and --max-segments."""
+    from .._errors import InvalidArgument
+    from ._streams import stream_dict
+
+    segments = _merge_segments(merge, more)
+    if (split is None) == (segments is None):
+        raise InvalidArgument(
+            "give --split SEGMENT [--into N] or --merge SEGMENT SEGMENT [...]; "
+            "'slipstream stream describe NAME' lists the segments"
+        )
+    if segments is not None and len(segments) < 2:
+        raise InvalidArgument(
+            f"--merge needs two or more adjacent segments, got {len(segments)}; "
+            "to divide one, use --split"
+        )
+    with connect(broker) as client:
+        if split is not None:
+            info = client.scale_stream(name, split=split, into=into)
+        else:
+            info = client.scale_stream(name, merge=segments)
+    created = [s for s in info.segments if s.epoch == info.epoch]
+    if as_json:
+        document = stream_dict(info)
+        document["opened"] = [s.number for s in created]
+        print_json(document)
+        return
+    sealed = str(split) if split is not None else ", ".join(str(n) for n in segments or [])
+    opened = ", ".join(f"{s.number} ({s.key_lo:016x}-{s.key_hi:016x})" for s in created)
+    err.print(
+        f"scaled [bold cyan]{escape(info.name)}[/] to epoch {info.epoch}: sealed {sealed}, "
+        f"opened {escape(opened)}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def _merge_segments(merge: list[str] | None, more: list[str] | None) -> list[int] | None:
+    """``--merge 2 3``, ``--merge 2,3`` or ``--merge 2 --merge 3`` -> [2, 3]: click options
+    take one value, so the numbers after the first arrive as extra arguments."""
+    from .._errors import InvalidArgument
+
+    if merge is None:
+        if more:
+            raise InvalidArgument(
+                f"unexpected {' '.join(more)!r}: segments to merge follow --merge, e.g. --merge 2 3"
+            )
+        return None
+    numbers = []
+    for text in [*merge, *(more or [])]:
+        for part in text.split(","):
+            if not part.strip().isdigit():
+                raise InvalidArgument(
+                    f"--merge takes segment numbers, got {part.strip()!r}; e.g. --merge 2 3"
+                )
+            numbers.append(int(part))
+    return numbers
 
 
 @stream_app.command(

@@ -1,15 +1,20 @@
-"""``slipstream stream create | list | describe | delete``: rendering stream metadata."""
+"""``slipstream stream create | list | describe | scale | delete``: rendering stream metadata
+and its scale history."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from rich import box
 from rich.table import Table
 from rich.text import Text
 
 from slipstream import SegmentInfo, StreamInfo
 
+from .._errors import InvalidArgument
+from ..protocol import ScaleEventInfo
+from ..streams import ScalingDecision
 from ._common import human_bytes, human_duration_ms, iso_ms
 
 
@@ -26,6 +31,8 @@ def stream_dict(info: StreamInfo) -> dict[str, Any]:
         "retention_bytes": info.retention_bytes,
         "created_ms": info.created_ms,
         "created": iso_ms(info.created_ms),
+        "epoch": info.epoch,
+        "scaling": info.scaling,
     }
 
 
@@ -42,6 +49,7 @@ def segment_dict(segment: SegmentInfo) -> dict[str, Any]:
         "bytes": segment.bytes,
         "first_timestamp": segment.first_timestamp,
         "last_timestamp": segment.last_timestamp,
+        "predecessors": segment.predecessors,
     }
 
 
@@ -85,20 +93,38 @@ def streams_table(infos: list[StreamInfo]) -> Table:
     return table
 
 
+def _successors(info: StreamInfo) -> dict[int, list[int]]:
+    successors: dict[int, list[int]] = {}
+    for segment in info.segments:
+        for predecessor in segment.predecessors:
+            successors.setdefault(predecessor, []).append(segment.number)
+    return successors
+
+
+def _numbers(numbers: list[int]) -> str:
+    return ", ".join(str(n) for n in numbers)
+
+
 def describe_table(info: StreamInfo) -> Table:
     """One row per segment: its key-hash range in hex (both ends inclusive), the events and
-    bytes it retains, its offsets and the times of its first and last retained events. Epoch
-    and state columns appear once a stream has scaled (an epoch above 0, a sealed segment)."""
-    scaled = any(s.epoch or s.sealed for s in info.segments)
+    bytes it retains, its offsets and the times of its first and last retained events. Once a
+    stream has scaled (an epoch above 0, a sealed segment) each row also says its epoch, whether
+    it is open or sealed (a sealed segment's End is its final end) and the segments it came
+    from (``<- 0``) or went to (``-> 2, 3``)."""
+    scaled = info.epoch > 0 or any(s.epoch or s.sealed for s in info.segments)
+    successors = _successors(info)
+    policy = f", scaling {info.scaling}" if info.scaling else ""
     title = Text.assemble(
         (info.name, "bold cyan"),
         f"  created {iso_ms(info.created_ms)}, retention {retention_text(info)}",
+        f", epoch {info.epoch}{policy}" if scaled or info.scaling else policy,
     )
     table = Table(title=title, title_justify="left", show_footer=True, box=box.SIMPLE_HEAD)
     table.add_column("Segment", "total", justify="right")
     if scaled:
         table.add_column("Epoch", justify="right")
         table.add_column("State")
+        table.add_column("From/to", no_wrap=True)
     table.add_column("Key hashes (hex)", no_wrap=True)
     table.add_column(
         "Events",
@@ -113,7 +139,15 @@ def describe_table(info: StreamInfo) -> Table:
     table.add_column("First event", no_wrap=True)
     table.add_column("Last event", no_wrap=True)
     for s in info.segments:
-        scaling = [str(s.epoch), "sealed" if s.sealed else "open"] if scaled else []
+        scaling: list[str | Text] = []
+        if scaled:
+            links = []
+            if s.predecessors:
+                links.append(f"<- {_numbers(s.predecessors)}")
+            if s.number in successors:
+                links.append(f"-> {_numbers(successors[s.number])}")
+            state = Text("sealed", "dim") if s.sealed else Text("open", "green")
+            scaling = [str(s.epoch), state, "  ".join(links) or "-"]
         table.add_row(
             str(s.number),
             *scaling,
@@ -126,3 +160,145 @@ def describe_table(info: StreamInfo) -> Table:
             iso_ms(s.last_timestamp) or "-",
         )
     return table
+
+
+# --- scale history ------------------------------------------------------------------------------
+
+
+def _key_range(segment: SegmentInfo) -> str:
+    return f"{segment.key_lo:016x}-{segment.key_hi:016x}"
+
+
+def _reason_dict(reason: str) -> dict[str, Any]:
+    """A scale event's stored reason as data: ``{"rule": "manual"}`` for one by hand, the
+    decoded :class:`ScalingDecision` for one the broker decided, and ``{"rule": "unknown",
+    "text": ...}`` for text that is neither (a newer broker's form), shown as it is."""
+    if reason in ("", "manual"):
+        return {"rule": "manual", "reason": "scaled by hand"}
+    try:
+        decision = ScalingDecision.from_json(reason)
+    except InvalidArgument:
+        return {"rule": "unknown", "reason": reason}
+    document: dict[str, Any] = msgspec.to_builtins(decision)
+    return document
+
+
+def history_dict(info: StreamInfo, events: list[ScaleEventInfo]) -> dict[str, Any]:
+    """The ``describe --history`` document: one entry per epoch, oldest first, each with when
+    it began, what it did (``create``, ``split``, ``merge``), the segments it sealed (with their
+    end offsets) and opened, every segment that owned keys in it (in key order, with its
+    range) and why (``reason``: the decoded decision, or ``{"rule": "manual"}``)."""
+    segments = {s.number: s for s in info.segments}
+    sealed_in: dict[int, int] = {}
+    for event in events:
+        for number in event.sealed:
+            sealed_in[number] = event.epoch
+
+    def owners(epoch: int) -> list[dict[str, int]]:
+        """The segments that owned keys in ``epoch``, in key order."""
+        owning = [
+            s
+            for s in segments.values()
+            if s.epoch <= epoch and sealed_in.get(s.number, epoch + 1) > epoch
+        ]
+        return [
+            {"segment": s.number, "key_lo": s.key_lo, "key_hi": s.key_hi}
+            for s in sorted(owning, key=lambda s: s.key_lo)
+        ]
+
+    epochs: list[dict[str, Any]] = [
+        {
+            "epoch": 0,
+            "at_ms": info.created_ms,
+            "at": iso_ms(info.created_ms),
+            "action": "create",
+            "sealed": [],
+            "opened": sorted(s.number for s in info.segments if s.epoch == 0),
+            "reason": None,
+            "owners": owners(0),
+        }
+    ]
+    for event in events:
+        epochs.append(
+            {
+                "epoch": event.epoch,
+                "at_ms": event.at_ms,
+                "at": iso_ms(event.at_ms),
+                "action": "split" if len(event.sealed) == 1 else "merge",
+                "sealed": [
+                    {"segment": number, "end_offset": end}
+                    for number, end in sorted(event.sealed.items())
+                ],
+                "opened": list(event.created),
+                "reason": _reason_dict(event.reason),
+                "owners": owners(event.epoch),
+            }
+        )
+    return {"name": info.name, "epoch": info.epoch, "scaling": info.scaling, "epochs": epochs}
+
+
+def _rates_line(load: dict[str, Any], metric: str) -> str:
+    rates = load["rates"][metric]
+    unit = "events/s" if metric == "events" else "bytes/s"
+    windows = "  ".join(
+        f"{name} {rates[key]:,.1f}"
+        for name, key in (
+            ("10s", "last_10s"),
+            ("60s", "last_60s"),
+            ("300s", "last_300s"),
+            ("peak 10s", "peak_10s"),
+        )
+    )
+    measured = load["rates"]["measured_ms"] / 1000
+    return f"segment {load['segment']} {unit}: {windows} (measured {measured:,.0f} s)"
+
+
+def history_text(document: dict[str, Any]) -> Text:
+    """``describe --history`` for people: per epoch a heading (number, time, what happened),
+    the sealed segments with their end offsets, the segments that owned the key space then in
+    key order (new ones marked with where they came from) and why."""
+    out = Text()
+    policy = document["scaling"] or "none (scaled by hand only)"
+    out.append(document["name"], "bold cyan")
+    out.append(f"  epoch {document['epoch']}, scaling policy {policy}\n")
+    ranges = {}
+    for entry in document["epochs"]:
+        for owner in entry["owners"]:
+            ranges[owner["segment"]] = f"{owner['key_lo']:016x}-{owner['key_hi']:016x}"
+    for entry in document["epochs"]:
+        out.append("\n")
+        out.append(f"epoch {entry['epoch']}", "bold")
+        out.append(f"  {entry['at']}  ")
+        sealed = [s["segment"] for s in entry["sealed"]]
+        if entry["action"] == "create":
+            out.append(f"created with {len(entry['opened'])} segment")
+            out.append("s" if len(entry["opened"]) != 1 else "")
+        elif entry["action"] == "split":
+            out.append(f"split {sealed[0]} into {_numbers(entry['opened'])}")
+        else:
+            out.append(f"merged {_numbers(sealed)} into {_numbers(entry['opened'])}")
+        reason = entry["reason"]
+        if reason is not None:
+            out.append(f" ({reason['rule']})", "yellow" if reason["rule"] != "manual" else "")
+        out.append("\n")
+        for seal in entry["sealed"]:
+            out.append(f"  sealed {seal['segment']} ({ranges.get(seal['segment'], '?')})")
+            out.append(f" at end offset {seal['end_offset']:,}\n", "dim")
+        opened = set(entry["opened"])
+        for owner in entry["owners"]:
+            number = owner["segment"]
+            out.append(f"  {ranges[number]}  {number:>4}")
+            if number in opened and entry["action"] != "create":
+                out.append(f"  new, from {_numbers(sealed)}", "green")
+            out.append("\n")
+        if reason is not None:
+            out.append("  why: ", "bold")
+            out.append(f"{reason['reason']}\n")
+            if reason.get("threshold") is not None:
+                out.append(f"  threshold {reason['threshold']:,.1f}/s, policy {reason['policy']}\n")
+            elif "policy" in reason:
+                out.append(f"  policy {reason['policy']}\n")
+            metric = "bytes" if reason.get("policy", "").startswith("bytes") else "events"
+            for load in reason.get("inputs", ()):
+                out.append(f"  {_rates_line(load, metric)}\n", "dim")
+    return out
