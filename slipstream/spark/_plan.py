@@ -8,7 +8,7 @@ dict of primitives as Spark requires.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .._errors import InvalidArgument
@@ -148,3 +148,146 @@ def split_ranges(
             ranges.append((segment, lo, min(hi, lo + per_partition)))
             lo += per_partition
     return ranges
+
+
+# --- scaled streams: the segment graph ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SegmentSpan:
+    """What planning needs of one segment of any epoch (from DescribeStream): its first
+    retained offset, its final end if sealed (None while open) and its predecessors."""
+
+    first: int
+    sealed_end: int | None
+    predecessors: tuple[int, ...] = ()
+
+
+def ancestors(segments: Mapping[int, SegmentSpan], numbers: Iterable[int]) -> set[int]:
+    """Every described segment that precedes one of ``numbers``, transitively."""
+    seen: set[int] = set()
+    stack = [p for n in numbers if n in segments for p in segments[n].predecessors]
+    while stack:
+        number = stack.pop()
+        if number not in seen and number in segments:
+            seen.add(number)
+            stack.extend(segments[number].predecessors)
+    return seen
+
+
+def resolve_start(start: Mapping[int, int], segments: Mapping[int, SegmentSpan]) -> dict[int, int]:
+    """A start position for every segment, from a cut that may name only some (one taken
+    before a scale, or written by hand): a segment the cut names starts there; one that
+    precedes a named segment is finished (starts at its end); any other starts at its first
+    offset. The same rule as the client's readers."""
+    finished = ancestors(segments, start.keys()) - start.keys()
+    resolved = dict(start)
+    for number, span in segments.items():
+        if number not in resolved:
+            ended = span.sealed_end if number in finished else None
+            resolved[number] = span.first if ended is None else ended
+    return resolved
+
+
+def resolve_end(
+    start: Mapping[int, int], end: Mapping[int, int], segments: Mapping[int, SegmentSpan]
+) -> dict[int, int]:
+    """Where a bounded read from ``start`` (resolved) stops in each segment for an end cut
+    that may name only some: at the cut's position; a segment preceding a named one at its
+    own end; any other at its start (it came after the cut: nothing to read)."""
+    before = ancestors(segments, end.keys())
+    resolved = {}
+    for number, first in start.items():
+        span = segments.get(number)
+        if number in end:
+            stop = end[number]
+        elif number in before and span is not None and span.sealed_end is not None:
+            stop = span.sealed_end
+        else:
+            stop = first
+        resolved[number] = max(first, stop)
+    return resolved
+
+
+def is_finished(number: int, cut: Mapping[int, int], segments: Mapping[int, SegmentSpan]) -> bool:
+    """``number`` is sealed and ``cut`` is at its end. A segment the stream no longer lists
+    (deleted with its data) counts as finished: it holds nothing back."""
+    span = segments.get(number)
+    if span is None:
+        return True
+    return span.sealed_end is not None and cut.get(number, span.first) >= span.sealed_end
+
+
+def readable_at(cut: Mapping[int, int], segments: Mapping[int, SegmentSpan]) -> list[int]:
+    """The segments a batch ending at ``cut`` may read into: not finished there, and every
+    predecessor finished there (``SegmentGraph.readable`` for positions)."""
+    return [
+        number
+        for number in sorted(segments)
+        if not is_finished(number, cut, segments)
+        and all(is_finished(p, cut, segments) for p in segments[number].predecessors)
+    ]
+
+
+def plan_end(
+    start: Mapping[int, int],
+    tail: Mapping[int, int],
+    segments: Mapping[int, SegmentSpan],
+    max_events: int | None,
+    max_bytes: int | None = None,
+    bytes_per_event: Mapping[int, float] | None = None,
+) -> dict[int, int]:
+    """The end cut of a micro-batch starting at ``start`` (every segment resolved), reading
+    toward ``tail`` within the limits, in the order the segment graph allows.
+
+    A segment advances in a batch only if every predecessor's end is within the batch's end
+    cut: first the segments readable at ``start`` share the budget (:func:`limit_cut`); when
+    that takes all they have and some of them reach their ends, the successors that became
+    readable share what is left, and so on. A successor whose predecessors do not reach their
+    ends in the batch stays at its start: nothing of it is read. So for every key, everything
+    a batch holds comes after everything earlier batches held (a key's events in a batch may
+    span a predecessor's end and its successor: order them by ``(segment, offset)``)."""
+    end = dict(start)
+    sizes = bytes_per_event or {}
+    per_event = max(1.0, sum(sizes.values()) / len(sizes)) if sizes else 1.0
+    events_left = None if max_events is None else float(max_events)
+    bytes_left = None if max_bytes is None else float(max_bytes)
+    advanced: set[int] = set()
+    while events_left is None or events_left >= 1:
+        if bytes_left is not None and bytes_left < per_event and advanced:
+            break
+        frontier = [s for s in readable_at(end, segments) if s not in advanced]
+        if not frontier:
+            break
+        advanced.update(frontier)
+        ceiling = {s: _ceiling(s, end, tail, segments) for s in frontier}
+        budget_events = None if events_left is None else int(events_left)
+        budget_bytes = None if bytes_left is None else max(1, int(bytes_left))
+        taken = limit_cut(
+            {s: end[s] for s in frontier}, ceiling, budget_events, budget_bytes, sizes
+        )
+        count = sum(taken[s] - end[s] for s in frontier)
+        end.update(taken)
+        if any(taken[s] < ceiling[s] for s in frontier):
+            break  # the budget is spent
+        if events_left is not None:
+            events_left -= count
+        if bytes_left is not None:
+            bytes_left -= count * per_event
+    return end
+
+
+def _ceiling(
+    number: int,
+    cut: Mapping[int, int],
+    tail: Mapping[int, int],
+    segments: Mapping[int, SegmentSpan],
+) -> int:
+    """How far ``number`` can be read now: its tail, never past a sealed end. A segment the
+    tail does not name (one newer than a Trigger.AvailableNow target) has nothing to read."""
+    at = cut[number]
+    span = segments[number]
+    top = tail.get(number, at)
+    if span.sealed_end is not None:
+        top = min(top, span.sealed_end)
+    return max(at, top)

@@ -40,10 +40,13 @@ from ..protocol import StreamInfo
 from ..streams import StreamCut
 from ._convert import SOURCE_COLUMNS, SOURCE_DDL, to_spark_batch
 from ._plan import (
+    SegmentSpan,
     SourceOptions,
     cut_to_offset,
-    limit_cut,
     offset_to_cut,
+    plan_end,
+    resolve_end,
+    resolve_start,
     source_options,
     split_ranges,
 )
@@ -185,6 +188,16 @@ class _Reading:
     def describe(self) -> StreamInfo:
         return self.client.describe_stream(self.options.stream)
 
+    def spans(self, info: StreamInfo | None = None) -> dict[int, SegmentSpan]:
+        """Every segment of every epoch, as planning sees it."""
+        info = info or self.describe()
+        return {
+            s.number: SegmentSpan(
+                s.start_offset, s.end_offset if s.sealed else None, tuple(s.predecessors)
+            )
+            for s in info.segments
+        }
+
     def cut_at(self, position: str) -> StreamCut:
         """A StreamCut for earliest, latest, an ISO time or StreamCut JSON."""
         return self.client.cut(self.options.stream, position)
@@ -292,7 +305,12 @@ class SubscriptionProgress:
 class StreamReader(_Reading, DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Micro-batches over a stream. Offsets are StreamCut dicts; each micro-batch is the events
     between two cuts, cut by ``maxEventsPerTrigger``/``maxBytesPerTrigger`` (shared fairly over
-    segments). Segments that appear later (a stream scaled) start at offset 0. With the
+    segments). A scaled stream's batches follow its segment graph (:func:`._plan.plan_end`): a
+    successor is read in a batch only if every predecessor's end is within the batch's end cut,
+    so each key's events in a batch come after those of earlier batches, and within a batch
+    ordering a key's rows by ``(segment, offset)`` gives append order (successors have higher
+    numbers than their predecessors). A cut that does not name a segment (one from before a
+    scale) starts it at its end if it precedes a named one, else at its first offset. With the
     ``subscription`` option, committed offsets are recorded there (:class:`SubscriptionProgress`).
 
     Spark plans one batch at a time: it asks for ``latestOffset(start)`` and ``partitions(start,
@@ -313,7 +331,8 @@ class StreamReader(_Reading, DataSourceStreamReader, SupportsTriggerAvailableNow
             self.progress.record(self.client, committed)
 
     def initialOffset(self) -> dict[str, Any]:
-        start = self.cut_at(self.options.starting_position)
+        cut = self.cut_at(self.options.starting_position)
+        start = StreamCut(cut.stream, resolve_start(cut.positions, self.spans()))
         self._record(start)
         return cut_to_offset(start)
 
@@ -339,11 +358,10 @@ class StreamReader(_Reading, DataSourceStreamReader, SupportsTriggerAvailableNow
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         begin = self._start_cut(start)
         self._record(begin)
-        info = self.describe()
+        info = self.describe()  # before the tail: a segment sealed now has its end in the tail
+        spans = self.spans(info)
         tail = self.target or self.client.tail(self.options.stream)
-        positions = {s.number: begin.positions.get(s.number, 0) for s in info.segments}
-        for segment, offset in begin.positions.items():
-            positions.setdefault(segment, offset)
+        positions = resolve_start(begin.positions, spans)
         max_events = self.options.max_events_per_trigger
         max_bytes = self.options.max_bytes_per_trigger
         if isinstance(limit, ReadAllAvailable):
@@ -357,7 +375,7 @@ class StreamReader(_Reading, DataSourceStreamReader, SupportsTriggerAvailableNow
             for s in info.segments
             if s.end_offset > s.start_offset
         }
-        end = limit_cut(positions, tail.positions, max_events, max_bytes, sizes)
+        end = plan_end(positions, tail.positions, spans, max_events, max_bytes, sizes)
         return cut_to_offset(StreamCut(self.options.stream, end))
 
     def reportLatestOffset(self) -> dict[str, Any]:
@@ -366,7 +384,11 @@ class StreamReader(_Reading, DataSourceStreamReader, SupportsTriggerAvailableNow
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[SegmentRange]:
         begin = self._start_cut(start)
         self._record(begin)
-        return self.partitions_between(begin, self._start_cut(end))
+        finish = self._start_cut(end)
+        if not finish.positions.keys() <= begin.positions.keys():
+            # a start from an older checkpoint, before a scale: resolve it as latestOffset did
+            begin = StreamCut(begin.stream, resolve_start(begin.positions, self.spans()))
+        return self.partitions_between(begin, finish)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, SegmentRange)
@@ -389,12 +411,13 @@ class BatchReader(_Reading, DataSourceReader):
 
     def partitions(self) -> Sequence[SegmentRange]:
         try:
-            start = self.cut_at(self.options.start)
-            end = self.cut_at(self.options.end)
+            spans = self.spans()
+            start = resolve_start(self.cut_at(self.options.start).positions, spans)
+            end = resolve_end(start, self.cut_at(self.options.end).positions, spans)
         finally:
             self.stop()
-        positions = {s: max(o, end.positions.get(s, o)) for s, o in start.positions.items()}
-        return self.partitions_between(start, StreamCut(self.options.stream, positions))
+        stream = self.options.stream
+        return self.partitions_between(StreamCut(stream, start), StreamCut(stream, end))
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, SegmentRange)
