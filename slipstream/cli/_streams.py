@@ -186,8 +186,8 @@ def _reason_dict(reason: str) -> dict[str, Any]:
 def history_dict(info: StreamInfo, events: list[ScaleEventInfo]) -> dict[str, Any]:
     """The ``describe --history`` document: one entry per epoch, oldest first, each with when
     it began, what it did (``create``, ``split``, ``merge``), the segments it sealed (with their
-    end offsets) and opened, every segment that owned keys in it (in key order, with its
-    range) and why (``reason``: the decoded decision, or ``{"rule": "manual"}``)."""
+    end offsets, in key order) and opened, every segment that owned keys in it (in key order,
+    with its range) and why (``reason``: the decoded decision, or ``{"rule": "manual"}``)."""
     segments = {s.number: s for s in info.segments}
     sealed_in: dict[int, int] = {}
     for event in events:
@@ -205,6 +205,10 @@ def history_dict(info: StreamInfo, events: list[ScaleEventInfo]) -> dict[str, An
             {"segment": s.number, "key_lo": s.key_lo, "key_hi": s.key_hi}
             for s in sorted(owning, key=lambda s: s.key_lo)
         ]
+
+    def by_key(item: tuple[int, int]) -> int:
+        segment = segments.get(item[0])
+        return item[0] if segment is None else segment.key_lo
 
     epochs: list[dict[str, Any]] = [
         {
@@ -227,7 +231,7 @@ def history_dict(info: StreamInfo, events: list[ScaleEventInfo]) -> dict[str, An
                 "action": "split" if len(event.sealed) == 1 else "merge",
                 "sealed": [
                     {"segment": number, "end_offset": end}
-                    for number, end in sorted(event.sealed.items())
+                    for number, end in sorted(event.sealed.items(), key=by_key)
                 ],
                 "opened": list(event.created),
                 "reason": _reason_dict(event.reason),

@@ -76,6 +76,10 @@ def test_split_then_merge_prints_the_epoch_and_describe_shows_sealed_segments(
     }
     # a sealed segment's end is where it was sealed: every event it ever took
     assert {s["number"]: s["end_offset"] for s in described["segments"][:2]} == ends
+    history = describe("cli/orders", broker, "--history")
+    merge = history["epochs"][2]
+    # the sealed segments are listed in key order (4 holds keys below 1's), with their ends
+    assert [(s["segment"], s["end_offset"]) for s in merge["sealed"]] == [(4, 0), (1, ends[1])]
 
     broker_flag = ["--broker", broker.address]
     wide = subprocess.run(
