@@ -58,7 +58,10 @@ SIZES = {
     "full": {
         "ceiling_s": 8.0,
         "steps": [(1_000, 15), (4_000, 20)]
-        + [(12_000 * 2**i, 25) for i in range(6)],  # 12k, 24k, ..., 384k: each splits all
+        # 12k, 24k, 48k: each step splits every segment once (1 -> 2 -> 4 -> 8). Higher steps
+        # were not held on this shared 2-core VM: in the first full run 96,000/s offered gave
+        # 56,000-64,000 acked/s (load average 12-15), so the ramp stops at 48,000/s
+        + [(12_000 * 2**i, 25) for i in range(3)],
         "top_hold_s": 10,  # added to the last step kept
         "low_rate": 1_000,
         "merge_wait_s": 420,  # after the drop: 300 s of cold, then the next pass
@@ -476,10 +479,6 @@ def measure(root: Path, quick: bool) -> dict:
             results["final_segments"] = final
             # the reference: the same ramp on a fixed stream of the final count, run while
             # the elastic stream is cold (its merges need 300 s of it anyway)
-            if not quick:
-                peer.client.create_stream("bench/fixed", final)
-                print(f"scaling: the same ramp on 'fixed' ({final} segments), meanwhile")
-                fixed_load, fixed_spans = run_ramp(peer, "bench/fixed", steps, logs, watch)
             merged_at = None
             while time.time() < drop + low[1]:
                 watch()
@@ -494,11 +493,13 @@ def measure(root: Path, quick: bool) -> dict:
             spans.append((drop, time.time(), low[0]))
         finally:
             elastic = load.stop()
-        if quick:
-            final = results["final_segments"]
-            peer.client.create_stream("bench/fixed", final)
-            print(f"scaling: the same ramp on 'fixed' ({final} segments)")
-            fixed_load, fixed_spans = run_ramp(peer, "bench/fixed", steps, logs)
+        # the reference, afterwards: run while the elastic stream was cold (first full run,
+        # 2026-11-24) it shared the machine with the elastic producers' catch-up and was slowed
+        # tenfold
+        final = results["final_segments"]
+        peer.client.create_stream("bench/fixed", final)
+        print(f"scaling: the same ramp on 'fixed' ({final} segments)")
+        fixed_load, fixed_spans = run_ramp(peer, "bench/fixed", steps, logs)
         history = peer.client.scale_history("bench/elastic")
         info = peer.client.describe_stream("bench/elastic")
     finally:
@@ -543,6 +544,7 @@ def measure(root: Path, quick: bool) -> dict:
     results["steps"] = [
         {
             "rate": r,
+            "start": a,
             "elastic": window_stats(elastic, a + 1, b),
             "fixed": window_stats(fixed_load, fa + 1, fb) if k < len(fixed_spans) else None,
         }
@@ -604,12 +606,17 @@ def build_rows(r: dict) -> list[dict]:
     for sc in r["scales"]:
         if sc["action"] == "split" and "lag_after_full_window_s" in sc:
             lag = sc["lag_after_full_window_s"]
+            # the offered rate is what the broker saw only if the producers kept up with it
+            step = max(
+                (x for x in r["steps"] if x["start"] <= sc["t_cross"] + 1), key=lambda x: x["start"]
+            )
+            held = step["elastic"]["acked_per_s"] >= 0.9 * step["rate"]
             row(
                 f"split of {sc['segment']} ({sc['rule']}, {sc['offered_into_segment']:,.0f}/s"
                 " offered): at_ms - (crossing + 10 s)",
                 f"{lag:+.1f} s (crossing -> split {sc['since_cross_s']:.1f} s)",
-                "< 10 s",
-                lag < 10,
+                "< 10 s" if held else "(rate not held: no verdict)",
+                lag < 10 if held else None,
             )
     merges = [sc for sc in r["scales"] if sc["action"] == "merge"]
     after = r["merge_after_drop_s"]
