@@ -432,7 +432,7 @@ def stream_scale(
             show_default=False,
         ),
     ] = None,
-    more: Annotated[list[str] | None, typer.Argument(hidden=True)] = None,
+    more: Annotated[list[str] | None, typer.Argument(hidden=True, metavar="SEGMENT")] = None,
     as_json: JsonFlag = False,
     broker: BrokerOption = "",
 ) -> None:
