@@ -209,23 +209,32 @@ def resolve_end(
     return resolved
 
 
-def is_finished(number: int, cut: Mapping[int, int], segments: Mapping[int, SegmentSpan]) -> bool:
-    """``number`` is sealed and ``cut`` is at its end. A segment the stream no longer lists
-    (deleted with its data) counts as finished: it holds nothing back."""
-    span = segments.get(number)
-    if span is None:
-        return True
-    return span.sealed_end is not None and cut.get(number, span.first) >= span.sealed_end
+def finished_at(cut: Mapping[int, int], segments: Mapping[int, SegmentSpan]) -> set[int]:
+    """The segments read to their ends at ``cut``: sealed, ``cut`` at the end, and every
+    predecessor finished too (an empty sealed segment must not let its successors overtake
+    what its own predecessors still hold). A segment the stream no longer lists (deleted with
+    its data) counts as finished: it holds nothing back."""
+    done: set[int] = set()
+    for number in sorted(segments):  # predecessors have lower numbers than their successors
+        span = segments[number]
+        if (
+            span.sealed_end is not None
+            and cut.get(number, span.first) >= span.sealed_end
+            and all(p in done or p not in segments for p in span.predecessors)
+        ):
+            done.add(number)
+    return done
 
 
 def readable_at(cut: Mapping[int, int], segments: Mapping[int, SegmentSpan]) -> list[int]:
     """The segments a batch ending at ``cut`` may read into: not finished there, and every
     predecessor finished there (``SegmentGraph.readable`` for positions)."""
+    done = finished_at(cut, segments)
     return [
         number
         for number in sorted(segments)
-        if not is_finished(number, cut, segments)
-        and all(is_finished(p, cut, segments) for p in segments[number].predecessors)
+        if number not in done
+        and all(p in done or p not in segments for p in segments[number].predecessors)
     ]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slipstream import InvalidArgument, InvalidName, StreamCut
@@ -128,11 +128,12 @@ def test_broker_option_falls_back_to_the_environment(monkeypatch: pytest.MonkeyP
 
 operations = st.lists(
     st.one_of(
-        st.tuples(st.just("append"), st.lists(st.integers(0, 7), min_size=1, max_size=30)),
+        st.tuples(st.just("append"), st.lists(st.integers(0, 7), min_size=8, max_size=40)),
         st.tuples(st.just("split"), st.integers(0, 100)),
         st.tuples(st.just("merge"), st.integers(0, 100)),
         st.tuples(st.just("batch"), st.none() | st.integers(1, 25)),
     ),
+    min_size=3,
     max_size=40,
 )
 
@@ -141,6 +142,7 @@ def _key_hash(key: int) -> int:
     return (key * 0x9E3779B97F4A7C15 + 12345) % 2**64
 
 
+@settings(max_examples=300)
 @given(st.integers(1, 3), operations)
 def test_batches_keep_every_key_in_order_across_splits_and_merges(
     initial: int, ops: list[tuple[str, Any]]
@@ -228,6 +230,10 @@ def test_a_successor_waits_for_its_predecessors_ends_within_the_batch() -> None:
     assert resolve_start({4: 2}, spans) == {0: 10, 1: 10, 2: 0, 3: 5, 4: 2}
     # Trigger.AvailableNow's target from before 3 was sealed: 4 never starts
     assert plan_end(start, {0: 10, 1: 10, 2: 7, 3: 4}, spans, None)[4] == 0
+    # an empty sealed segment does not let its successor overtake its own predecessor
+    chain = {0: SegmentSpan(0, 8), 1: SegmentSpan(0, 0, (0,)), 2: SegmentSpan(0, None, (1,))}
+    assert plan_end({0: 0, 1: 0, 2: 0}, {0: 8, 1: 0, 2: 9}, chain, 1) == {0: 1, 1: 0, 2: 0}
+    assert plan_end({0: 0, 1: 0, 2: 0}, {0: 8, 1: 0, 2: 9}, chain, 9) == {0: 8, 1: 0, 2: 1}
 
 
 def test_bounded_reads_resolve_cuts_that_name_some_segments() -> None:
