@@ -15,15 +15,24 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
 import slipstream
+from slipstream.streams import key_hash
 
 KEYS = 16
 
 
-def produce_keyed(client: slipstream.Client, stream: str, sent: dict[str, int], count: int) -> None:
-    """``count`` events ``{"k": key, "n": i}``, ``i`` counting per key from 0 (in ``sent``)."""
+def produce_keyed(
+    client: slipstream.Client,
+    stream: str,
+    sent: dict[str, int],
+    count: int,
+    keys: list[str] | None = None,
+) -> None:
+    """``count`` events ``{"k": key, "n": i}``, ``i`` counting per key from 0 (in ``sent``),
+    keys ``k0 .. k15`` in turn (or ``keys``)."""
+    keys = keys or [f"k{i}" for i in range(KEYS)]
     with client.producer(stream) as producer:
         for i in range(count):
-            key = f"k{i % KEYS}"
+            key = keys[i % len(keys)]
             n = sent.get(key, 0)
             producer.send(json.dumps({"k": key, "n": n}).encode(), key=key)
             sent[key] = n + 1
@@ -132,8 +141,13 @@ def test_history_over_scales_available_now_and_batch_reads(
     client.create_stream("t/grown", segments=1)
     sent: dict[str, int] = {}
     produce_keyed(client, "t/grown", sent, 120)
-    client.scale_stream("t/grown", split=0, into=3)  # 1, 2, 3
-    produce_keyed(client, "t/grown", sent, 150)
+    info = client.scale_stream("t/grown", split=0, into=3)  # 1, 2, 3
+    # nothing for segment 1 until the merge: sealed empty, it must not let 4 overtake 2
+    one = next(s for s in info.segments if s.number == 1)
+    elsewhere = [
+        f"k{i}" for i in range(KEYS) if not one.key_lo <= key_hash(b"k%d" % i) <= one.key_hi
+    ]
+    produce_keyed(client, "t/grown", sent, 150, elsewhere)
     before = client.tail("t/grown")
     before_sent = dict(sent)
     client.scale_stream("t/grown", merge=[1, 2])  # 4
