@@ -507,15 +507,16 @@ class Subscriptions:
     def info(self, group: Group, *, detail: bool) -> SubscriptionInfo:
         record = group.record
         options = msgspec.structs.asdict(record.options) if record.options else {}
+        summary = SubscriptionInfo(
+            group.stream.name,
+            record.name,
+            record.mode,
+            record.generation,
+            record.created_ms,
+            options=options,
+        )
         if not detail:
-            return SubscriptionInfo(
-                group.stream.name,
-                record.name,
-                record.mode,
-                record.generation,
-                record.created_ms,
-                options=options,
-            )
+            return summary
         segments = []
         for number, segment in sorted(group.stream.segments.items()):
             position = group.position(number)
@@ -544,16 +545,7 @@ class Subscriptions:
             )
             for m in group.members.values()
         ]
-        return SubscriptionInfo(
-            group.stream.name,
-            record.name,
-            record.mode,
-            record.generation,
-            record.created_ms,
-            segments,
-            members,
-            options,
-        )
+        return msgspec.structs.replace(summary, segments=segments, members=members)
 
     def _label(self, group: Group) -> str:
         return f"{group.stream.name}:{group.record.name}"
