@@ -403,7 +403,7 @@ def text_timeline(
         offered = ([0.0] + [r for w, r in rate_changes if w <= t + every / 2])[-1]
         end = min(t + every, t1)
         acked = sum(acked_at(tl, end) - acked_at(tl, t) for tl in load["timelines"]) / (end - t)
-        n = max(c for w, c in points if w <= end)
+        n = [c for w, c in points if w <= end][-1]
         lines.append(f"{t - t0:7.0f} {offered:11,.0f} {acked:11,.0f}  {n:3d} {'#' * n}")
         t += every
     return lines
