@@ -24,7 +24,7 @@ SEGMENTS = 6
 
 
 def fake_stream() -> types.SimpleNamespace:
-    segment = types.SimpleNamespace(start_offset=0, next_offset=0)
+    segment = types.SimpleNamespace(start_offset=0, next_offset=0, predecessors=(), sealed=False)
     return types.SimpleNamespace(name="s/x", segments=dict.fromkeys(range(SEGMENTS), segment))
 
 
