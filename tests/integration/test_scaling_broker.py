@@ -122,6 +122,10 @@ def test_bad_scale_requests_get_typed_errors(client: slipstream.Client) -> None:
     client.create_stream("sc/bad", segments=3)
     with pytest.raises(StreamNotFound):
         client.scale_stream("sc/missing", split=0)
+    client.create_stream("sc/deleted", segments=2)
+    client.delete_stream("sc/deleted")
+    with pytest.raises(StreamNotFound):
+        client.scale_stream("sc/deleted", merge=[0, 1])
     with pytest.raises(SegmentNotFound):
         client.scale_stream("sc/bad", split=7)
     with pytest.raises(InvalidArgument, match="2 to 64"):
