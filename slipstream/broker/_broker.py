@@ -38,6 +38,7 @@ from ._container import (
 )
 from ._controller import Controller
 from ._faults import FAULT
+from ._metrics import Metrics
 from ._service import Service, load_producer_key
 from ._session import ConnectionLimits
 from ._transactions import Coordinator
@@ -92,6 +93,7 @@ class Broker:
         self._accepted = asyncio.Event()  # set by the first connection accepted
         self._lock_file: IO[str] | None = None
         self.address: tuple[str, int] | None = None
+        self.metrics = Metrics(self)  # served at /metrics by the admin HTTP server
 
     def _lock(self, data_dir: Path) -> None:
         lock = open(data_dir / "LOCK", "a+")  # noqa: SIM115 - held for the broker's life
@@ -211,6 +213,7 @@ class Broker:
             max_batch_bytes=self.config.max_batch_bytes,
             producer_key=load_producer_key(data_dir, fsync=do_sync),
         )
+        self.metrics.attach(self)
         started = time.monotonic()
         totals = self.controller.recover()
         totals.update(self.coordinator.recover())

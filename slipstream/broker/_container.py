@@ -49,6 +49,7 @@ from ..storage import (
     payload_alignment,
 )
 from ..streams import ProducerState, ProducerTable
+from ._metrics import DETACHED, Metrics
 from ._segment import Chunk, ChunkCache, JournalBatch, Segment
 
 log = logging.getLogger("slipstream.container")
@@ -116,6 +117,8 @@ class Container:
     thread (``_mover``) works from ``_MoveTarget`` snapshots; reader threads get a segment's
     immutable fields and a ``Chunk`` (whose index arrays are never changed), or look the chunk
     up themselves in ``chunk_cache`` (its own lock) and the catalog (its read connection)."""
+
+    metrics: Metrics = DETACHED  #: the broker's (``Metrics.attach``)
 
     def __init__(
         self,
@@ -369,7 +372,7 @@ class Container:
         addresses = self.journal.append(entries)  # a failed append leaves nothing behind
         if sync:
             try:
-                self.journal.sync()
+                self.metrics.timed_fsync(self.id, self.journal.sync)
             except SlipstreamError:
                 # fsync=always acknowledged only synced groups, so this cuts only this group
                 self.journal.discard_unsynced()
@@ -414,6 +417,7 @@ class Container:
             segment.next_offset = cached.next_offset
             segment.note_batch(header.batch_length, header.min_timestamp, header.max_timestamp)
             segment.rates(now_ms).observe(now_ms, header.event_count, header.batch_length)
+            self.metrics.produced(segment.stream_name, header.event_count, header.batch_length)
             self._cache(cached)
             touched.add(segment)
             if not item.future.done():
@@ -437,7 +441,9 @@ class Container:
         while True:
             await asyncio.sleep(self.config.fsync_interval_ms / 1000)
             try:
-                await loop.run_in_executor(self._io, self.journal.sync)
+                await loop.run_in_executor(
+                    self._io, self.metrics.timed_fsync, self.id, self.journal.sync
+                )
             except Exception as exc:  # acknowledged data stays; the next sync tries again
                 log.error("container %d: periodic sync failed: %s", self.id, exc)
 

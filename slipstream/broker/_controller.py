@@ -49,6 +49,7 @@ from ..streams import (
 )
 from ._container import Container
 from ._faults import crash_point
+from ._metrics import DETACHED, Metrics
 from ._segment import Segment
 
 log = logging.getLogger("slipstream.controller")
@@ -130,6 +131,8 @@ class Stream:
 
 
 class Controller:
+    metrics: Metrics = DETACHED  #: the broker's (``Metrics.attach``)
+
     def __init__(
         self,
         meta: MetaStore,
@@ -317,6 +320,7 @@ class Controller:
             container.chunk_cache.forget(segment.global_id)
             segment.notify()
         await asyncio.get_running_loop().run_in_executor(self._catalog, self._delete_chunks, chunks)
+        self.metrics.forget_stream(name)
         log.info("deleted stream %s (%d chunks removed)", name, len(chunks))
 
     async def update_retention(
@@ -436,6 +440,7 @@ class Controller:
             for segment in old:
                 segment.sealed, segment.sealing = True, False
                 segment.notify()  # followers at its end learn that it ended
+        self.metrics.scaled(len(old), reason)
         log.info(
             "scaled %s in epoch %d: sealed %s at %s, opened %s",
             name,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -272,6 +273,7 @@ class Session(asyncio.BufferedProtocol):
             transport.write(encode_frame(message, correlation_id))
 
     def send_error(self, correlation_id: int, exc: SlipstreamError) -> None:
+        self.broker.metrics.rejected(exc.code)
         self.send(Error(exc.code, exc.message, exc.details), correlation_id)
 
     def _fatal(self, exc: SlipstreamError, correlation_id: int = 0) -> None:
@@ -405,6 +407,7 @@ class Session(asyncio.BufferedProtocol):
         self.send(Welcome(PROTOCOL_VERSION, __version__, self.broker.config.max_batch_bytes), cid)
 
     def _append(self, message: Append, cid: int, batch: Payload) -> None:
+        started = time.perf_counter()
         assert self.caller is not None
         future, header = self.service.append(
             self.caller, message.stream, message.segment, message.txn, batch
@@ -431,6 +434,7 @@ class Session(asyncio.BufferedProtocol):
             if exc is None:
                 base = done.result()  # None: staged in a transaction, no offset yet
                 self.send(AppendAck(-1 if base is None else base, header.event_count), cid)
+                self.broker.metrics.appended(started)
             elif isinstance(exc, SlipstreamError):
                 self.send_error(cid, exc)
             else:
@@ -619,9 +623,11 @@ class Session(asyncio.BufferedProtocol):
                         if follow.end_offset is not None:
                             end = follow.end_offset
                             batches = [b for b in batches if decode_header(b).base_offset < end]
+                        sent_from = follow.offset
                         follow.offset = decode_header(batches[-1]).next_offset
                         follow.credit -= sum(len(b) for b in batches)
                         self.send(Data(follow.sub_id), 0, batches)
+                        self.broker.metrics.consumed(segment, follow.offset - sent_from, batches)
                         continue
                 if follow.offset >= segment.next_offset and not segment.deleted:
                     await segment.wait_for_change()

@@ -66,6 +66,7 @@ from ..storage import (
 from ..streams import SEQUENCE_MODULUS, next_sequence
 from ._container import JOURNAL_CHECKPOINT_SECONDS, sealed_error
 from ._faults import FAULT, crash_point
+from ._metrics import DETACHED, Metrics
 from ._segment import Segment, segment_global_id, split_global_id
 
 if TYPE_CHECKING:
@@ -183,6 +184,8 @@ class _Ids:
 
 
 class Coordinator:
+    metrics: Metrics = DETACHED  #: the broker's (``Metrics.attach``)
+
     def __init__(
         self, data_dir: Path, meta: MetaStore, controller: Controller, *, fsync: bool = True
     ) -> None:
@@ -734,6 +737,7 @@ class Coordinator:
         )
 
     def _forget(self, txn: _Txn, ended: TxnEnded) -> None:
+        self.metrics.transaction_ended(ended.committed)
         self.open.pop(txn.txn_id, None)
         if self._by_tid.get(txn.identity.transactional_id) is txn:
             del self._by_tid[txn.identity.transactional_id]

@@ -1,0 +1,346 @@
+"""The broker's Prometheus metrics (docs/metrics.md lists every one with its labels).
+
+Each broker holds its own ``CollectorRegistry`` (``Broker.metrics.registry``), never the
+process-wide default one: several brokers may live in one process (tests), and a scrape must
+show one broker's numbers. The admin HTTP server serves it at ``/metrics``
+(``prometheus_client.make_asgi_app(registry=...)``).
+
+Two kinds of metrics, chosen by what the hot path can afford:
+
+* **Counted as things happen**: produced and consumed events and bytes per stream (one lookup
+  of the stream's counters per batch or data frame, never per event), append and fsync
+  latency histograms, ended transactions, rejected requests, scaling decisions.
+* **Computed at scrape** by ``_BrokerCollector`` from the state the broker keeps anyway, at
+  no cost between scrapes: journal and chunk bytes per container, open connections, open
+  transactions, open segments and retained bytes per stream, subscription lag.
+
+Threads: the event loop updates every counter except the fsync histogram, which the
+containers' journal threads observe (``timed_fsync`` runs on them); prometheus_client's
+metrics take a lock per update, so both are safe. The collector reads loop-owned state
+(segments, groups, sessions, open transactions) and must run on the broker's loop thread:
+``make_asgi_app`` bakes its answer synchronously inside the request, which on a server
+running on the broker's loop is that thread. A scrape from any other thread raises
+RuntimeError instead of reading state that the loop is changing.
+
+Counters start at zero when the broker starts (Prometheus' ``rate()`` handles the reset);
+a deleted stream's series go with it (``forget_stream``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence, Sized
+from typing import TYPE_CHECKING, TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from ._broker import Broker
+    from ._segment import Segment
+
+T = TypeVar("T")
+
+#: append latency (publish to acknowledgement, fsync included): 100 us to 10 s
+APPEND_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0,
+)  # fmt: skip
+#: one journal fsync (fdatasync): 50 us to 5 s
+FSYNC_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+    0.5, 1.0, 2.5, 5.0,
+)  # fmt: skip
+#: bytes of a journal entry before its batch (the segment's global id)
+_ENTRY_PREFIX = 8
+
+
+class Metrics:
+    """The metrics of one broker, and the calls the broker's parts make to update them.
+
+    ``Metrics()`` without a broker is a working instance whose registry nobody serves: what a
+    container, controller or coordinator built on its own (tests, benchmarks) counts into."""
+
+    def __init__(self, broker: Broker | None = None) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        per_stream = ["stream"]
+        self.produced_events = Counter(
+            "slipstream_produced_events",
+            "Events appended to the stream (acknowledged appends and applied transaction "
+            "commits; staged, aborted and refused ones are not counted)",
+            per_stream,
+            registry=registry,
+        )
+        self.produced_bytes = Counter(
+            "slipstream_produced_bytes",
+            "Bytes of record batches appended to the stream (as stored: headers included, "
+            "compressed where the producer compressed)",
+            per_stream,
+            registry=registry,
+        )
+        self.consumed_events = Counter(
+            "slipstream_consumed_events",
+            "Events sent to readers (follows) of the stream, counted by the offsets the "
+            "reader moved over",
+            per_stream,
+            registry=registry,
+        )
+        self.consumed_bytes = Counter(
+            "slipstream_consumed_bytes",
+            "Bytes of record batches sent to readers (follows) of the stream",
+            per_stream,
+            registry=registry,
+        )
+        self.append_seconds = Histogram(
+            "slipstream_append_seconds",
+            "From an Append's arrival to its acknowledgement (durable, or staged in a "
+            "transaction); failed appends are not observed",
+            registry=registry,
+            buckets=APPEND_BUCKETS,
+        )
+        self.fsync_seconds = Histogram(
+            "slipstream_fsync_seconds",
+            "One sync of a container's journal (group commit with --fsync always, the "
+            "periodic sync with --fsync interval; none with --fsync never)",
+            ["container"],
+            registry=registry,
+            buckets=FSYNC_BUCKETS,
+        )
+        self.transactions_ended = Counter(
+            "slipstream_transactions_ended",
+            "Transactions that ended, by outcome (committed, aborted)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.rejected_requests = Counter(
+            "slipstream_rejected_requests",
+            "Error replies sent to clients, by error code (stream_not_found, batch_too_large, ...)",
+            ["code"],
+            registry=registry,
+        )
+        self.scaling_decisions = Counter(
+            "slipstream_scaling_decisions",
+            "Scales made (kind: split or merge; trigger: manual or policy)",
+            ["kind", "trigger"],
+            registry=registry,
+        )
+        self._produced: dict[str, tuple[Counter, Counter]] = {}
+        self._consumed: dict[str, tuple[Counter, Counter]] = {}
+        self._fsync: dict[int, Histogram] = {}
+        self._committed = self.transactions_ended.labels("committed")
+        self._aborted = self.transactions_ended.labels("aborted")
+        self.broker = broker
+        if broker is not None:
+            ProcessCollector(registry=registry)  # process_* (memory, CPU, open files)
+            registry.register(_BrokerCollector(self, broker))
+        self._loop_thread: int | None = None
+
+    def attach(self, broker: Broker) -> None:
+        """Give the broker's parts (containers, controller, coordinator) these metrics; the
+        broker calls it in ``open`` on its loop thread, the only thread a scrape may run on."""
+        for container in broker.containers:
+            container.metrics = self
+        broker.controller.metrics = self
+        broker.coordinator.metrics = self
+        self._loop_thread = threading.get_ident()
+
+    # --- updates (hot paths: one dictionary lookup, then the counters' own locks) ---------
+
+    def produced(self, stream: str, events: int, size: int) -> None:
+        """A batch was appended to ``stream`` (on the loop, once per batch)."""
+        pair = self._produced.get(stream)
+        if pair is None:
+            pair = self._produced[stream] = (
+                self.produced_events.labels(stream),
+                self.produced_bytes.labels(stream),
+            )
+        pair[0].inc(events)
+        pair[1].inc(size)
+
+    def consumed(self, segment: Segment, events: int, batches: Sequence[Sized]) -> None:
+        """A data frame of ``batches`` went to a reader of ``segment``, moving it over
+        ``events`` offsets (on the loop, once per frame)."""
+        stream = segment.stream_name
+        pair = self._consumed.get(stream)
+        if pair is None:
+            pair = self._consumed[stream] = (
+                self.consumed_events.labels(stream),
+                self.consumed_bytes.labels(stream),
+            )
+        pair[0].inc(events)
+        pair[1].inc(sum(map(len, batches)))
+
+    def appended(self, started: float) -> None:
+        """An append was acknowledged; ``started``: ``time.perf_counter()`` at its arrival."""
+        self.append_seconds.observe(time.perf_counter() - started)
+
+    def timed_fsync(self, container: int, sync: Callable[[], T]) -> T:
+        """Run ``sync`` (a journal's, on its thread) and observe how long it took, also when
+        it fails (a failed fsync is worth seeing)."""
+        started = time.perf_counter()
+        try:
+            return sync()
+        finally:
+            histogram = self._fsync.get(container)
+            if histogram is None:
+                histogram = self._fsync[container] = self.fsync_seconds.labels(str(container))
+            histogram.observe(time.perf_counter() - started)
+
+    def transaction_ended(self, committed: bool) -> None:
+        (self._committed if committed else self._aborted).inc()
+
+    def rejected(self, code: str) -> None:
+        """An error reply with ``code`` went to a client."""
+        self.rejected_requests.labels(code).inc()
+
+    def scaled(self, sealed: int, reason: str) -> None:
+        """A scale sealed ``sealed`` segments (1: a split); ``reason`` is "manual" or a
+        policy's decision."""
+        kind = "split" if sealed == 1 else "merge"
+        self.scaling_decisions.labels(kind, "manual" if reason == "manual" else "policy").inc()
+
+    def forget_stream(self, stream: str) -> None:
+        """Drop a deleted stream's counters, so its series end with it."""
+        for counters, cache in (
+            ((self.produced_events, self.produced_bytes), self._produced),
+            ((self.consumed_events, self.consumed_bytes), self._consumed),
+        ):
+            if cache.pop(stream, None) is not None:
+                for counter in counters:
+                    counter.remove(stream)
+
+    def check_thread(self) -> None:
+        """Raise unless called on the broker's loop thread (where the collector must run)."""
+        if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
+            raise RuntimeError(
+                "the broker's metrics read loop-owned state: scrape them on the broker's event "
+                "loop thread (an ASGI app served on the broker's loop does)"
+            )
+
+
+class _BrokerCollector:
+    """The metrics computed at scrape from the broker's live state (on its loop thread)."""
+
+    def __init__(self, metrics: Metrics, broker: Broker) -> None:
+        self.metrics = metrics
+        self.broker = broker
+
+    def describe(self) -> list[Metric]:
+        return []  # names are fixed and distinct from the counters': no check needed
+
+    def collect(self) -> Iterator[Metric]:
+        self.metrics.check_thread()
+        broker = self.broker
+        connections = GaugeMetricFamily(
+            "slipstream_connections", "Open client connections (binary protocol)"
+        )
+        connections.add_metric([], len(broker.sessions))
+        yield connections
+        if not hasattr(broker, "service"):
+            return  # not open yet: nothing else exists
+        yield from self._storage()
+        yield from self._streams()
+        transactions = GaugeMetricFamily(
+            "slipstream_transactions_open", "Transactions open (or committing) now"
+        )
+        transactions.add_metric([], len(broker.coordinator.open))
+        yield transactions
+        yield from self._lag()
+
+    def _storage(self) -> Iterator[Metric]:
+        journal = GaugeMetricFamily(
+            "slipstream_journal_bytes",
+            "Bytes in the container's journal files (tier 1; moved to chunks and trimmed in "
+            "the background)",
+            labels=["container"],
+        )
+        chunks = GaugeMetricFamily(
+            "slipstream_chunk_bytes",
+            "Bytes of the container's live segments in long-term chunks (tier 2)",
+            labels=["container"],
+        )
+        for container in self.broker.containers:
+            label = [str(container.id)]
+            journal.add_metric(label, container.journal.total_bytes)
+            moved = 0
+            for segment in list(container.segments.values()):
+                moved += segment.bytes - _journal_resident(segment)
+            chunks.add_metric(label, moved)
+        yield journal
+        yield chunks
+
+    def _streams(self) -> Iterator[Metric]:
+        segments = GaugeMetricFamily(
+            "slipstream_stream_open_segments",
+            "Open (appendable) segments of the stream",
+            labels=["stream"],
+        )
+        retained = GaugeMetricFamily(
+            "slipstream_stream_retained_bytes",
+            "Bytes the stream retains (journal and chunks, all segments)",
+            labels=["stream"],
+        )
+        for name, stream in list(self.broker.controller.streams.items()):
+            values = list(stream.segments.values())
+            segments.add_metric([name], sum(1 for s in values if not s.sealed))
+            retained.add_metric([name], sum(s.bytes for s in values))
+        yield segments
+        yield retained
+
+    def _lag(self) -> Iterator[Metric]:
+        events = GaugeMetricFamily(
+            "slipstream_subscription_lag_events",
+            "Events appended to the stream after the subscription's committed positions "
+            "(all segments)",
+            labels=["stream", "subscription"],
+        )
+        seconds = GaugeMetricFamily(
+            "slipstream_subscription_lag_seconds",
+            "Age of the oldest event after the subscription's committed positions, by event "
+            "time (0 with no backlog); exact to a batch while the backlog starts in the "
+            "journal, else the age of the oldest event of the chunk it starts in",
+            labels=["stream", "subscription"],
+        )
+        now_ms = time.time() * 1000
+        for group in list(self.broker.service.subscriptions.groups.values()):
+            if group.deleted is not None:
+                continue
+            backlog, oldest = 0, None
+            for number, segment in list(group.stream.segments.items()):
+                position = group.position(number)
+                if position >= segment.next_offset:
+                    continue
+                backlog += segment.next_offset - position
+                at = _timestamp_at(segment, position)
+                if at is not None and (oldest is None or at < oldest):
+                    oldest = at
+            label = [group.stream.name, group.record.name]
+            events.add_metric(label, backlog)
+            seconds.add_metric(label, 0 if oldest is None else max(0.0, now_ms - oldest) / 1000)
+        yield events
+        yield seconds
+
+
+def _journal_resident(segment: Segment) -> int:
+    """Batch bytes of the segment still in the journal (not in chunks): O(its batches)."""
+    return sum(b.address.length - _ENTRY_PREFIX for b in segment.journal if not b.lost)
+
+
+def _timestamp_at(segment: Segment, offset: int) -> int | None:
+    """The event time (ms) of the oldest event of the batch holding ``offset``, from memory
+    only: the journal's index where it holds the offset, else the oldest event of the newest
+    chunk, else of the segment (no catalog read on the loop)."""
+    if offset >= segment.chunk_end and segment.journal:
+        index = segment.journal_index(offset)
+        if index < len(segment.journal):
+            return segment.journal[index].min_timestamp
+    last = segment.last_chunk
+    if last is not None and offset >= last.record.base_offset:
+        return last.record.min_timestamp
+    return segment.first_timestamp
+
+
+#: what parts built without a broker (tests, benchmarks) count into: served by nobody
+DETACHED = Metrics()
