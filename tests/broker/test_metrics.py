@@ -1,0 +1,355 @@
+"""The broker's Prometheus metrics (slipstream/broker/_metrics.py, docs/metrics.md).
+
+A broker serves real clients over loopback from a thread of this process, so that a test can
+scrape its registry where the admin HTTP server does: on the broker's own event loop
+(``prometheus_client.generate_latest``, the same text ``/metrics`` serves). What is checked,
+after producing, consuming, committing and aborting through the public client: counters are
+exact (events and bytes per stream, transactions by outcome, rejected requests by error code,
+scales by kind), the latency histograms have observations, the gauges computed at scrape
+(connections, open transactions and segments, journal and chunk bytes, subscription lag)
+follow the broker's state, a deleted stream's series go, a scrape off the loop thread is
+refused, and every metric the Grafana dashboard (docs/grafana-dashboard.json) queries exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import slipstream
+from slipstream import StreamNotFound
+from slipstream.broker import Broker, BrokerConfig, ContainerConfig
+
+DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana-dashboard.json"
+
+
+class Scrape:
+    """One scrape, parsed: ``value(name, **labels)`` of a sample, 0.0 if absent."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.families = {f.name: f for f in text_string_to_metric_families(text)}
+        self.samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {
+            (s.name, frozenset(s.labels.items())): s.value
+            for family in self.families.values()
+            for s in family.samples
+        }
+
+    def value(self, name: str, **labels: str) -> float:
+        return self.samples.get((name, frozenset(labels.items())), 0.0)
+
+    def total(self, name: str) -> float:
+        """The sum of a sample name's values over all label sets."""
+        return sum(v for (n, _), v in self.samples.items() if n == name)
+
+    def names(self) -> set[str]:
+        """Every family name and sample name (``_bucket``, ``_count``, ``_total`` ...)."""
+        return set(self.families) | {n for n, _ in self.samples}
+
+
+class ServedBroker:
+    """A ``Broker`` serving on loopback from its own thread and event loop."""
+
+    def __init__(self, data_dir: Path, **container: int) -> None:
+        self.config = BrokerConfig(
+            data_dir=data_dir, port=0, containers=2, container=ContainerConfig(**container)
+        )
+        self.ready = threading.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.broker: Broker | None = None
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="broker", daemon=True)
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self.loop = asyncio.get_running_loop()
+            self.broker = Broker(self.config)
+            await self.broker.serve(lambda _: self.ready.set())
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:
+            self.failure = exc
+            self.ready.set()
+
+    def start(self) -> ServedBroker:
+        self.thread.start()
+        assert self.ready.wait(30), "the broker did not start"
+        if self.failure is not None:
+            raise self.failure
+        return self
+
+    @property
+    def address(self) -> str:
+        assert self.broker is not None and self.broker.address is not None
+        host, port = self.broker.address
+        return f"{host}:{port}"
+
+    def scrape(self) -> Scrape:
+        """The broker's registry in the exposition format, baked on the broker's loop."""
+        assert self.loop is not None and self.broker is not None
+        registry = self.broker.metrics.registry
+
+        async def bake() -> bytes:
+            return generate_latest(registry)
+
+        return Scrape(asyncio.run_coroutine_threadsafe(bake(), self.loop).result(30).decode())
+
+    def stop(self) -> None:
+        if self.loop is not None and self.broker is not None and self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.broker.stop)
+        self.thread.join(30)
+        if self.failure is not None:
+            raise self.failure
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[ServedBroker]:
+    broker = ServedBroker(tmp_path / "data").start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
+def client(served: ServedBroker) -> Iterator[slipstream.Client]:
+    with slipstream.connect(served.address) as c:
+        yield c
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def produce(
+    client: slipstream.Client, stream: str, count: int, timestamp: int | None = None
+) -> None:
+    with client.producer(stream, linger_ms=1) as producer:
+        for i in range(count):
+            producer.send(b"event %d" % i, key=f"k{i % 7}", timestamp=timestamp)
+
+
+def stored_bytes(client: slipstream.Client, stream: str) -> int:
+    return sum(s.bytes for s in client.describe_stream(stream).segments)
+
+
+# --- produce and consume --------------------------------------------------------------------
+
+
+def test_produced_and_consumed_events_and_bytes_per_stream(
+    served: ServedBroker, client: slipstream.Client
+) -> None:
+    client.create_stream("m/orders", 2)
+    client.create_stream("m/other", 1)
+    produce(client, "m/orders", 300)
+    produce(client, "m/other", 7)
+    orders_bytes = stored_bytes(client, "m/orders")
+    scrape = served.scrape()
+    assert scrape.value("slipstream_produced_events_total", stream="m/orders") == 300
+    assert scrape.value("slipstream_produced_events_total", stream="m/other") == 7
+    assert scrape.value("slipstream_produced_bytes_total", stream="m/orders") == orders_bytes
+    assert scrape.value("slipstream_stream_retained_bytes", stream="m/orders") == orders_bytes
+    assert scrape.value("slipstream_consumed_events_total", stream="m/orders") == 0
+    # every acknowledged append was timed, and the group commits synced (fsync=always)
+    assert scrape.value("slipstream_append_seconds_count") >= 1
+    assert scrape.value("slipstream_append_seconds_bucket", le="+Inf") == scrape.value(
+        "slipstream_append_seconds_count"
+    )
+    assert scrape.total("slipstream_fsync_seconds_count") >= 1
+    assert (
+        sum(scrape.value("slipstream_journal_bytes", container=str(c)) for c in range(2))
+        >= orders_bytes
+    )
+
+    events = list(client.reader("m/orders", "earliest", client.tail("m/orders")))
+    assert len(events) == 300
+    scrape = served.scrape()
+    assert scrape.value("slipstream_consumed_events_total", stream="m/orders") == 300
+    assert scrape.value("slipstream_consumed_bytes_total", stream="m/orders") == orders_bytes
+    assert scrape.value("slipstream_consumed_events_total", stream="m/other") == 0
+
+
+def test_open_segments_and_scaling_decisions(
+    served: ServedBroker, client: slipstream.Client
+) -> None:
+    client.create_stream("m/scaled", 1)
+    assert served.scrape().value("slipstream_stream_open_segments", stream="m/scaled") == 1
+    client.scale_stream("m/scaled", split=0, into=3)
+    scrape = served.scrape()
+    assert scrape.value("slipstream_stream_open_segments", stream="m/scaled") == 3
+    split = {"kind": "split", "trigger": "manual"}
+    assert scrape.value("slipstream_scaling_decisions_total", **split) == 1
+    client.scale_stream("m/scaled", merge=[1, 2])
+    scrape = served.scrape()
+    assert scrape.value("slipstream_stream_open_segments", stream="m/scaled") == 2
+    merge = {"kind": "merge", "trigger": "manual"}
+    assert scrape.value("slipstream_scaling_decisions_total", **merge) == 1
+    assert scrape.value("slipstream_scaling_decisions_total", **split) == 1
+
+
+def test_a_deleted_streams_series_go_with_it(
+    served: ServedBroker, client: slipstream.Client
+) -> None:
+    client.create_stream("m/gone", 1)
+    produce(client, "m/gone", 5)
+    list(client.reader("m/gone", "earliest", client.tail("m/gone")))
+    assert served.scrape().value("slipstream_consumed_events_total", stream="m/gone") == 5
+    client.delete_stream("m/gone")
+    assert 'stream="m/gone"' not in served.scrape().text
+
+
+# --- transactions, rejections, connections --------------------------------------------------
+
+
+def test_transactions_open_committed_and_aborted(
+    served: ServedBroker, client: slipstream.Client
+) -> None:
+    client.create_stream("m/txn", 2)
+    committed = client.transaction("metrics-writer")
+    for i in range(5):
+        committed.send("m/txn", b"c%d" % i, key=f"k{i}")
+    committed.flush()
+    scrape = served.scrape()
+    assert scrape.value("slipstream_transactions_open") == 1
+    assert scrape.value("slipstream_produced_events_total", stream="m/txn") == 0  # staged only
+    committed.commit()
+    with pytest.raises(RuntimeError), client.transaction("metrics-writer") as aborted:
+        for i in range(3):
+            aborted.send("m/txn", b"a%d" % i, key=f"k{i}")
+        raise RuntimeError("the application failed: abort")
+    scrape = served.scrape()
+    assert scrape.value("slipstream_transactions_open") == 0
+    assert scrape.value("slipstream_transactions_ended_total", outcome="committed") == 1
+    assert scrape.value("slipstream_transactions_ended_total", outcome="aborted") == 1
+    # the commit's events count once, when applied; the aborted ones never
+    assert scrape.value("slipstream_produced_events_total", stream="m/txn") == 5
+
+
+def test_rejected_requests_by_error_code(served: ServedBroker, client: slipstream.Client) -> None:
+    for _ in range(2):
+        with pytest.raises(StreamNotFound):
+            client.describe_stream("m/missing")
+    scrape = served.scrape()
+    assert scrape.value("slipstream_rejected_requests_total", code="stream_not_found") == 2
+    assert scrape.total("slipstream_rejected_requests_total") == 2
+
+
+def test_open_connections(served: ServedBroker) -> None:
+    assert served.scrape().value("slipstream_connections") == 0
+    with slipstream.connect(served.address) as one:
+        one.list_streams()
+        with slipstream.connect(served.address) as two:
+            two.list_streams()
+            assert served.scrape().value("slipstream_connections") == 2
+    wait_for(lambda: served.scrape().value("slipstream_connections") == 0)
+
+
+# --- subscription lag ------------------------------------------------------------------------
+
+
+def test_subscription_lag_in_events_and_seconds_drops_to_zero_after_consumption(
+    served: ServedBroker, client: slipstream.Client
+) -> None:
+    client.create_stream("m/lag", 2)
+    client.create_subscription("m/lag", "billing")
+    client.create_subscription("m/lag", "audit")
+    hour_ago = int(time.time() * 1000) - 3_600_000
+    produce(client, "m/lag", 40, timestamp=hour_ago)
+    scrape = served.scrape()
+    for name in ("billing", "audit"):
+        labels = {"stream": "m/lag", "subscription": name}
+        assert scrape.value("slipstream_subscription_lag_events", **labels) == 40
+        assert scrape.value("slipstream_subscription_lag_seconds", **labels) >= 3_600
+
+    with client.consumer("m/lag", "billing", commit="manual") as consumer:
+        events: list[slipstream.Event] = []
+        deadline = time.monotonic() + 20
+        while len(events) < 40 and time.monotonic() < deadline:
+            events.extend(consumer.poll(0.2))
+        assert len(events) == 40
+        consumer.commit()
+    scrape = served.scrape()
+    billing = {"stream": "m/lag", "subscription": "billing"}
+    assert scrape.value("slipstream_subscription_lag_events", **billing) == 0
+    assert scrape.value("slipstream_subscription_lag_seconds", **billing) == 0
+    audit = {"stream": "m/lag", "subscription": "audit"}
+    assert scrape.value("slipstream_subscription_lag_events", **audit) == 40
+
+
+# --- storage ---------------------------------------------------------------------------------
+
+
+def test_journal_and_chunk_bytes_per_container(tmp_path: Path) -> None:
+    """With small journal files, data moves to chunks: the chunk gauge then holds what left the
+    journal, and journal plus chunks account for every stored byte."""
+    served = ServedBroker(tmp_path / "data", roll_bytes=64 * 1024).start()
+    try:
+        with slipstream.connect(served.address) as client:
+            client.create_stream("m/disk", 2)
+            with client.producer("m/disk", linger_ms=1) as producer:
+                for i in range(2_000):
+                    producer.send(os.urandom(200), key=f"k{i % 13}")  # incompressible
+            stored = stored_bytes(client, "m/disk")
+
+            def chunked() -> float:
+                return sum(
+                    served.scrape().value("slipstream_chunk_bytes", container=str(c))
+                    for c in range(2)
+                )
+
+            wait_for(lambda: chunked() > 0)
+            assert chunked() <= stored
+            scrape = served.scrape()
+            assert scrape.value("slipstream_stream_retained_bytes", stream="m/disk") == stored
+    finally:
+        served.stop()
+
+
+# --- scraping -------------------------------------------------------------------------------
+
+
+def test_a_scrape_off_the_brokers_loop_thread_is_refused(served: ServedBroker) -> None:
+    assert served.broker is not None
+    with pytest.raises(RuntimeError, match="event loop thread"):
+        generate_latest(served.broker.metrics.registry)
+
+
+def test_every_metric_the_grafana_dashboard_queries_exists(
+    served: ServedBroker, client: slipstream.Client
+) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [
+        target["expr"]
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+        if "expr" in target
+    ]
+    assert len(exprs) >= 8
+    # a scrape in which every series has samples
+    client.create_stream("m/dash", 1)
+    client.create_subscription("m/dash", "app")
+    produce(client, "m/dash", 3)
+    list(client.reader("m/dash", "earliest", client.tail("m/dash")))
+    with pytest.raises(StreamNotFound):
+        client.describe_stream("m/nothing")
+    client.scale_stream("m/dash", split=0)
+    with client.transaction("dash") as txn:
+        txn.send("m/dash", b"x")
+    names = served.scrape().names()
+    queried = {
+        name for expr in exprs for name in re.findall(r"\b((?:slipstream|process)_\w+)", expr)
+    }
+    assert queried, "the dashboard queries no slipstream metric"
+    assert sorted(queried - names) == []
