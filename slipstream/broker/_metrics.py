@@ -38,6 +38,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
     from ._broker import Broker
+    from ._groups import Member
     from ._segment import Segment
 
 T = TypeVar("T")
@@ -82,14 +83,15 @@ class Metrics:
         )
         self.consumed_events = Counter(
             "slipstream_consumed_events",
-            "Events sent to readers (follows) of the stream, counted by the offsets the "
-            "reader moved over",
+            "Events sent to readers of the stream: by follows, the offsets the reader moved "
+            "over; by queue-mode fetches, the deliveries (a redelivery counts again)",
             per_stream,
             registry=registry,
         )
         self.consumed_bytes = Counter(
             "slipstream_consumed_bytes",
-            "Bytes of record batches sent to readers (follows) of the stream",
+            "Bytes of record batches sent to readers of the stream (follows and queue-mode "
+            "fetches, which send the whole batches holding their deliveries)",
             per_stream,
             registry=registry,
         )
@@ -162,15 +164,27 @@ class Metrics:
     def consumed(self, segment: Segment, events: int, batches: Sequence[Sized]) -> None:
         """A data frame of ``batches`` went to a reader of ``segment``, moving it over
         ``events`` offsets (on the loop, once per frame)."""
-        stream = segment.stream_name
+        counted_events, counted_bytes = self._consumers(segment.stream_name)
+        counted_events.inc(events)
+        counted_bytes.inc(sum(map(len, batches)))
+
+    def delivered(self, member: Member | None, events: int, batches: Sequence[Sized]) -> None:
+        """Queue modes: ``events`` deliveries, in ``batches``, went to a member (on the loop,
+        once per FetchEvents answer); ``member`` None: it left meanwhile, not counted."""
+        if member is None or not events:
+            return
+        counted_events, counted_bytes = self._consumers(member.group.stream.name)
+        counted_events.inc(events)
+        counted_bytes.inc(sum(map(len, batches)))
+
+    def _consumers(self, stream: str) -> tuple[Counter, Counter]:
         pair = self._consumed.get(stream)
         if pair is None:
             pair = self._consumed[stream] = (
                 self.consumed_events.labels(stream),
                 self.consumed_bytes.labels(stream),
             )
-        pair[0].inc(events)
-        pair[1].inc(sum(map(len, batches)))
+        return pair
 
     def appended(self, started: float) -> None:
         """An append was acknowledged; ``started``: ``time.perf_counter()`` at its arrival."""

@@ -539,6 +539,8 @@ class Session(asyncio.BufferedProtocol):
                 deliveries, batches = await service.fetch_events(
                     caller, member_id, max_events, wait_ms
                 )
+                members = service.subscriptions.members
+                self.broker.metrics.delivered(members.get(member_id), len(deliveries), batches)
                 return _WithPayload(EventsDelivered(deliveries), batches)
             case SettleEvents(member_id, acks, nacks, delay_ms):
                 return Settled(

@@ -27,7 +27,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import slipstream
-from slipstream import StreamNotFound
+from slipstream import QueueConsumer, QueueEvent, StreamNotFound
 from slipstream.broker import Broker, BrokerConfig, ContainerConfig
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana-dashboard.json"
@@ -179,6 +179,36 @@ def test_produced_and_consumed_events_and_bytes_per_stream(
     assert scrape.value("slipstream_consumed_events_total", stream="m/orders") == 300
     assert scrape.value("slipstream_consumed_bytes_total", stream="m/orders") == orders_bytes
     assert scrape.value("slipstream_consumed_events_total", stream="m/other") == 0
+
+
+def test_queue_deliveries_count_as_consumed(
+    served: ServedBroker, client: slipstream.Client
+) -> None:
+    client.create_stream("m/jobs", 2)
+    client.create_subscription("m/jobs", "workers", mode="queue")
+    produce(client, "m/jobs", 25)
+    with client.consumer("m/jobs", "workers") as consumer:
+        assert isinstance(consumer, QueueConsumer)
+        taken: list[QueueEvent] = []
+        deadline = time.monotonic() + 20
+        while len(taken) < 25 and time.monotonic() < deadline:
+            for event in consumer.poll(0.2):
+                event.ack()
+                taken.append(event)
+        assert len(taken) == 25
+        wait_for(
+            lambda: (
+                served.scrape().value(
+                    "slipstream_subscription_lag_events", stream="m/jobs", subscription="workers"
+                )
+                == 0
+            )
+        )
+    scrape = served.scrape()
+    assert scrape.value("slipstream_consumed_events_total", stream="m/jobs") == 25
+    assert scrape.value("slipstream_consumed_bytes_total", stream="m/jobs") >= stored_bytes(
+        client, "m/jobs"
+    )
 
 
 def test_open_segments_and_scaling_decisions(
