@@ -1,9 +1,10 @@
 """The producer: batches events per segment, sends them pipelined, reports positions.
 
 Batching rule: a segment's batch is sent when it reaches ``batch_bytes``, when ``linger_ms``
-has passed since its first event, or at once when the producer has nothing in flight (so a
-lone event does not wait for the linger time, and under load batches grow while the previous
-ones are being made durable: group commit on the client side).
+has passed since its first event and ``max_in_flight`` leaves room for it, or at once when the
+producer has nothing in flight (so a lone event does not wait for the linger time, and under
+load batches grow while the previous ones are being made durable: group commit on the client
+side).
 
 ``send`` may be called from any thread; the network side runs on the client's event loop.
 
@@ -620,9 +621,7 @@ class ProducerCore:
             elif self._in_flight == 0:
                 self._seal_all()
             elif (self._open or self._keyless) and self._timer is None:
-                oldest = min(b.created for b in self._open_batches())
-                delay = max(0.0, oldest + self.linger - time.monotonic())
-                self._timer = self.loop.call_later(delay, self._linger_expired)
+                self._seal_lingered()
             room = self.max_in_flight - self._in_flight
             ready, self._sealed = self._sealed[:room], self._sealed[room:]
             for item in ready:  # flush_nowait must see them while _send encodes them
@@ -630,13 +629,30 @@ class ProducerCore:
         for item in ready:
             self._send(item)
 
+    def _seal_lingered(self) -> None:
+        """Seal the open batches whose linger time is up, oldest first, as far as the
+        in-flight window has room for them, and set the timer for the next one. A batch that
+        finds the window full stays open and keeps growing until an acknowledgement makes
+        room (``_acked`` dispatches again): sealed at once, it would only queue up behind the
+        window at its small size, and a paced producer whose round trips grow (a loaded
+        machine, more segments) would send ever more, ever smaller batches, each round trip
+        carrying ``max_in_flight`` of them (2026-11-24: paced 2 x 50,000/s into 8 segments,
+        35 events a batch, acknowledged 60-80% of what was sent on a busy machine)."""
+        now = time.monotonic()
+        room = self.max_in_flight - self._in_flight - len(self._sealed)
+        for batch in sorted(self._open_batches(), key=lambda b: b.created):
+            if now - batch.created < self.linger:
+                self._timer = self.loop.call_later(
+                    batch.created + self.linger - now, self._linger_expired
+                )
+                return
+            if room <= 0:
+                return  # something is in flight: its acknowledgement dispatches again
+            self._seal(batch)
+            room -= 1
+
     def _linger_expired(self) -> None:
         self._timer = None
-        with self._lock:
-            now = time.monotonic()
-            for batch in self._open_batches():
-                if now - batch.created >= self.linger:
-                    self._seal(batch)
         self._dispatch()
 
     def _send(
