@@ -2,8 +2,8 @@
 
 Each broker holds its own ``CollectorRegistry`` (``Broker.metrics.registry``), never the
 process-wide default one: several brokers may live in one process (tests), and a scrape must
-show one broker's numbers. The admin HTTP server serves it at ``/metrics``
-(``prometheus_client.make_asgi_app(registry=...)``).
+show one broker's numbers. The admin HTTP server serves ``Metrics.asgi_app()`` at
+``/metrics``.
 
 Two kinds of metrics, chosen by what the hot path can afford:
 
@@ -18,9 +18,10 @@ Threads: the event loop updates every counter except the fsync histogram, which 
 containers' journal threads observe (``timed_fsync`` runs on them); prometheus_client's
 metrics take a lock per update, so both are safe. The collector reads loop-owned state
 (segments, groups, sessions, open transactions) and must run on the broker's loop thread:
-``make_asgi_app`` bakes its answer synchronously inside the request, which on a server
-running on the broker's loop is that thread. A scrape from any other thread raises
-RuntimeError instead of reading state that the loop is changing.
+``render`` (``asgi_app``) takes that state there as plain values, then formats the whole
+text in the loop's default executor (with 10,000 streams: 50 ms on the loop, 0.5 s off it).
+A scrape of the registry from any other thread raises RuntimeError instead of reading state
+that the loop is changing.
 
 Counters start at zero when the broker starts (Prometheus' ``rate()`` handles the reset);
 a deleted stream's series go with it (``forget_stream``).
@@ -28,12 +29,16 @@ a deleted stream's series go with it (``forget_stream``).
 
 from __future__ import annotations
 
+import asyncio
+import gzip
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence, Sized
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence, Sized
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
@@ -134,9 +139,24 @@ class Metrics:
         self._committed = self.transactions_ended.labels("committed")
         self._aborted = self.transactions_ended.labels("aborted")
         self.broker = broker
+        #: what a scrape may read on any thread (their own locks)
+        self._thread_safe: list[_Collector] = [
+            self.produced_events,
+            self.produced_bytes,
+            self.consumed_events,
+            self.consumed_bytes,
+            self.append_seconds,
+            self.fsync_seconds,
+            self.transactions_ended,
+            self.rejected_requests,
+            self.scaling_decisions,
+        ]
+        self._collector: _BrokerCollector | None = None
         if broker is not None:
-            ProcessCollector(registry=registry)  # process_* (memory, CPU, open files)
-            registry.register(_BrokerCollector(self, broker))
+            # process_* (memory, CPU, open files)
+            self._thread_safe.append(ProcessCollector(registry=registry))
+            self._collector = _BrokerCollector(self, broker)
+            registry.register(self._collector)
         self._loop_thread: int | None = None
 
     def attach(self, broker: Broker) -> None:
@@ -147,6 +167,49 @@ class Metrics:
         broker.controller.metrics = self
         broker.coordinator.metrics = self
         self._loop_thread = threading.get_ident()
+
+    # --- scraping ---------------------------------------------------------------------------
+
+    async def render(self, accept: str = "", accept_encoding: str = "") -> tuple[bytes, str, bool]:
+        """One scrape, for the broker's loop: (body, content type, gzipped). Only the walk over
+        the loop's state (``_BrokerCollector``) runs on the loop; formatting the text, which
+        takes most of a scrape's time (4-5 us a sample: about 0.3 s for 10,000 streams with
+        a subscription each), runs in the loop's default executor with a snapshot, so the
+        loop goes on serving meanwhile. ``accept`` picks the Prometheus text format or
+        OpenMetrics, as prometheus-client's own servers do."""
+        self.check_thread()
+        state = self._collector.take() if self._collector is not None else None
+        snapshot = _Snapshot(self._thread_safe, state)
+        encoder, content_type = choose_encoder(accept)
+        gzipped = gzip_accepted(accept_encoding)
+
+        def bake() -> bytes:
+            body = encoder(snapshot)
+            return gzip.compress(body) if gzipped else body
+
+        body = await asyncio.get_running_loop().run_in_executor(None, bake)
+        return body, content_type, gzipped
+
+    def asgi_app(self) -> AsgiApp:
+        """An ASGI app answering every GET with ``render``'s scrape: mount it at ``/metrics``
+        of a server on the broker's loop (instead of ``prometheus_client.make_asgi_app``,
+        which would format the whole text on the loop)."""
+
+        async def app(scope: dict[str, Any], receive: AsgiReceive, send: AsgiSend) -> None:
+            assert scope["type"] == "http"
+            headers = {
+                k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
+            }
+            body, content_type, gzipped = await self.render(
+                headers.get("accept", ""), headers.get("accept-encoding", "")
+            )
+            reply = [(b"content-type", content_type.encode())]
+            if gzipped:
+                reply.append((b"content-encoding", b"gzip"))
+            await send({"type": "http.response.start", "status": 200, "headers": reply})
+            await send({"type": "http.response.body", "body": body})
+
+        return app
 
     # --- updates (hot paths: one dictionary lookup, then the counters' own locks) ---------
 
@@ -234,8 +297,45 @@ class Metrics:
             )
 
 
+AsgiReceive = Callable[[], Awaitable[dict[str, Any]]]
+AsgiSend = Callable[[dict[str, Any]], Awaitable[None]]
+AsgiApp = Callable[[dict[str, Any], AsgiReceive, AsgiSend], Awaitable[None]]
+
+
+class _Collector(Protocol):
+    def collect(self) -> Iterable[Metric]: ...
+
+
+class _Snapshot:
+    """What one ``render`` formats off the loop: the thread-safe metrics, read where the
+    formatting runs, and the state the broker's collector took on the loop."""
+
+    def __init__(self, live: list[_Collector], taken: _State | None) -> None:
+        self.live = live
+        self.taken = taken
+
+    def collect(self) -> Iterator[Metric]:
+        for collector in self.live:
+            yield from collector.collect()
+        if self.taken is not None:
+            yield from _families(self.taken)
+
+
+@dataclass(frozen=True, slots=True)
+class _State:
+    """What a scrape reads of the loop's state, as plain values (taken on the loop; turned
+    into metric families anywhere)."""
+
+    connections: int
+    open_transactions: int | None = None  # None: the broker is not open yet
+    containers: list[tuple[str, int, int]] = field(default_factory=list)  # journal, chunks
+    streams: list[tuple[str, int, int]] = field(default_factory=list)  # open segments, bytes
+    lag: list[tuple[str, str, int, float]] = field(default_factory=list)  # events, seconds
+
+
 class _BrokerCollector:
-    """The metrics computed at scrape from the broker's live state (on its loop thread)."""
+    """The metrics computed at scrape from the broker's live state: ``take`` reads it on the
+    loop thread into plain values, ``families`` makes them metric families on any thread."""
 
     def __init__(self, metrics: Metrics, broker: Broker) -> None:
         self.metrics = metrics
@@ -245,80 +345,27 @@ class _BrokerCollector:
         return []  # names are fixed and distinct from the counters': no check needed
 
     def collect(self) -> Iterator[Metric]:
+        return _families(self.take())
+
+    def take(self) -> _State:
         self.metrics.check_thread()
         broker = self.broker
-        connections = GaugeMetricFamily(
-            "slipstream_connections", "Open client connections (binary protocol)"
-        )
-        connections.add_metric([], len(broker.sessions))
-        yield connections
         if not hasattr(broker, "service"):
-            return  # not open yet: nothing else exists
-        yield from self._storage()
-        yield from self._streams()
-        transactions = GaugeMetricFamily(
-            "slipstream_transactions_open", "Transactions open (or committing) now"
-        )
-        transactions.add_metric([], len(broker.coordinator.open))
-        yield transactions
-        yield from self._lag()
-
-    def _storage(self) -> Iterator[Metric]:
-        journal = GaugeMetricFamily(
-            "slipstream_journal_bytes",
-            "Bytes in the container's journal files (tier 1; moved to chunks and trimmed in "
-            "the background)",
-            labels=["container"],
-        )
-        chunks = GaugeMetricFamily(
-            "slipstream_chunk_bytes",
-            "Bytes of the container's live segments in long-term chunks (tier 2)",
-            labels=["container"],
-        )
-        for container in self.broker.containers:
-            label = [str(container.id)]
-            journal.add_metric(label, container.journal.total_bytes)
+            return _State(len(broker.sessions))  # not open yet: nothing else exists
+        containers = []
+        for container in broker.containers:
             moved = 0
             for segment in list(container.segments.values()):
                 moved += segment.bytes - _journal_resident(segment)
-            chunks.add_metric(label, moved)
-        yield journal
-        yield chunks
-
-    def _streams(self) -> Iterator[Metric]:
-        segments = GaugeMetricFamily(
-            "slipstream_stream_open_segments",
-            "Open (appendable) segments of the stream",
-            labels=["stream"],
-        )
-        retained = GaugeMetricFamily(
-            "slipstream_stream_retained_bytes",
-            "Bytes the stream retains (journal and chunks, all segments)",
-            labels=["stream"],
-        )
-        for name, stream in list(self.broker.controller.streams.items()):
+            containers.append((str(container.id), container.journal.total_bytes, moved))
+        streams = []
+        for name, stream in list(broker.controller.streams.items()):
             values = list(stream.segments.values())
-            segments.add_metric([name], sum(1 for s in values if not s.sealed))
-            retained.add_metric([name], sum(s.bytes for s in values))
-        yield segments
-        yield retained
-
-    def _lag(self) -> Iterator[Metric]:
-        events = GaugeMetricFamily(
-            "slipstream_subscription_lag_events",
-            "Events appended to the stream after the subscription's committed positions "
-            "(all segments)",
-            labels=["stream", "subscription"],
-        )
-        seconds = GaugeMetricFamily(
-            "slipstream_subscription_lag_seconds",
-            "Age of the oldest event after the subscription's committed positions, by event "
-            "time (0 with no backlog); exact to a batch while the backlog starts in the "
-            "journal, else the age of the oldest event of the chunk it starts in",
-            labels=["stream", "subscription"],
-        )
+            open_segments = sum(1 for s in values if not s.sealed)
+            streams.append((name, open_segments, sum(s.bytes for s in values)))
+        lag = []
         now_ms = time.time() * 1000
-        for group in list(self.broker.service.subscriptions.groups.values()):
+        for group in list(broker.service.subscriptions.groups.values()):
             if group.deleted is not None:
                 continue
             backlog, oldest = 0, None
@@ -330,11 +377,72 @@ class _BrokerCollector:
                 at = _timestamp_at(segment, position)
                 if at is not None and (oldest is None or at < oldest):
                     oldest = at
-            label = [group.stream.name, group.record.name]
-            events.add_metric(label, backlog)
-            seconds.add_metric(label, 0 if oldest is None else max(0.0, now_ms - oldest) / 1000)
-        yield events
-        yield seconds
+            seconds = 0.0 if oldest is None else max(0.0, now_ms - oldest) / 1000
+            lag.append((group.stream.name, group.record.name, backlog, seconds))
+        return _State(len(broker.sessions), len(broker.coordinator.open), containers, streams, lag)
+
+
+def _families(state: _State) -> Iterator[Metric]:
+    connections = GaugeMetricFamily(
+        "slipstream_connections", "Open client connections (binary protocol)"
+    )
+    connections.add_metric([], state.connections)
+    yield connections
+    if state.open_transactions is None:
+        return
+    transactions = GaugeMetricFamily(
+        "slipstream_transactions_open", "Transactions open (or committing) now"
+    )
+    transactions.add_metric([], state.open_transactions)
+    yield transactions
+    journal = GaugeMetricFamily(
+        "slipstream_journal_bytes",
+        "Bytes in the container's journal files (tier 1; moved to chunks and trimmed in the "
+        "background)",
+        labels=["container"],
+    )
+    chunks = GaugeMetricFamily(
+        "slipstream_chunk_bytes",
+        "Bytes of the container's live segments in long-term chunks (tier 2)",
+        labels=["container"],
+    )
+    for container, journal_bytes, chunk_bytes in state.containers:
+        journal.add_metric([container], journal_bytes)
+        chunks.add_metric([container], chunk_bytes)
+    yield journal
+    yield chunks
+    segments = GaugeMetricFamily(
+        "slipstream_stream_open_segments",
+        "Open (appendable) segments of the stream",
+        labels=["stream"],
+    )
+    retained = GaugeMetricFamily(
+        "slipstream_stream_retained_bytes",
+        "Bytes the stream retains (journal and chunks, all segments)",
+        labels=["stream"],
+    )
+    for name, open_segments, retained_bytes in state.streams:
+        segments.add_metric([name], open_segments)
+        retained.add_metric([name], retained_bytes)
+    yield segments
+    yield retained
+    events = GaugeMetricFamily(
+        "slipstream_subscription_lag_events",
+        "Events appended to the stream after the subscription's committed positions (all segments)",
+        labels=["stream", "subscription"],
+    )
+    seconds = GaugeMetricFamily(
+        "slipstream_subscription_lag_seconds",
+        "Age of the oldest event after the subscription's committed positions, by event time "
+        "(0 with no backlog); exact to a batch while the backlog starts in the journal, else "
+        "the age of the oldest event of the chunk it starts in",
+        labels=["stream", "subscription"],
+    )
+    for stream, subscription, backlog, age in state.lag:
+        events.add_metric([stream, subscription], backlog)
+        seconds.add_metric([stream, subscription], age)
+    yield events
+    yield seconds
 
 
 def _journal_resident(segment: Segment) -> int:

@@ -14,13 +14,15 @@ refused, and every metric the Grafana dashboard (docs/grafana-dashboard.json) qu
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 from prometheus_client import generate_latest
@@ -31,6 +33,7 @@ from slipstream import QueueConsumer, QueueEvent, StreamNotFound
 from slipstream.broker import Broker, BrokerConfig, ContainerConfig
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana-dashboard.json"
+T = TypeVar("T")
 
 
 class Scrape:
@@ -95,15 +98,20 @@ class ServedBroker:
         host, port = self.broker.address
         return f"{host}:{port}"
 
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the broker's loop; its result."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
     def scrape(self) -> Scrape:
         """The broker's registry in the exposition format, baked on the broker's loop."""
-        assert self.loop is not None and self.broker is not None
+        assert self.broker is not None
         registry = self.broker.metrics.registry
 
         async def bake() -> bytes:
             return generate_latest(registry)
 
-        return Scrape(asyncio.run_coroutine_threadsafe(bake(), self.loop).result(30).decode())
+        return Scrape(self.run(bake()).decode())
 
     def stop(self) -> None:
         if self.loop is not None and self.broker is not None and self.thread.is_alive():
@@ -354,6 +362,49 @@ def test_a_scrape_off_the_brokers_loop_thread_is_refused(served: ServedBroker) -
     assert served.broker is not None
     with pytest.raises(RuntimeError, match="event loop thread"):
         generate_latest(served.broker.metrics.registry)
+
+
+def test_the_asgi_app_answers_in_both_formats_and_gzipped(
+    served: ServedBroker, client: slipstream.Client
+) -> None:
+    """``Metrics.asgi_app`` (what /metrics mounts): the same numbers as the registry, in the
+    Prometheus text format or OpenMetrics as asked, gzipped when accepted."""
+    client.create_stream("m/asgi", 1)
+    produce(client, "m/asgi", 4)
+    assert served.broker is not None
+    app = served.broker.metrics.asgi_app()
+
+    async def get(accept: str, encoding: str) -> tuple[dict[str, bytes], bytes]:
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        headers = [(b"accept", accept.encode()), (b"accept-encoding", encoding.encode())]
+        scope = {"type": "http", "method": "GET", "path": "/metrics", "headers": headers}
+        await app(scope, receive, send)
+        start, body = sent
+        assert start["status"] == 200
+        return dict(start["headers"]), body["body"]
+
+    headers, body = served.run(get("", ""))
+    assert headers[b"content-type"].startswith(b"text/plain; version=0.0.4")
+    plain = Scrape(body.decode())
+    assert plain.value("slipstream_produced_events_total", stream="m/asgi") == 4
+    assert plain.value("slipstream_connections") >= 1  # computed on the loop, then formatted
+
+    headers, body = served.run(get("", "gzip"))
+    assert headers[b"content-encoding"] == b"gzip"
+    unzipped = Scrape(gzip.decompress(body).decode())
+    assert unzipped.value("slipstream_produced_events_total", stream="m/asgi") == 4
+
+    headers, body = served.run(get("application/openmetrics-text; version=1.0.0", ""))
+    assert headers[b"content-type"].startswith(b"application/openmetrics-text")
+    assert body.endswith(b"# EOF\n")
+    assert b'slipstream_produced_events_total{stream="m/asgi"} 4.0' in body
 
 
 def test_every_metric_the_grafana_dashboard_queries_exists(
