@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlencode
+from urllib.parse import parse_qs, urlencode
 
 import jinja2
 import msgspec
@@ -45,7 +45,15 @@ from .._errors import (
     SlipstreamError,
 )
 from ..protocol import StreamInfo, SubscriptionInfo
-from ._browse import MAX_LIMIT, EventPage, events_after, events_before, format_cut, parse_cut
+from ._browse import (
+    MAX_LIMIT,
+    EventPage,
+    events_after,
+    events_before,
+    format_cut,
+    found_page,
+    parse_cut,
+)
 from ._sampler import RateSampler
 from ._svg import segments_svg
 
@@ -56,6 +64,7 @@ HERE = Path(__file__).parent
 #: streams per page of the streams list (a filter narrows 10,000 streams to the ones you want)
 STREAMS_PER_PAGE = 100
 EVENTS_PER_PAGE = 50
+MAX_FORM_BYTES = 16 * 1024
 _BAD_REQUEST = (InvalidArgument, InvalidName, MalformedValue, OffsetOutOfRange)
 
 _templates = jinja2.Environment(
@@ -216,8 +225,11 @@ class Console:
         params = request.query_params
         limit = _int(request, "limit", EVENTS_PER_PAGE, minimum=1, maximum=MAX_LIMIT)
         at_text = params.get("at", "").strip()
+        key = params.get("key", "")
         tail = False
-        if at_text:
+        if key:
+            page = await self._find(caller, info, key, at_text, limit)
+        elif at_text:
             at_ms = parse_time(at_text)
             start = await self.service.cut(caller, name, "time", at_ms)
             page = await events_after(self.service, caller, info, start, limit)
@@ -239,9 +251,22 @@ class Console:
             tail=tail,
             limit=limit,
             at=at_text,
+            key=key,
             links=_page_links(page),
             find_available=_find_available(self.service),
         )
+
+    async def _find(
+        self, caller: Caller, info: StreamInfo, key: str, at_text: str, limit: int
+    ) -> EventPage:
+        """The newest ``limit`` events with routing key ``key`` (from ``at`` on, if given),
+        from the broker's key index (``Service.find_events``), not a scan."""
+        find = getattr(self.service, "find_events", None)
+        if find is None:
+            raise InvalidArgument("find by key needs the broker's key index; this build has none")
+        start_ms = parse_time(at_text) if at_text else None
+        found = await find(caller, info.name, key=key, start_ms=start_ms, limit=limit)
+        return found_page(info.name, list(found.events))
 
     # --- subscriptions -----------------------------------------------------------------------
 
@@ -267,7 +292,7 @@ class Console:
         )
 
     async def reset_subscription(self, request: Request, caller: Caller) -> Response:
-        form = await request.form()
+        form = await _form(request)
         stream, name = str(form.get("stream", "")), str(form.get("name", ""))
         at = str(form.get("at", "latest"))
         if not stream or not name:
@@ -290,7 +315,7 @@ class Console:
         )
 
     async def abort_transaction(self, request: Request, caller: Caller) -> Response:
-        form = await request.form()
+        form = await _form(request)
         try:
             txn_id = int(str(form.get("txn_id", "")))
         except ValueError:
@@ -322,6 +347,18 @@ def _error_page(request: Request, exc: SlipstreamError) -> HTMLResponse:
     return render(
         "error.html", request, status=status, code=code, message=str(exc), not_found=status == 404
     )
+
+
+async def _form(request: Request) -> dict[str, str]:
+    """The fields of a small urlencoded form (what the pages' forms send), first value each;
+    a body over ``MAX_FORM_BYTES`` is refused (400)."""
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM_BYTES:
+            raise InvalidArgument(f"a form of the console is at most {MAX_FORM_BYTES} bytes")
+    fields = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True)
+    return {name: values[0] for name, values in fields.items()}
 
 
 def _required(request: Request, name: str) -> str:

@@ -122,6 +122,15 @@ async def events_after(
     return _page(info.name, shown, upper, older if has_older else None, None if at_tail else upper)
 
 
+def found_page(stream: str, found: list[Event]) -> EventPage:
+    """A page of events a find by key returned (any order): shown oldest first, each with the
+    cut at its own position (other segments from their first retained event); no paging."""
+    shown = sorted(found, key=_order)
+    events = [_shown(e, StreamCut(stream, {e.segment: e.offset}).to_json()) for e in shown]
+    first = events[0].cut if events else StreamCut(stream, {}).to_json()
+    return EventPage(events, None, None, first)
+
+
 def _segments(info: StreamInfo) -> list[SegmentInfo]:
     """The segments a page reads: those holding events, the newest MAX_SEGMENTS of them."""
     held = [s for s in info.segments if s.end_offset > s.start_offset]
