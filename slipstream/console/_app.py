@@ -187,7 +187,7 @@ class Console:
                 "info": s,
                 "rate": rates.segments.get(s.number),
                 "events": s.end_offset - s.start_offset,
-                "keys": f"{s.key_lo:#018x}..{s.key_hi:#018x}",
+                "key_range": f"{s.key_lo:#018x}..{s.key_hi:#018x}",
                 "share": (s.key_hi - s.key_lo + 1) / (1 << 64),
             }
             for s in sorted(info.segments, key=lambda s: (s.sealed, s.number))
