@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import struct
 import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import takewhile
 
 import numpy as np
@@ -45,6 +46,8 @@ from ..storage import (
     JournalAddress,
     LongTermStore,
     MetaStore,
+    batch_key_hashes,
+    build_find_index,
     chunk_name,
     payload_alignment,
 )
@@ -85,6 +88,11 @@ class ContainerConfig:
     #: memory for the batch indexes of chunks that reads looked up (ChunkCache): 16 MiB holds
     #: the indexes of about 8,000 chunks of 64 batches
     chunk_cache_bytes: int = 16 * 1024 * 1024
+    #: whether the mover builds each chunk's find index (storage/_index.py); off only to
+    #: measure what it costs (bench/find.py): SLIPSTREAM_FIND_INDEX=off. Finds then scan.
+    find_index: bool = field(
+        default_factory=lambda: os.environ.get("SLIPSTREAM_FIND_INDEX", "on") != "off"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -682,6 +690,13 @@ class Container:
             adopter = max(owned, key=owned.__getitem__, default=None)
             if source is None or adopter is None or owned[adopter] * 2 < source.stat().st_size:
                 adopter = None
+            # the find indexes need the batches' keys: the file is read back once (from the
+            # page cache, mostly: it was written moments ago)
+            whole = (
+                source.read_bytes()
+                if self.config.find_index and source is not None and any(by_segment.values())
+                else None
+            )
             plans = []
             for global_id, batches in by_segment.items():
                 target = targets[global_id]
@@ -713,6 +728,17 @@ class Container:
                     ],
                     dtype="<i8",
                 )
+                finds = b""
+                if self.config.find_index:
+                    finds = build_find_index(
+                        headers,
+                        [
+                            _key_hashes(
+                                b if whole is None else memoryview(whole)[at : at + h.batch_length]
+                            )
+                            for at, h, b in batches
+                        ],
+                    )
                 last_timestamp = target.last_timestamp or 0
                 record = ChunkRecord(
                     target.stream_id,
@@ -725,6 +751,7 @@ class Container:
                     name,
                     index.tobytes(),
                     producers.snapshot() if len(producers) else b"",
+                    finds,
                 )
                 plans.append((global_id, record))
             self.meta.add_chunks(self.id, file_id, [record for _, record in plans])
@@ -810,6 +837,17 @@ def _chain(first: asyncio.Future[int], retry: asyncio.Future[int]) -> None:
             retry.set_result(done.result())
 
     first.add_done_callback(copy)
+
+
+def _key_hashes(batch: Payload | bytes) -> np.ndarray:
+    """A batch's key hashes for its chunk's find index. A body that does not decode (its CRC
+    passed: a producer's bug) indexes no keys; finds never match its events, reads still fail
+    on it as they always did."""
+    try:
+        return batch_key_hashes(batch)
+    except CorruptBatch as exc:
+        log.warning("find index: a batch's body does not decode, its keys are not indexed: %s", exc)
+        return np.zeros(0, dtype=np.uint32)
 
 
 def _remember(producers: ProducerTable, header: BatchHeader) -> None:

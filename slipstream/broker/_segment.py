@@ -57,9 +57,10 @@ class Chunk:
     @classmethod
     def of(cls, record: ChunkRecord) -> Chunk:
         """The chunk of ``record``. Its record keeps neither the index bytes (the arrays hold
-        them) nor the idempotence snapshot (``Segment.moved_producers`` holds that)."""
+        them) nor the idempotence snapshot (``Segment.moved_producers`` holds that), nor the
+        find index (finds load it from the catalog)."""
         triples = np.frombuffer(record.index, dtype="<i8").reshape(-1, 3)
-        record = msgspec.structs.replace(record, index=b"", producers=b"")
+        record = msgspec.structs.replace(record, index=b"", producers=b"", finds=b"")
         return cls(record, triples[:, 0].copy(), triples[:, 1].copy(), triples[:, 2].copy())
 
     @property

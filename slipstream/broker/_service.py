@@ -55,6 +55,7 @@ from ..protocol import (
 )
 from ..storage import QueueOptions, fsync_dir
 from ..streams import validate_stream_name
+from ._find import Finder, FoundEvents, check_find_arguments
 from ._groups import Subscriptions
 
 if TYPE_CHECKING:
@@ -138,6 +139,7 @@ class Service:
         self._owners: dict[int, Caller] = {}  # producer id -> the caller that owns it
         self._connection_ids = itertools.count(1)
         self.subscriptions = Subscriptions(controller)
+        self._finder: Finder | None = None  # made on the first find
 
     # --- callers -----------------------------------------------------------------------------
 
@@ -270,6 +272,41 @@ class Service:
         """Whole batches from ``offset`` (at least one if any, then up to ``max_bytes``); []
         at the end. Raises OffsetOutOfRange, CorruptData, StreamNotFound (deleted)."""
         return await self.containers[segment.container].read(segment, offset, max_bytes)
+
+    async def find_events(
+        self,
+        caller: Caller,
+        stream: str,
+        *,
+        key: bytes | str | None = None,
+        start_ms: int | None = None,
+        end_ms: int | None = None,
+        limit: int = 100,
+        newest_first: bool = True,
+    ) -> FoundEvents:
+        """Events of ``stream`` with routing key ``key`` (any if None; a str is UTF-8) and a
+        time in ``[start_ms, end_ms)`` (open where None), at most ``limit`` (1..10,000), the
+        newest (``newest_first``, returned newest first) or the oldest; each with its segment
+        and offset. Reads only the batches the find indexes name (broker/_find.py says how,
+        and the order across scaled segments). Raises StreamNotFound (also for a stream
+        deleted meanwhile), InvalidArgument for a bad limit or window, CorruptData for
+        damaged bytes in a batch it must read."""
+        if isinstance(key, str):
+            key = key.encode()
+        check_find_arguments(start_ms, end_ms, limit)
+        segments = list(self.controller.stream(stream).segments.values())
+        if self._finder is None:
+            self._finder = Finder(
+                self.controller.meta, self.containers, self.controller._read_pool
+            )
+        return await self._finder.find(
+            segments,
+            key=key,
+            start_ms=start_ms,
+            end_ms=end_ms,
+            limit=limit,
+            newest_first=newest_first,
+        )
 
     # --- producers ---------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Storage behind small interfaces: Journal (tier 1), LongTermStore (tier 2), MetaStore."""
 
 from ._chunks import LocalChunkStore, LongTermStore, MemoryChunkStore, chunk_name
+from ._index import FindIndex, batch_key_hashes, build_find_index, key_hash32
 from ._journal import (
     BLOCK,
     ENTRY_OVERHEAD,
@@ -36,6 +37,7 @@ __all__ = [
     "ChunkRecord",
     "CommitPart",
     "FileJournal",
+    "FindIndex",
     "Identity",
     "Journal",
     "JournalAddress",
@@ -54,9 +56,12 @@ __all__ = [
     "StreamRecord",
     "SubscriptionRecord",
     "TxnCommit",
+    "batch_key_hashes",
+    "build_find_index",
     "chunk_name",
     "ensure_dir",
     "fsync_dir",
+    "key_hash32",
     "payload_alignment",
     "storage_error",
 ]

@@ -104,6 +104,9 @@ class ChunkRecord(msgspec.Struct, frozen=True):
     index: builtins.bytes
     #: the segment's idempotent-producer state as of the chunk's end (msgpack; b"" if none)
     producers: builtins.bytes = b""
+    #: the chunk's find index (storage/_index.py; b"" if none): stored by ``add_chunks``, read
+    #: back only through ``chunk_finds``, never with the record
+    finds: builtins.bytes = b""
 
 
 class SegmentChunks(msgspec.Struct, frozen=True):
@@ -333,6 +336,11 @@ class MetaStore(ABC):
     ) -> list[ChunkRecord]:
         """Up to ``limit`` of the segment's chunks whose base offset is at or after
         ``offset``, in offset order, without their ``index`` and ``producers``."""
+
+    def chunk_finds(self, stream_id: int, segment: int, base_offset: int) -> bytes:
+        """The find index stored with a chunk (``ChunkRecord.finds``); b"" if it has none (a
+        chunk moved before find indexes existed) or there is no such chunk."""
+        return b""
 
     @abstractmethod
     def reserve_ids(self, name: str, count: int) -> int:
@@ -705,9 +713,9 @@ class SqliteMetaStore(MetaStore):
             # still kept, which grows with the offset: what time lookups search (_TIME_INDEX)
             cur.executemany(
                 "INSERT OR REPLACE INTO chunks (stream_id, segment, base_offset, next_offset, "
-                "bytes, min_timestamp, max_timestamp, name, idx, producers, "
+                "bytes, min_timestamp, max_timestamp, name, idx, producers, finds, "
                 "max_timestamp_so_far) "
-                "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, MAX(?, COALESCE((SELECT "
+                "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, MAX(?, COALESCE((SELECT "
                 "max_timestamp_so_far FROM chunks WHERE stream_id = ? AND segment = ? AND "
                 "base_offset < ? ORDER BY base_offset DESC LIMIT 1), ?)) WHERE EXISTS "
                 "(SELECT 1 FROM streams WHERE id = ?)",
@@ -808,6 +816,14 @@ class SqliteMetaStore(MetaStore):
                 _LIGHT_COLUMNS,
                 f"LIMIT {int(limit)}",
             )
+
+    def chunk_finds(self, stream_id: int, segment: int, base_offset: int) -> bytes:
+        with self._read_lock:
+            row = self._reader.execute(
+                "SELECT finds FROM chunks WHERE stream_id = ? AND segment = ? AND base_offset = ?",
+                (stream_id, segment, base_offset),
+            ).fetchone()
+        return b"" if row is None else bytes(row[0])
 
     def reserve_ids(self, name: str, count: int) -> int:
         with self._transaction() as cur:
@@ -1011,6 +1027,7 @@ _ELASTIC_COLUMNS = (
     ("streams", "scaling", "TEXT NOT NULL DEFAULT ''"),
     ("segments", "predecessors", "TEXT NOT NULL DEFAULT '[]'"),
     ("segments", "end_offset", "INTEGER NOT NULL DEFAULT -1"),
+    ("chunks", "finds", "BLOB NOT NULL DEFAULT x''"),  # catalogs before find indexes
 )
 
 #: chunk columns a lookup leaves out when it needs neither index nor producer state
@@ -1051,6 +1068,7 @@ CREATE TABLE IF NOT EXISTS chunks (
     idx BLOB NOT NULL,
     producers BLOB NOT NULL DEFAULT x'',
     max_timestamp_so_far INTEGER,
+    finds BLOB NOT NULL DEFAULT x'',  -- the chunk's find index (storage/_index.py)
     PRIMARY KEY (stream_id, segment, base_offset)
 );
 CREATE TABLE IF NOT EXISTS containers (

@@ -1,0 +1,475 @@
+"""Find events by routing key and by time, reading only the batches that may hold them.
+
+Where the candidates come from, per segment:
+
+* **Chunks** (long-term storage): each chunk's find index (storage/_index.py), stored in the
+  catalog by the mover, names the batches holding a key's 32-bit hash and every batch's time
+  range. A chunk whose time range misses the window is skipped from its catalog row alone; a
+  chunk without a usable index (moved before find indexes existed, indexing switched off, or
+  its index damaged) has every batch as a candidate: it is scanned.
+* **The journal** (the segment's newest batches, not yet in chunks): its batches' times are in
+  memory (``JournalBatch``). Their keys are indexed lazily, in memory: the first find that reads
+  a journal batch keeps its key hashes (``JournalKeys``, bounded), so later finds skip it. After
+  a restart that memory is empty and is rebuilt by the next finds; nothing of it is persisted,
+  because the mover indexes the same batches for good when they become chunks.
+
+Every candidate is read through ``Container.read`` (CRC-checked, holes and retention handled as
+for any read) and decoded in a reader thread; its events are compared exactly (the key's bytes,
+the time), so a hash collision costs one batch read, never a wrong answer.
+
+Order and limits. With a key, a key's events come from the segments whose key range held its
+hash, in every epoch, taken in epoch order: that is the key's append order (a scale seals a
+segment before its successors take the key). Without a key, events are ordered by
+``(timestamp, segment epoch, segment, offset)``. ``limit`` keeps the first (or, newest first,
+the last) events of that order; finds stop reading once nothing unread can be among them (for
+time order: once the unread batches' time bounds cannot beat the events found).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .._errors import CorruptData, InvalidArgument, OffsetOutOfRange
+from ..format import (
+    EVENT_SCHEMA,
+    Event,
+    decode_header,
+    events_of,
+    int64_values,
+    numpy_array,
+    read_body,
+)
+from ..storage import ChunkRecord, FindIndex, MetaStore, key_hash32
+from ..streams import key_hash
+from ._segment import Segment
+
+if TYPE_CHECKING:
+    from ._container import Container
+
+#: the most events one find returns
+MAX_FIND_LIMIT = 10_000
+#: a find stops adding events past this many bytes of keys and values (then ``truncated``)
+MAX_FIND_BYTES = 4 * 1024 * 1024
+_ALL_CHUNKS = 1 << 62
+
+
+@dataclass(frozen=True, slots=True)
+class FoundEvents:
+    """A find's answer: ``events`` in the order asked for (newest first, or oldest first);
+    ``batches_read``: how many batches it decoded (what the indexes saved is the rest);
+    ``truncated``: it stopped at ``MAX_FIND_BYTES`` before ``limit``."""
+
+    events: list[Event]
+    batches_read: int
+    truncated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    """A batch that may hold matches: where it starts, how long it is, its time bounds."""
+
+    offset: int
+    length: int
+    min_ts: int
+    max_ts: int
+
+
+class JournalKeys:
+    """Key hashes of journal batches that finds have read: (segment global id, base offset) ->
+    sorted uint32 hashes; least recently used dropped beyond ``max_bytes``. Thread-safe."""
+
+    def __init__(self, max_bytes: int = 16 * 1024 * 1024) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, global_id: int, offset: int) -> np.ndarray | None:
+        with self._lock:
+            found = self._entries.get((global_id, offset))
+            if found is not None:
+                self._entries.move_to_end((global_id, offset))
+            return found
+
+    def put(self, global_id: int, offset: int, hashes: np.ndarray) -> None:
+        with self._lock:
+            if (global_id, offset) in self._entries:
+                return
+            self._entries[global_id, offset] = hashes
+            self._bytes += hashes.nbytes + 64
+            while self._bytes > self.max_bytes and self._entries:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= old.nbytes + 64
+
+
+class Finder:
+    """Runs finds for the service. Reader threads (``read_pool``) load catalog rows and decode
+    batches; the loop only plans and reads through the containers."""
+
+    def __init__(
+        self,
+        meta: MetaStore,
+        containers: Sequence[Container],
+        read_pool: ThreadPoolExecutor,
+        journal_keys: JournalKeys | None = None,
+    ) -> None:
+        self.meta = meta
+        self.containers = containers
+        self.read_pool = read_pool
+        self.journal_keys = journal_keys or JournalKeys()
+
+    async def find(
+        self,
+        segments: Sequence[Segment],
+        *,
+        key: bytes | None,
+        start_ms: int | None,
+        end_ms: int | None,
+        limit: int,
+        newest_first: bool,
+    ) -> FoundEvents:
+        """Events of ``segments`` (a stream's, every epoch) matching ``key`` (any if None) with
+        a time in ``[start_ms, end_ms)``; see the module docstring for order and limits.
+        Raises InvalidArgument for a bad limit or window, StreamNotFound if the stream is
+        deleted meanwhile, CorruptData for damaged bytes in a candidate batch (holes, offsets
+        lost to damaged storage, are stepped over)."""
+        check_find_arguments(start_ms, end_ms, limit)
+        state = _Search(limit)
+        if key is not None:
+            h = key_hash(key)
+            chain = sorted(
+                (s for s in segments if s.key_lo <= h <= s.key_hi),
+                key=lambda s: (s.epoch, s.number),
+                reverse=newest_first,
+            )
+            for segment in chain:
+                found = await self._search(segment, key, start_ms, end_ms, newest_first, state)
+                state.events.extend(found)
+                if len(state.events) >= limit or state.truncated:
+                    break
+            return FoundEvents(state.events[:limit], state.batches_read, state.truncated)
+        gathered: list[tuple[tuple[int, int, int, int], Event]] = []
+        for segment in segments:
+            found = await self._search(segment, None, start_ms, end_ms, newest_first, state)
+            gathered.extend(((e.timestamp, segment.epoch, e.segment, e.offset), e) for e in found)
+            if state.truncated:
+                break
+        gathered.sort(key=lambda item: item[0], reverse=newest_first)
+        events = [e for _, e in gathered[:limit]]
+        return FoundEvents(events, state.batches_read, state.truncated)
+
+    async def _search(
+        self,
+        segment: Segment,
+        key: bytes | None,
+        start_ms: int | None,
+        end_ms: int | None,
+        newest_first: bool,
+        state: _Search,
+    ) -> list[Event]:
+        """Matches in one segment, in the direction asked: with a key, up to the limit still
+        open; without, at least the segment's best ``limit`` in time order."""
+        loop = asyncio.get_running_loop()
+        container = self.containers[segment.container]
+        h32 = None if key is None else key_hash32(key)
+        # The journal first (on the loop), then the chunks before where it began: a chunk the
+        # mover makes meanwhile holds batches of this journal snapshot, which reads still find.
+        journal_start = segment.chunk_end
+        journal = [
+            b
+            for b in segment.journal
+            if not b.lost
+            and b.base_offset >= journal_start
+            and _overlaps(b.min_timestamp, b.max_timestamp, start_ms, end_ms)
+        ]
+        records: list[ChunkRecord] = []
+        if segment.last_chunk is not None:
+            listed = await loop.run_in_executor(
+                self.read_pool,
+                self.meta.chunks_from,
+                segment.stream_id,
+                segment.number,
+                0,
+                _ALL_CHUNKS,
+            )
+            records = [r for r in listed if r.base_offset < journal_start]
+        # Parts in offset order: each chunk, then the journal; each with its time bounds.
+        parts: list[tuple[str, object, int, int]] = [
+            ("chunk", r, r.min_timestamp, r.max_timestamp)
+            for r in records
+            if r.next_offset > r.base_offset
+        ]
+        if journal:
+            parts.append(
+                (
+                    "journal",
+                    journal,
+                    min(b.min_timestamp for b in journal),
+                    max(b.max_timestamp for b in journal),
+                )
+            )
+        # Bounds on what the parts not yet searched hold, for the time-ordered early stop.
+        order = list(range(len(parts)))
+        if newest_first:
+            order.reverse()
+        found: list[Event] = []
+        remaining_bound = _remaining_bounds(parts, order, newest_first)
+        for step, i in enumerate(order):
+            if key is None and _done(found, state.limit, remaining_bound[step], newest_first):
+                break
+            kind, part, lo, hi = parts[i]
+            if not _overlaps(lo, hi, start_ms, end_ms):
+                continue
+            if kind == "chunk":
+                assert isinstance(part, ChunkRecord)
+                candidates = await loop.run_in_executor(
+                    self.read_pool,
+                    self._chunk_candidates,
+                    container,
+                    segment,
+                    part,
+                    h32,
+                    start_ms,
+                    end_ms,
+                )
+            else:
+                assert isinstance(part, list)
+                candidates = [
+                    _Candidate(
+                        b.base_offset, b.address.length - 8, b.min_timestamp, b.max_timestamp
+                    )
+                    for b in part
+                    if h32 is None or _may_hold(self.journal_keys, segment, b.base_offset, h32)
+                ]
+            for run in _runs(candidates, newest_first):
+                matches = await self._read_run(
+                    container, segment, run, key, start_ms, end_ms, state
+                )
+                found.extend(reversed(matches) if newest_first else matches)
+                if key is not None and len(state.events) + len(found) >= state.limit:
+                    return found
+                if state.truncated:
+                    return found
+        return found
+
+    def _chunk_candidates(
+        self,
+        container: Container,
+        segment: Segment,
+        record: ChunkRecord,
+        h32: int | None,
+        start_ms: int | None,
+        end_ms: int | None,
+    ) -> list[_Candidate]:
+        """A chunk's batches that may hold matches (a reader thread's work): through its find
+        index, or all of them where it has none."""
+        chunk = container.chunk_cache.lookup(segment, record.base_offset)
+        if chunk is None or chunk.record.base_offset != record.base_offset:
+            return []  # retention removed it meanwhile
+        index = FindIndex.decode(
+            self.meta.chunk_finds(segment.stream_id, segment.number, record.base_offset)
+        )
+        count = len(chunk.offsets)
+        if index is None or index.batch_count != count:
+            return [
+                _Candidate(int(o), int(n), record.min_timestamp, record.max_timestamp)
+                for o, n in zip(chunk.offsets, chunk.lengths, strict=True)
+            ]
+        chosen = index.batches_with(h32, start_ms, end_ms)
+        return [
+            _Candidate(
+                int(chunk.offsets[i]),
+                int(chunk.lengths[i]),
+                int(index.min_timestamps[i]),
+                int(index.max_timestamps[i]),
+            )
+            for i in chosen
+        ]
+
+    async def _read_run(
+        self,
+        container: Container,
+        segment: Segment,
+        run: list[_Candidate],
+        key: bytes | None,
+        start_ms: int | None,
+        end_ms: int | None,
+        state: _Search,
+    ) -> list[Event]:
+        """Read a run of adjacent candidates (forward) and return their matches in offset
+        order. A candidate in a hole, or removed by retention, is skipped."""
+        wanted = {c.offset for c in run}
+        got: dict[int, bytes | bytearray | memoryview] = {}
+        total = sum(c.length for c in run)
+        for candidate in run:
+            if candidate.offset in got:
+                continue
+            try:
+                batches = await container.read(segment, candidate.offset, total)
+            except CorruptData as exc:
+                if exc.details.get("resume") is None:
+                    raise
+                continue  # a hole: nothing readable there
+            except OffsetOutOfRange:
+                continue  # retention removed it meanwhile
+            for batch in batches:
+                base = decode_header(batch).base_offset
+                if base in wanted:
+                    got[base] = batch
+                if base > run[-1].offset:
+                    break
+        ordered = [(offset, got[offset]) for offset in sorted(got)]
+        state.batches_read += len(ordered)
+        global_id = segment.global_id
+        results = await asyncio.get_running_loop().run_in_executor(
+            self.read_pool, _match_batches, ordered, segment.number, key, start_ms, end_ms
+        )
+        out: list[Event] = []
+        for (offset, _), (events, hashes) in zip(ordered, results, strict=True):
+            if offset >= segment.chunk_end:
+                self.journal_keys.put(global_id, offset, hashes)
+            for event in events:
+                state.bytes += len(event.value) + len(event.key or b"")
+                out.append(event)
+            if state.bytes > MAX_FIND_BYTES:
+                state.truncated = True
+                break
+        return out
+
+
+class _Search:
+    """What a find collected so far, over segments."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.events: list[Event] = []
+        self.batches_read = 0
+        self.bytes = 0
+        self.truncated = False
+
+
+def check_find_arguments(start_ms: int | None, end_ms: int | None, limit: int) -> None:
+    """Raise InvalidArgument for a limit outside 1..MAX_FIND_LIMIT or an empty window."""
+    if not 1 <= limit <= MAX_FIND_LIMIT:
+        raise InvalidArgument(f"limit must be between 1 and {MAX_FIND_LIMIT}, not {limit}")
+    if start_ms is not None and end_ms is not None and end_ms <= start_ms:
+        raise InvalidArgument(
+            f"the window's end ({end_ms} ms) must be after its start ({start_ms} ms)"
+        )
+
+
+def _overlaps(lo: int, hi: int, start_ms: int | None, end_ms: int | None) -> bool:
+    return (start_ms is None or hi >= start_ms) and (end_ms is None or lo < end_ms)
+
+
+def _may_hold(keys: JournalKeys, segment: Segment, offset: int, h32: int) -> bool:
+    hashes = keys.get(segment.global_id, offset)
+    if hashes is None:
+        return True  # not read by a find yet: read it
+    at = int(np.searchsorted(hashes, h32))
+    return at < len(hashes) and int(hashes[at]) == h32
+
+
+def _remaining_bounds(
+    parts: list[tuple[str, object, int, int]], order: list[int], newest_first: bool
+) -> list[int | None]:
+    """For each step of ``order``: the best time any part from that step on can hold (newest
+    first: their greatest max; oldest first: their least min); None when none is left."""
+    bounds: list[int | None] = [None] * (len(order) + 1)
+    for step in range(len(order) - 1, -1, -1):
+        _, _, lo, hi = parts[order[step]]
+        after = bounds[step + 1]
+        if newest_first:
+            bounds[step] = hi if after is None else max(hi, after)
+        else:
+            bounds[step] = lo if after is None else min(lo, after)
+    return bounds[:-1] if order else []
+
+
+def _done(found: list[Event], limit: int, bound: int | None, newest_first: bool) -> bool:
+    """Whether no unread event can be among the segment's best ``limit`` in time order: within
+    one segment, an unread event at an equal time comes later in the order (newest first:
+    earlier), so an equal bound cannot beat the ``limit``-th best either."""
+    if len(found) < limit or bound is None:
+        return False
+    times = np.fromiter((e.timestamp for e in found), dtype=np.int64, count=len(found))
+    if newest_first:
+        kth = int(np.partition(times, len(times) - limit)[len(times) - limit])
+        return bound <= kth
+    kth = int(np.partition(times, limit - 1)[limit - 1])
+    return bound >= kth
+
+
+def _runs(candidates: list[_Candidate], newest_first: bool) -> list[list[_Candidate]]:
+    """Candidates (in offset order) grouped into runs of adjacent batches, each run read with
+    one request; runs in the direction asked, each run itself forward."""
+    runs: list[list[_Candidate]] = []
+    for candidate in candidates:
+        if runs and _adjacent(runs[-1][-1], candidate) and len(runs[-1]) < 64:
+            runs[-1].append(candidate)
+        else:
+            runs.append([candidate])
+    if newest_first:
+        runs.reverse()
+    return runs
+
+
+def _adjacent(before: _Candidate, after: _Candidate) -> bool:
+    return after.offset > before.offset and after.offset - before.offset <= 1 << 20
+
+
+def _match_batches(
+    batches: list[tuple[int, bytes | bytearray | memoryview]],
+    segment: int,
+    key: bytes | None,
+    start_ms: int | None,
+    end_ms: int | None,
+) -> list[tuple[list[Event], np.ndarray]]:
+    """Each batch's matching events (offset order) and its key hashes (a reader thread's work).
+    Batches of another schema than the event schema (typed streams) match nothing."""
+    out: list[tuple[list[Event], np.ndarray]] = []
+    for offset, batch in batches:
+        record = read_body(batch)
+        if not record.schema.equals(EVENT_SCHEMA):
+            out.append(([], np.zeros(0, dtype=np.uint32)))
+            continue
+        keys = record.column(0)
+        hashes = _hashes_of(keys)
+        mask = np.ones(record.num_rows, dtype=bool)
+        if key is not None:
+            equal = pc.equal(keys, pa.scalar(key, pa.binary())).fill_null(False)
+            mask &= np.asarray(equal.to_numpy(zero_copy_only=False), dtype=bool)
+        times = int64_values(record.column(2))
+        if start_ms is not None:
+            mask &= times >= start_ms
+        if end_ms is not None:
+            mask &= times < end_ms
+        rows = np.flatnonzero(mask)
+        if not len(rows):
+            out.append(([], hashes))
+            continue
+        taken = record.take(numpy_array(rows))
+        events = [
+            msgspec.structs.replace(event, offset=offset + int(row))
+            for event, row in zip(events_of(taken, segment, 0), rows, strict=True)
+        ]
+        out.append((events, hashes))
+    return out
+
+
+def _hashes_of(keys: pa.Array) -> np.ndarray:
+    if keys.null_count == len(keys):
+        return np.zeros(0, dtype=np.uint32)
+    distinct = pc.unique(keys.drop_null()).to_pylist()
+    return np.unique(np.fromiter(map(key_hash32, distinct), dtype=np.uint32, count=len(distinct)))
