@@ -33,6 +33,8 @@ class BrokerProcess:
         self.extra = list(extra)
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.http_port = free_port()  # the admin HTTP API (slipstream/http)
+        self.http_url = f"http://127.0.0.1:{self.http_port}"
         self.log_path = data_dir.parent / f"{data_dir.name}-broker.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.env: dict[str, str] = {}  # extra environment, e.g. SLIPSTREAM_FAULT
@@ -49,6 +51,8 @@ class BrokerProcess:
                     str(self.data_dir),
                     "--port",
                     str(self.port),
+                    "--http-port",
+                    str(self.http_port),
                     "--log-level",
                     "debug",
                     *self.extra,

@@ -44,6 +44,7 @@ from ._session import ConnectionLimits
 from ._transactions import Coordinator
 
 if TYPE_CHECKING:
+    from ..http import HttpServer
     from ._session import Session
 
 log = logging.getLogger("slipstream.broker")
@@ -72,6 +73,9 @@ class BrokerConfig:
     retention_check_ms: int = 30_000
     container: ContainerConfig = field(default_factory=ContainerConfig)
     connection: ConnectionLimits = field(default_factory=ConnectionLimits)
+    #: the admin HTTP API's port on ``host`` (slipstream/http); 0: any free one; None: none
+    #: (``slipstream up`` defaults to 7071)
+    http_port: int | None = None
 
 
 class _Layout(msgspec.Struct):
@@ -93,6 +97,8 @@ class Broker:
         self._accepted = asyncio.Event()  # set by the first connection accepted
         self._lock_file: IO[str] | None = None
         self.address: tuple[str, int] | None = None
+        self.http_address: tuple[str, int] | None = None
+        self.recovery: dict[str, int] = {}  # what open() recovered, for the admin API
         self.metrics = Metrics(self)  # served at /metrics by the admin HTTP server
 
     def _lock(self, data_dir: Path) -> None:
@@ -243,8 +249,9 @@ class Broker:
 
         If a background task (a container's, retention, transactions) ends by itself, the broker
         stops the same way and then raises BrokerFailed from that task's error."""
-        self.open()
+        self.recovery = self.open()
         loop = asyncio.get_running_loop()
+        from ..http import start_http
         from ._session import Session
 
         background = [
@@ -252,6 +259,7 @@ class Broker:
             for c in self.containers
         ]
         server: asyncio.Server | None = None
+        http: HttpServer | None = None
         failed: asyncio.Task[None] | None = None
         clean = False
         try:
@@ -280,6 +288,10 @@ class Broker:
                 self.config.data_dir,
                 self.config.container.fsync,
             )
+            http = await start_http(self)  # the admin API; None without an http_port
+            if http is not None:
+                self.http_address = http.address
+                background.append(http.task)
             if ready is not None:
                 ready(self.address)
             background.append(loop.create_task(self._retention_loop(), name="retention"))
@@ -298,6 +310,8 @@ class Broker:
             stopped.cancel()
             self._stop.set()  # also when a background task ended it: sessions cancel requests
             server.close()
+            if http is not None:
+                await http.stop()  # requests in flight end while the service is still up
             for session in list(self.sessions):
                 if session.transport is not None:
                     session.transport.close()

@@ -77,6 +77,13 @@ def up(
     data_dir: Annotated[Path, typer.Option(help="Where streams are stored.")] = Path(".slipstream"),
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port for clients.")] = 7070,
+    http_port: Annotated[
+        int,
+        typer.Option(
+            help="Port of the admin HTTP API, /metrics and the console (same host); 0: any "
+            "free port (logged); -1: no HTTP server (docs/http-api.md)."
+        ),
+    ] = 7071,
     fsync: Annotated[
         str,
         typer.Option(
@@ -119,6 +126,8 @@ def up(
         raise typer.BadParameter("must be more than 0 seconds", param_hint="--idle-timeout")
     if max_follows < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--max-follows")
+    if not -1 <= http_port <= 65535:
+        raise typer.BadParameter("use a port 0-65535, or -1 for none", param_hint="--http-port")
     setup_logging(log_level)
     run_broker(
         data_dir,
@@ -131,6 +140,7 @@ def up(
         roll_ms=int(roll_seconds * 1000),
         retention_check_ms=int(retention_check_seconds * 1000),
         connection=ConnectionLimits(idle_timeout=idle_timeout, max_follows=max_follows),
+        http_port=None if http_port == -1 else http_port,
     )
 
 

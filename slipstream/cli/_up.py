@@ -36,6 +36,7 @@ def run_broker(
     roll_ms: int = 300_000,
     retention_check_ms: int = 30_000,
     connection: ConnectionLimits | None = None,
+    http_port: int | None = None,
 ) -> None:
     """Run a broker until a signal; raises SlipstreamError for a bad setup (locked dir) and
     SystemExit(70) if a background task died."""
@@ -48,6 +49,7 @@ def run_broker(
         retention_check_ms=retention_check_ms,
         container=ContainerConfig(fsync=fsync, roll_bytes=roll_bytes, roll_ms=roll_ms),
         connection=connection or ConnectionLimits(),
+        http_port=http_port,
     )
     broker = Broker(config)
 

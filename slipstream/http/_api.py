@@ -1,0 +1,490 @@
+"""The admin API's operations: one table (``OPERATIONS``) that the Starlette routes and the
+OpenAPI description are both built from, so neither can drift from the other.
+
+Every operation calls ``Service`` methods (slipstream/broker/_service.py) with a ``Caller`` of
+its own, made for the request and disconnected after it: the same checks, catalog writes and
+errors as the binary protocol, no second copy. A request runs to its end once its handler
+started, also if the client goes away (uvicorn marks the connection gone, it does not cancel
+the handler, and no middleware here does).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import shutil
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import msgspec
+from starlette.requests import Request
+
+from .. import __version__
+from .._errors import InvalidArgument
+from ..format import Event
+from ._schemas import (
+    BrokerInfo,
+    BrowsedEvent,
+    ContainerUse,
+    CreateStream,
+    CreateSubscription,
+    DiskUse,
+    EventPage,
+    ResetSubscription,
+    ScaleEventView,
+    ScaleStream,
+    StreamCutBody,
+    StreamView,
+    SubscriptionView,
+    TxnEndedView,
+    TxnView,
+    UpdateStream,
+    view,
+)
+
+if TYPE_CHECKING:
+    from ..broker import Broker, Caller, Service
+
+
+def _list_of(kind: Any) -> Any:
+    """``list[kind]`` for a type made at run time (the OpenAPI schema of a list answer)."""
+    return cast(Any, list)[kind]
+
+
+#: the most events one page or find returns
+MAX_EVENTS = 500
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """A query parameter, for the OpenAPI description (handlers parse their own)."""
+
+    name: str
+    kind: str  # "string" or "integer"
+    description: str
+    enum: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class Call:
+    """One request as an operation sees it: the broker, its service, the request's own
+    caller and its decoded body (None for operations without one)."""
+
+    request: Request
+    broker: Broker
+    caller: Caller
+    body: Any
+
+    @property
+    def service(self) -> Service:
+        return self.broker.service
+
+    @property
+    def stream(self) -> str:
+        params = self.request.path_params
+        return f"{params['scope']}/{params['name']}"
+
+    def query_int(self, name: str, default: int | None, low: int, high: int) -> int | None:
+        text = self.request.query_params.get(name)
+        if text is None or text == "":
+            return default
+        try:
+            value = int(text)
+        except ValueError:
+            raise InvalidArgument(f"{name} is an integer, not {text!r}", parameter=name) from None
+        if not low <= value <= high:
+            raise InvalidArgument(f"{name} is {low} to {high}, not {value}", parameter=name)
+        return value
+
+
+Handler = Callable[[Call], Awaitable[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    method: str
+    path: str
+    handler: Handler
+    answer: Any  # a type for the 2xx body's schema, None for no body (204)
+    body: type[msgspec.Struct] | None = None
+    query: tuple[Param, ...] = ()
+    errors: tuple[int, ...] = (400,)
+    status: int = 200
+
+    @property
+    def summary(self) -> str:
+        return (self.handler.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+
+
+OPERATIONS: list[Operation] = []
+
+STREAM = "/api/streams/{scope}/{name}"
+SUBSCRIPTION = STREAM + "/subscriptions/{subscription}"
+
+
+def operation(
+    method: str,
+    path: str,
+    answer: Any,
+    *,
+    body: type[msgspec.Struct] | None = None,
+    query: Sequence[Param] = (),
+    errors: Sequence[int] = (400,),
+    status: int = 200,
+) -> Callable[[Handler], Handler]:
+    def register(handler: Handler) -> Handler:
+        OPERATIONS.append(
+            Operation(method, path, handler, answer, body, tuple(query), tuple(errors), status)
+        )
+        return handler
+
+    return register
+
+
+# --- streams ---------------------------------------------------------------------------------
+
+
+@operation(
+    "GET",
+    "/api/streams",
+    _list_of(StreamView),
+    query=[Param("scope", "string", "only the streams of this scope")],
+)
+async def list_streams(call: Call) -> Any:
+    """The streams, each with its segments of every epoch."""
+    scope = call.request.query_params.get("scope") or None
+    return [view(s) for s in call.service.list_streams(call.caller, scope)]
+
+
+@operation("POST", "/api/streams", StreamView, body=CreateStream, errors=(400, 409), status=201)
+async def create_stream(call: Call) -> Any:
+    """Create a stream.
+
+    409 stream_exists if the name is taken; 400 invalid_name / invalid_argument."""
+    body: CreateStream = call.body
+    info = await call.service.create_stream(
+        call.caller,
+        body.name,
+        body.segments,
+        body.retention_ms,
+        body.retention_bytes,
+        body.scaling,
+    )
+    return view(info)
+
+
+@operation("GET", STREAM, StreamView, errors=(400, 404))
+async def describe_stream(call: Call) -> Any:
+    """A stream: retention, scaling policy, epoch, and its segments of every epoch (key
+    range, sealed or open, offsets, bytes, time range, predecessors)."""
+    return view(call.service.describe_stream(call.caller, call.stream))
+
+
+@operation("PATCH", STREAM, StreamView, body=UpdateStream, errors=(400, 404))
+async def update_stream(call: Call) -> Any:
+    """Change a stream's retention and/or scaling policy; stored before it answers."""
+    body: UpdateStream = call.body
+    info = await call.service.update_stream(
+        call.caller, call.stream, body.retention_ms, body.retention_bytes, body.scaling
+    )
+    return view(info)
+
+
+@operation("DELETE", STREAM, None, errors=(400, 404), status=204)
+async def delete_stream(call: Call) -> Any:
+    """Delete a stream, its data and its subscriptions."""
+    await call.service.delete_stream(call.caller, call.stream)
+
+
+@operation("GET", STREAM + "/history", _list_of(ScaleEventView), errors=(400, 404))
+async def scale_history(call: Call) -> Any:
+    """The stream's scales over time: per epoch, the segments sealed (with their end
+    offsets) and created, and why (a rule's decision, or "manual")."""
+    return [view(e) for e in call.service.scale_history(call.caller, call.stream)]
+
+
+@operation("POST", STREAM + "/scale", StreamView, body=ScaleStream, errors=(400, 404, 409))
+async def scale_stream(call: Call) -> Any:
+    """Split one open segment into ``into``, or merge adjacent open segments, in a new epoch.
+
+    Waits for transactions that staged into them to end."""
+    body: ScaleStream = call.body
+    info = await call.service.scale_stream(call.caller, call.stream, body.segments, body.into)
+    return view(info)
+
+
+_AT = Param("at", "string", "where: earliest, latest, or time (with timestamp_ms)")
+_TIMESTAMP = Param("timestamp_ms", "integer", "with at=time: milliseconds since the Unix epoch")
+
+
+@operation("GET", STREAM + "/cut", StreamCutBody, query=[_AT, _TIMESTAMP], errors=(400, 404))
+async def stream_cut(call: Call) -> Any:
+    """A StreamCut (segment -> offset) at the earliest, the latest, or a time."""
+    at = call.request.query_params.get("at", "latest")
+    timestamp_ms = call.query_int("timestamp_ms", None, 0, 2**63 - 1)
+    positions = await call.service.cut(call.caller, call.stream, at, timestamp_ms)
+    return StreamCutBody(call.stream, positions)
+
+
+# --- events ----------------------------------------------------------------------------------
+
+
+@operation(
+    "GET",
+    STREAM + "/events",
+    EventPage,
+    query=[
+        Param("limit", "integer", f"events per page, 1 to {MAX_EVENTS} (default 50)"),
+        Param("before", "string", "browse: the page before this cut (segment:offset,...)"),
+        Param("after", "string", "browse: the page from this cut on (segment:offset,...)"),
+        Param(
+            "at",
+            "string",
+            "browse: earliest, latest (default: the newest page) or time (with timestamp_ms)",
+        ),
+        _TIMESTAMP,
+        Param("key", "string", "find: events of this routing key (UTF-8), newest first"),
+        Param("start_ms", "integer", "find: events at or after this time (ms)"),
+        Param("end_ms", "integer", "find: events before this time (ms)"),
+    ],
+    errors=(400, 404),
+)
+async def events(call: Call) -> Any:
+    """Browse a stream's events page by page, or find them by key and time.
+
+    Browsing reads at most ``limit`` events per segment (console/_browse.py); a find (any of
+    key, start_ms, end_ms) reads only the batches the find index names (Service.find_events)."""
+    query = call.request.query_params
+    limit = call.query_int("limit", 50, 1, MAX_EVENTS)
+    assert limit is not None
+    if any(name in query for name in ("key", "start_ms", "end_ms")):
+        return await _find_events(call, limit)
+    from ..console._browse import events_after, events_before, format_cut, parse_cut
+
+    info = call.service.describe_stream(call.caller, call.stream)
+    if "before" in query:
+        page = await events_before(
+            call.service, call.caller, info, parse_cut(query["before"]), limit
+        )
+    elif "after" in query:
+        page = await events_after(call.service, call.caller, info, parse_cut(query["after"]), limit)
+    else:
+        at = query.get("at", "latest")
+        if at == "latest":
+            page = await events_before(call.service, call.caller, info, None, limit)
+        else:
+            timestamp_ms = call.query_int("timestamp_ms", None, 0, 2**63 - 1)
+            cut = await call.service.cut(call.caller, call.stream, at, timestamp_ms)
+            page = await events_after(call.service, call.caller, info, cut, limit)
+    return EventPage(
+        call.stream,
+        [_browsed(shown.event) for shown in page.events],
+        format_cut(page.older) if page.older is not None else None,
+        format_cut(page.newer) if page.newer is not None else None,
+    )
+
+
+async def _find_events(call: Call, limit: int) -> EventPage:
+    """Find by key and/or time through ``Service.find_events`` (the per-segment index)."""
+    query = call.request.query_params
+    start_ms = call.query_int("start_ms", None, -(2**63), 2**63 - 1)
+    end_ms = call.query_int("end_ms", None, -(2**63), 2**63 - 1)
+    found = await call.service.find_events(
+        call.caller,
+        call.stream,
+        key=query.get("key"),
+        start_ms=start_ms,
+        end_ms=end_ms,
+        limit=limit,
+    )
+    return EventPage(
+        call.stream,
+        [_browsed(e) for e in found.events],
+        batches_read=found.batches_read,
+        truncated=found.truncated,
+    )
+
+
+def _browsed(event: Event) -> BrowsedEvent:
+    key, key_format = _text_or_base64(event.key)
+    try:
+        value: Any = msgspec.json.decode(event.value)
+        value_format = "json"
+    except msgspec.DecodeError:
+        value, value_format = base64.b64encode(event.value).decode(), "base64"
+    headers: dict[str, str] = {}
+    binary: list[str] = []
+    for name, raw in event.headers.items():
+        text, kind = _text_or_base64(raw)
+        headers[name] = text or ""
+        if kind == "base64":
+            binary.append(name)
+    return BrowsedEvent(
+        event.segment,
+        event.offset,
+        event.timestamp,
+        key,
+        key_format,
+        value,
+        value_format,
+        headers,
+        binary,
+    )
+
+
+def _text_or_base64(raw: bytes | None) -> tuple[str | None, str]:
+    if raw is None:
+        return None, "text"
+    try:
+        return raw.decode(), "text"
+    except UnicodeDecodeError:
+        return base64.b64encode(raw).decode(), "base64"
+
+
+# --- subscriptions ---------------------------------------------------------------------------
+
+
+@operation("GET", STREAM + "/subscriptions", _list_of(SubscriptionView), errors=(400, 404))
+async def list_subscriptions(call: Call) -> Any:
+    """The stream's subscriptions."""
+    call.service.describe_stream(call.caller, call.stream)  # 404 for an unknown stream
+    return [view(s) for s in call.service.list_subscriptions(call.caller, call.stream)]
+
+
+@operation(
+    "POST",
+    STREAM + "/subscriptions",
+    SubscriptionView,
+    body=CreateSubscription,
+    errors=(400, 404, 409),
+    status=201,
+)
+async def create_subscription(call: Call) -> Any:
+    """Create a subscription (a durable cursor shared by a group of consumers).
+
+    409 subscription_exists if the name is taken on the stream."""
+    body: CreateSubscription = call.body
+    info = await call.service.create_subscription(
+        call.caller,
+        call.stream,
+        body.name,
+        body.mode,
+        body.at,
+        body.timestamp_ms,
+        body.positions,
+        body.options,
+    )
+    return view(info)
+
+
+@operation("GET", SUBSCRIPTION, SubscriptionView, errors=(400, 404))
+async def describe_subscription(call: Call) -> Any:
+    """A subscription: per segment its position, backlog in events and bytes, lag (age of
+    the oldest unconsumed event), the member reading it; and the group's members."""
+    info = await call.service.describe_subscription(
+        call.caller, call.stream, call.request.path_params["subscription"]
+    )
+    return view(info)
+
+
+@operation("DELETE", SUBSCRIPTION, None, errors=(400, 404), status=204)
+async def delete_subscription(call: Call) -> Any:
+    """Delete a subscription; its members get subscription_not_found on their next poll."""
+    await call.service.delete_subscription(
+        call.caller, call.stream, call.request.path_params["subscription"]
+    )
+
+
+@operation(
+    "POST",
+    SUBSCRIPTION + "/reset",
+    SubscriptionView,
+    body=ResetSubscription,
+    errors=(400, 404),
+)
+async def reset_subscription(call: Call) -> Any:
+    """Move every position of a subscription (a new generation); live members restart
+    from there."""
+    body: ResetSubscription = call.body
+    info = await call.service.reset_subscription(
+        call.caller,
+        call.stream,
+        call.request.path_params["subscription"],
+        body.at,
+        body.timestamp_ms,
+        body.positions,
+    )
+    return view(info)
+
+
+# --- transactions ----------------------------------------------------------------------------
+
+
+@operation("GET", "/api/transactions", _list_of(TxnView), errors=())
+async def list_transactions(call: Call) -> Any:
+    """Open (and committing) transactions: id, producer, state, age, size."""
+    return [view(t) for t in call.service.list_txns(call.caller)]
+
+
+@operation("POST", "/api/transactions/{txn_id}/abort", TxnEndedView, errors=(400, 404, 409))
+async def abort_transaction(call: Call) -> Any:
+    """Abort an open transaction as an operator (logged): none of its events become
+    visible. Asking about one that already ended answers how it ended."""
+    text = call.request.path_params["txn_id"]
+    try:
+        txn_id = int(text)
+    except ValueError:
+        raise InvalidArgument(f"a transaction id is an integer, not {text!r}") from None
+    if not 0 <= txn_id < 2**63:
+        raise InvalidArgument(f"a transaction id is 0 to 2**63-1, not {txn_id}")
+    ended = await call.service.end_txn(call.caller, txn_id, False, operator=True)
+    return view(ended)
+
+
+# --- broker ----------------------------------------------------------------------------------
+
+
+@operation("GET", "/api/broker", BrokerInfo, errors=())
+async def broker_info(call: Call) -> Any:
+    """The broker: version, configuration, containers, journal and disk use, and what its
+    last start recovered."""
+    broker = call.broker
+    data_dir = Path(broker.config.data_dir)
+    disk = shutil.disk_usage(data_dir)
+    journals = [c.journal.total_bytes for c in broker.containers]
+    streams = call.service.list_streams(call.caller)
+    containers = [
+        ContainerUse(
+            c.id,
+            len(c.segments),
+            c.journal.total_bytes,
+            c.journal.active_bytes,
+            len(c.journal.sealed_files()),
+            c.appended_batches,
+        )
+        for c in broker.containers
+    ]
+    config = msgspec.to_builtins(dataclasses.asdict(broker.config), enc_hook=str)
+    host, port = broker.address or ("", 0)
+    http_host, http_port = getattr(broker, "http_address", None) or ("", 0)
+    return BrokerInfo(
+        version=__version__,
+        started_ms=getattr(broker, "started_ms", int(time.time() * 1000)),
+        address=f"{host}:{port}",
+        http_address=f"{http_host}:{http_port}",
+        config=config,
+        containers=containers,
+        disk=DiskUse(
+            str(data_dir),
+            disk.total,
+            disk.free,
+            sum(journals),
+            sum(seg.bytes for s in streams for seg in s.segments),
+        ),
+        recovery=dict(getattr(broker, "recovery", {})),
+        streams=len(streams),
+        open_transactions=len(call.service.list_txns(call.caller)),
+    )
