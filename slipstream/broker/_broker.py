@@ -37,7 +37,7 @@ from ._container import (
     batch_checks_out,
 )
 from ._controller import Controller
-from ._faults import FAULT
+from ._faults import FAULT, SCALING_SPEEDUP
 from ._metrics import Metrics
 from ._service import Service, load_producer_key
 from ._session import ConnectionLimits
@@ -370,9 +370,17 @@ class Broker:
         self._stop.set()
 
     async def _scaling_loop(self) -> None:
-        """Automatic scaling: a pass over the streams with a policy every second."""
+        """Automatic scaling: a pass over the streams with a policy every second (on the
+        scaling clock: SLIPSTREAM_SCALING_SPEEDUP, see _faults.py, makes it run faster)."""
+        if SCALING_SPEEDUP != 1:
+            log.warning(
+                "SLIPSTREAM_SCALING_SPEEDUP=%g: automatic scaling runs %g times faster than "
+                "real time (for tests and demos only)",
+                SCALING_SPEEDUP,
+                SCALING_SPEEDUP,
+            )
         while True:
-            await asyncio.sleep(SCALING_PASS_S)
+            await asyncio.sleep(SCALING_PASS_S / SCALING_SPEEDUP)
             try:
                 await self.controller.autoscale(self.coordinator.touching)
             except Exception:  # a failed pass (a full disk) is retried, never fatal

@@ -52,6 +52,7 @@ from ..storage import (
     payload_alignment,
 )
 from ..streams import ProducerState, ProducerTable
+from ._faults import scaled_count, scaling_now_ms
 from ._metrics import DETACHED, Metrics
 from ._segment import Chunk, ChunkCache, JournalBatch, Segment
 
@@ -409,7 +410,7 @@ class Container:
 
     def _publish(self, group: list[_Append], addresses: list[JournalAddress]) -> None:
         touched: set[Segment] = set()
-        now_ms = int(asyncio.get_running_loop().time() * 1000)  # monotonic: rates for scaling
+        now_ms = scaling_now_ms()  # monotonic: rates for scaling
         for item, address in zip(group, addresses, strict=True):
             segment, header = item.segment, item.header
             base = segment.next_offset
@@ -424,7 +425,9 @@ class Container:
             segment.journal.append(cached)
             segment.next_offset = cached.next_offset
             segment.note_batch(header.batch_length, header.min_timestamp, header.max_timestamp)
-            segment.rates(now_ms).observe(now_ms, header.event_count, header.batch_length)
+            segment.rates(now_ms).observe(
+                now_ms, scaled_count(header.event_count), scaled_count(header.batch_length)
+            )
             self.metrics.produced(segment.stream_name, header.event_count, header.batch_length)
             self._cache(cached)
             touched.add(segment)

@@ -48,7 +48,7 @@ from ..streams import (
     validate_stream_name,
 )
 from ._container import Container
-from ._faults import crash_point
+from ._faults import crash_point, scaling_now_ms
 from ._metrics import DETACHED, Metrics
 from ._segment import Segment
 
@@ -433,7 +433,7 @@ class Controller:
                 for r in records
             ]
             stream.add_segments(successors)
-            now_ms = int(asyncio.get_running_loop().time() * 1000)
+            now_ms = scaling_now_ms()
             for segment in successors:
                 self.containers[segment.container].segments[segment.global_id] = segment
                 segment.rates(now_ms)  # measured from its opening (the rules' cool-down)
@@ -456,13 +456,12 @@ class Controller:
         ``streams.decide`` on its open segments' rates, applied one by one with their
         reasons (see docs/scaling.md). Returns how many scales it made. A decision that no
         longer applies (the stream was deleted or scaled meanwhile) is logged and skipped."""
-        loop = asyncio.get_running_loop()
         made = 0
         for stream in list(self.streams.values()):
             if not stream.scaling or stream.scale_lock.locked():
                 continue
             policy = ScalingPolicy.from_text(stream.scaling)
-            now_ms = int(loop.time() * 1000)
+            now_ms = scaling_now_ms()
             loads = []
             for segment in stream.segments.values():
                 if not segment.sealed:

@@ -5,10 +5,14 @@ kill itself with SIGKILL when it reaches that point (a crash at an exact step), 
 Points: ``txn.before_commit_record``, ``txn.after_commit_record``, ``txn.mid_apply``,
 ``txn.after_apply`` (a transaction's commit); ``scale.sealing``, ``scale.before_record``,
 ``scale.after_record`` (a split or merge); ``broker.container_dies``.
+
+``SLIPSTREAM_SCALING_SPEEDUP=<factor>`` (a float > 0, default 1; for tests and demos) runs the
+broker's scaling clock that many times faster: see :func:`scaling_now_ms`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -16,6 +20,39 @@ import signal
 log = logging.getLogger("slipstream.faults")
 
 FAULT = os.environ.get("SLIPSTREAM_FAULT", "")
+
+
+def _speedup(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise ValueError(f"SLIPSTREAM_SCALING_SPEEDUP must be a number > 0, got {text!r}")
+    return value
+
+
+#: how many times faster the scaling clock runs than the real one (read once, at import)
+SCALING_SPEEDUP = _speedup(os.environ.get("SLIPSTREAM_SCALING_SPEEDUP", "1"))
+
+
+def scaling_now_ms() -> int:
+    """The clock automatic scaling runs on (rate buckets, windows, cool-downs): the event
+    loop's monotonic clock in ms, times ``SCALING_SPEEDUP``. With a speedup of 20 the rule's
+    300 s window passes in 15 real seconds, so a test can watch a merge.
+
+    The counts fed to the rate trackers are multiplied by the speedup too
+    (:func:`scaled_count`): a dilated second holds 1/speedup of the events of a real one, and
+    scaling them back keeps every rate in real events (bytes) per second. So a policy's target,
+    the rates a decision records and ``describe --history`` mean what they mean in production,
+    and a demo uses the policy it would use for real; only the windows and cool-downs shrink.
+    Needs a running event loop."""
+    return int(asyncio.get_running_loop().time() * 1000 * SCALING_SPEEDUP)
+
+
+def scaled_count(count: int) -> int:
+    """``count`` events (bytes) as the rate trackers count them (see :func:`scaling_now_ms`)."""
+    return count if SCALING_SPEEDUP == 1 else round(count * SCALING_SPEEDUP)
 
 
 def crash_point(name: str) -> None:
