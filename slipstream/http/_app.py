@@ -201,10 +201,9 @@ def create_app(broker: Broker) -> Starlette:
     routes.append(Route("/api/openapi.json", openapi, methods=["GET"]))
     metrics = getattr(broker, "metrics", None)
     if metrics is not None:
-        from prometheus_client import make_asgi_app
-
-        # a Route, not a Mount: /metrics itself, without a redirect to /metrics/
-        routes.append(Route("/metrics", _AsgiEndpoint(make_asgi_app(registry=metrics.registry))))
+        # a Route, not a Mount: /metrics itself, without a redirect to /metrics/. Not
+        # prometheus_client.make_asgi_app: Metrics.asgi_app formats the text off the loop
+        routes.append(Route("/metrics", _AsgiEndpoint(metrics.asgi_app())))
     try:
         from ..console import routes as console_routes
     except ImportError:

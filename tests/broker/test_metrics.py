@@ -20,11 +20,13 @@ import os
 import re
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from conftest import BrokerProcess
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -405,6 +407,35 @@ def test_the_asgi_app_answers_in_both_formats_and_gzipped(
     assert headers[b"content-type"].startswith(b"application/openmetrics-text")
     assert body.endswith(b"# EOF\n")
     assert b'slipstream_produced_events_total{stream="m/asgi"} 4.0' in body
+
+
+def test_metrics_over_http_from_a_broker_process(broker: BrokerProcess) -> None:
+    """``/metrics`` of a broker started as a user starts it (``slipstream up``), over HTTP."""
+    with broker.client() as client:
+        client.create_stream("m/http", 2)
+        produce(client, "m/http", 50)
+        assert len(list(client.reader("m/http", "earliest", client.tail("m/http")))) == 50
+        with pytest.raises(StreamNotFound):
+            client.describe_stream("m/none")
+        stored = stored_bytes(client, "m/http")
+        request = urllib.request.Request(
+            broker.http_url + "/metrics", headers={"Accept-Encoding": "gzip"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            assert reply.status == 200
+            assert reply.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            assert reply.headers["Content-Encoding"] == "gzip"
+            scrape = Scrape(gzip.decompress(reply.read()).decode())
+    assert scrape.value("slipstream_produced_events_total", stream="m/http") == 50
+    assert scrape.value("slipstream_produced_bytes_total", stream="m/http") == stored
+    assert scrape.value("slipstream_consumed_events_total", stream="m/http") == 50
+    assert scrape.value("slipstream_consumed_bytes_total", stream="m/http") == stored
+    assert scrape.value("slipstream_rejected_requests_total", code="stream_not_found") == 1
+    assert scrape.value("slipstream_stream_open_segments", stream="m/http") == 2
+    assert scrape.value("slipstream_connections") >= 1
+    assert scrape.value("slipstream_append_seconds_count") >= 1
+    assert scrape.total("slipstream_fsync_seconds_count") >= 1
+    assert scrape.value("process_resident_memory_bytes") > 0
 
 
 def test_every_metric_the_grafana_dashboard_queries_exists(
