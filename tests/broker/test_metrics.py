@@ -14,6 +14,7 @@ refused, and every metric the Grafana dashboard (docs/grafana-dashboard.json) qu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import os
@@ -31,7 +32,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import slipstream
-from slipstream import QueueConsumer, QueueEvent, StreamNotFound
+from slipstream import QueueConsumer, QueueEvent, ScalingPolicy, SegmentSealed, StreamNotFound
 from slipstream.broker import Broker, BrokerConfig, ContainerConfig
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana-dashboard.json"
@@ -436,6 +437,36 @@ def test_metrics_over_http_from_a_broker_process(broker: BrokerProcess) -> None:
     assert scrape.value("slipstream_append_seconds_count") >= 1
     assert scrape.total("slipstream_fsync_seconds_count") >= 1
     assert scrape.value("process_resident_memory_bytes") > 0
+
+
+def http_scrape(broker: BrokerProcess) -> Scrape:
+    with urllib.request.urlopen(broker.http_url + "/metrics", timeout=30) as reply:
+        return Scrape(reply.read().decode())
+
+
+def test_a_split_by_the_streams_policy_counts_as_a_policy_decision(
+    broker_factory: type[BrokerProcess],
+) -> None:
+    broker = broker_factory()
+    broker.env["SLIPSTREAM_SCALING_SPEEDUP"] = "20"  # the 10 s rule's window in 0.5 s
+    broker.start()
+    policy = ScalingPolicy.by_event_rate(50, scale_factor=2, min_segments=1, max_segments=2)
+    with broker.client() as client:
+        client.create_stream("m/auto", scaling=policy)
+        deadline = time.monotonic() + 60
+        while not client.scale_history("m/auto"):
+            assert time.monotonic() < deadline, "no split"
+            with contextlib.suppress(SegmentSealed), client.producer("m/auto") as producer:
+                for i in range(30):
+                    producer.send(b"%d" % i, key=f"k{i}")
+            time.sleep(0.05)
+        history = client.scale_history("m/auto")
+    scrape = http_scrape(broker)
+    split = {"kind": "split", "trigger": "policy"}
+    assert len(history) == 1  # max_segments=2: one split, and no merge within the cool-down
+    assert scrape.value("slipstream_scaling_decisions_total", **split) == 1
+    assert scrape.total("slipstream_scaling_decisions_total") == 1
+    assert scrape.value("slipstream_stream_open_segments", stream="m/auto") == 2
 
 
 def test_every_metric_the_grafana_dashboard_queries_exists(
