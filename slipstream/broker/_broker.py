@@ -265,6 +265,11 @@ class Broker:
         try:
             # commits a crash interrupted are finished before anyone can read
             await self.coordinator.apply_pending()
+            # the admin API (None without an http_port), first: a port in use fails the start
+            http = await start_http(self)
+            if http is not None:
+                self.http_address = http.address
+                background.append(http.task)
             try:
                 server = await loop.create_server(
                     lambda: self._accept(Session),
@@ -288,10 +293,6 @@ class Broker:
                 self.config.data_dir,
                 self.config.container.fsync,
             )
-            http = await start_http(self)  # the admin API; None without an http_port
-            if http is not None:
-                self.http_address = http.address
-                background.append(http.task)
             if ready is not None:
                 ready(self.address)
             background.append(loop.create_task(self._retention_loop(), name="retention"))

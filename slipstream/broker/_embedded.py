@@ -48,6 +48,8 @@ class EmbeddedBroker:
         self.port = port
         self.fsync = fsync
         self.address = f"127.0.0.1:{port}"
+        #: the admin HTTP API and console: 7071 if free, else any free port
+        self.http_port = choose_port(7071)
         self.log_path = data_dir.with_name(data_dir.name + ".log")
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -66,6 +68,8 @@ class EmbeddedBroker:
                     str(self.data_dir),
                     "--port",
                     str(self.port),
+                    "--http-port",
+                    str(self.http_port),
                     "--fsync",
                     self.fsync,
                     "--log-level",

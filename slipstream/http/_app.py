@@ -119,12 +119,19 @@ async def read_body(request: Request, kind: type[msgspec.Struct]) -> Any:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        raise ApiError("invalid_argument", f"bad request body: {exc}") from None
+        wrong_type = exc
     except msgspec.DecodeError as exc:
-        what = "empty" if not body.strip() else f"not JSON ({exc})"
-        raise ApiError(
-            "malformed_json", f"the request body is {what}; send a JSON object"
-        ) from None
+        raise _malformed(body, exc) from None
+    try:  # a typed decode may stop at a wrong type before it reaches broken syntax
+        msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise _malformed(body, exc) from None
+    raise ApiError("invalid_argument", f"bad request body: {wrong_type}")
+
+
+def _malformed(body: bytearray, exc: msgspec.DecodeError) -> ApiError:
+    what = "empty" if not body.strip() else f"not JSON ({exc})"
+    return ApiError("malformed_json", f"the request body is {what}; send a JSON object")
 
 
 def _endpoint(op: Operation) -> Any:

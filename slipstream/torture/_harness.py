@@ -154,6 +154,8 @@ class BrokerProcess:
                     str(self.data_dir),
                     "--port",
                     str(self.port),
+                    "--http-port",
+                    "0",
                     "--fsync",
                     self.fsync,
                     "--roll",
