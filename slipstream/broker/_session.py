@@ -61,10 +61,13 @@ from ..protocol import (
     EndTxn,
     Error,
     EventsDelivered,
+    EventsFound,
     FetchEvents,
+    FindEvents,
     Follow,
     FollowEnded,
     FollowFailed,
+    FoundEvent,
     Frame,
     FrameDecoder,
     GetCut,
@@ -545,6 +548,26 @@ class Session(asyncio.BufferedProtocol):
             case SettleEvents(member_id, acks, nacks, delay_ms):
                 return Settled(
                     await service.settle_events(caller, member_id, acks, nacks, delay_ms)
+                )
+            case FindEvents(stream, key, start_ms, end_ms, limit, newest_first):
+                found = await service.find_events(
+                    caller,
+                    stream,
+                    key=key,
+                    start_ms=start_ms,
+                    end_ms=end_ms,
+                    limit=limit,
+                    newest_first=newest_first,
+                )
+                return EventsFound(
+                    [
+                        FoundEvent(
+                            e.segment, e.offset, e.timestamp, e.key, e.value, dict(e.headers)
+                        )
+                        for e in found.events
+                    ],
+                    found.batches_read,
+                    found.truncated,
                 )
             case ListTxns():
                 return TxnList(service.list_txns(caller))

@@ -700,6 +700,8 @@ class OutputFormat(StrEnum):
         "slipstream consume demo/orders --limit 1000 --end-cut 2> cut.json",
         """slipstream consume demo/orders --from "$(cat cut.json)" """,
         "slipstream consume demo/orders --subscription billing --follow",
+        "slipstream consume demo/orders --key user-42 --last 100",
+        "slipstream consume demo/orders --from 2026-11-21T10:00Z --to 2026-11-21T10:05Z",
     ),
 )
 def consume(
@@ -755,13 +757,76 @@ def consume(
             show_default=False,
         ),
     ] = None,
+    key: Annotated[
+        str | None,
+        typer.Option(
+            "--key",
+            help="Find this routing key's events (through the broker's find index, not a "
+            "scan): the last 100, or --last N, or the first --limit N from --from.",
+            show_default=False,
+        ),
+    ] = None,
+    to: Annotated[
+        str | None,
+        typer.Option(
+            "--to",
+            help="Find events before this time (ISO-8601 with a timezone, or relative: -5m); "
+            "with --from, the events of that window.",
+            show_default=False,
+        ),
+    ] = None,
+    last: Annotated[
+        int | None,
+        typer.Option(
+            "--last", min=1, max=10_000, help="Find the newest N events (of --key, in the window)."
+        ),
+    ] = None,
     broker: BrokerOption = "",
 ) -> None:
     """Print a stream's events on stdout. Without --follow it reads up to the stream's end as
     of now and exits; with --follow it prints new events as soon as they are durable. With
     --subscription it is a member of that subscription's group: it reads from the committed
-    position and commits what it printed."""
-    from ._consume import run_consume, run_group_consume
+    position and commits what it printed. With --key, --to or --last it finds events through
+    the broker's find index instead of reading the stream: a key's events, or a window's."""
+    from ._consume import run_consume, run_find, run_group_consume
+
+    if key is not None or to is not None or last is not None:
+        clash = [
+            flag
+            for flag, given in (
+                ("--follow", follow),
+                ("--end-cut", end_cut),
+                ("--subscription", subscription is not None),
+            )
+            if given
+        ]
+        if clash:
+            raise typer.BadParameter(
+                "a find (--key, --to, --last) prints what is stored and exits",
+                param_hint=f"'{clash[0]}' with '--key' / '--to' / '--last'",
+            )
+        if last is not None and limit is not None:
+            raise typer.BadParameter(
+                "--last takes the newest events, --limit the first ones: give one",
+                param_hint="'--last' with '--limit'",
+            )
+        if limit is not None and not 1 <= limit <= 10_000:
+            raise typer.BadParameter("a find returns 1 to 10000 events", param_hint="--limit")
+        with connect(broker) as client:
+            code = run_find(
+                client,
+                name,
+                key=key,
+                start=start,
+                end=to,
+                last=last,
+                limit=limit,
+                fmt=fmt.value,
+                console=out,
+            )
+        if code:
+            raise typer.Exit(code)
+        return
 
     if subscription is not None:
         if start is not None or end_cut:

@@ -319,6 +319,44 @@ def run_consume(
     return code
 
 
+#: ``--last`` when a find (``--key`` or ``--to``) gives neither ``--last`` nor ``--limit``
+FIND_DEFAULT_LAST = 100
+
+
+def run_find(
+    client: slipstream.Client,
+    stream: str,
+    *,
+    key: str | None,
+    start: str | None,
+    end: str | None,
+    last: int | None,
+    limit: int | None,
+    fmt: str,
+    console: Console,
+) -> int:
+    """Print the events a find returns (``--key`` / ``--to`` / ``--last``): the key's (or
+    every key's) events in ``[start, end)``, the newest ``last`` or else the first ``limit``,
+    in order (oldest first), each with its segment and offset. The broker reads only the
+    batches its find indexes name."""
+    newest_first = limit is None
+    count = (last if last is not None else FIND_DEFAULT_LAST) if newest_first else limit
+    assert count is not None
+    start_at = None if start in (None, "earliest") else start
+    events = client.find(
+        stream, key=key, start=start_at, end=end, limit=count, newest_first=newest_first
+    )
+    if newest_first:
+        events.reverse()  # printed as they were appended
+    if not events:
+        return 0
+    try:
+        make_output(fmt, sys.stdout.buffer, console).write(Rows.of_events(events))
+    except BrokenPipeError:
+        silence_stdout()
+    return 0
+
+
 #: ``--commit`` with ``--subscription``: manual commits need a program (``consumer.commit()``)
 GROUP_COMMIT_MODES = ("auto", "at_most_once")
 GROUP_COMMIT_S = 1.0

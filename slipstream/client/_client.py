@@ -54,6 +54,8 @@ from ..protocol import (
     DescribeStream,
     DescribeSubscription,
     EndTxn,
+    EventsFound,
+    FindEvents,
     GetIdentity,
     GetScaleHistory,
     IdentityInfo,
@@ -215,6 +217,16 @@ def _policy_text(scaling: ScalingPolicy | str) -> str:
     if isinstance(scaling, ScalingPolicy):
         return str(scaling)
     return str(ScalingPolicy.from_text(scaling)) if scaling else ""
+
+
+def _find_time(value: str | int | dt.datetime | None, name: str) -> int | None:
+    """A find's window bound as ms since the epoch (None: open)."""
+    if value is None:
+        return None
+    kind, timestamp_ms, _ = parse_start(value)
+    if kind != "time" or timestamp_ms is None:
+        raise InvalidArgument(f"a find's {name} must be a time, not {value!r}")
+    return timestamp_ms
 
 
 def _router(info: StreamInfo) -> Router:
@@ -432,6 +444,35 @@ class AsyncClient:
         ms since the epoch: per segment, the first event at or after it) or a StreamCut (checked
         against the stream). Times and cuts name positions for bounded reads of history."""
         return await cut_at(await self.live_connection(), stream, at)
+
+    async def find(
+        self,
+        stream: str,
+        *,
+        key: bytes | str | None = None,
+        start: str | int | dt.datetime | None = None,
+        end: str | int | dt.datetime | None = None,
+        limit: int = 100,
+        newest_first: bool = True,
+    ) -> list[Event]:
+        """Events of ``stream`` with routing key ``key`` (any if None; a str is sent UTF-8)
+        and an event time at or after ``start`` and before ``end`` (ISO-8601 text with a
+        timezone, a relative time like "-1h", a datetime or ms since the epoch; open where
+        None): at most ``limit`` (1..10,000), the newest first by default, or the oldest first.
+        Each event carries its segment and offset.
+
+        With a key, the events are the key's, in its append order (across splits and merges);
+        without one, ordered by time. The broker reads only the batches its find indexes name,
+        so a key's last events come back in milliseconds however long the stream. Raises
+        StreamNotFound, InvalidArgument (bad limit, an empty window, a bad time)."""
+        start_ms, end_ms = _find_time(start, "start"), _find_time(end, "end")
+        if isinstance(key, str):
+            key = key.encode()
+        reply = await self._request(FindEvents(stream, key, start_ms, end_ms, limit, newest_first))
+        assert isinstance(reply, EventsFound)
+        return [
+            Event(e.key, e.value, e.headers, e.timestamp, e.segment, e.offset) for e in reply.events
+        ]
 
     def producer(
         self,
@@ -1093,6 +1134,24 @@ class Client:
     def cut(self, stream: str, at: Start) -> StreamCut:
         """The StreamCut at "earliest", "latest", a time or a StreamCut; see AsyncClient.cut."""
         return self._loop.run(self._async.cut(stream, at))
+
+    def find(
+        self,
+        stream: str,
+        *,
+        key: bytes | str | None = None,
+        start: str | int | dt.datetime | None = None,
+        end: str | int | dt.datetime | None = None,
+        limit: int = 100,
+        newest_first: bool = True,
+    ) -> list[Event]:
+        """Events by routing key and/or time, each with its segment and offset; see
+        AsyncClient.find."""
+        return self._loop.run(
+            self._async.find(
+                stream, key=key, start=start, end=end, limit=limit, newest_first=newest_first
+            )
+        )
 
     def producer(
         self,

@@ -536,6 +536,41 @@ class ScaleHistory(Message, frozen=True):
     events: list[ScaleEventInfo]
 
 
+class FindEvents(Message, frozen=True):
+    """Find events by routing key and/or time -> ``EventsFound``: the events of ``stream`` with
+    routing key ``key`` (nil: any key) and a time in ``[start_ms, end_ms)`` (nil: open), at
+    most ``limit`` (1..10,000): the newest, newest first (``newest_first``), or the oldest,
+    oldest first. The broker reads only the batches its find indexes name (docs/format.md).
+    Errors: ``stream_not_found``, ``invalid_argument`` (limit, an empty window)."""
+
+    stream: str
+    key: bytes | None = None
+    start_ms: int | None = None
+    end_ms: int | None = None
+    limit: int = 100
+    newest_first: bool = True
+
+
+class FoundEvent(Message, frozen=True):
+    """One event a find returns, with where it is stored (``segment``, ``offset``)."""
+
+    segment: int
+    offset: int
+    timestamp: int
+    key: bytes | None
+    value: bytes
+    headers: dict[str, bytes] = {}
+
+
+class EventsFound(Message, frozen=True):
+    """``events`` in the order asked for; ``batches_read``: batches the broker decoded;
+    ``truncated``: it stopped at 4 MiB of keys and values before ``limit``."""
+
+    events: list[FoundEvent]
+    batches_read: int = 0
+    truncated: bool = False
+
+
 KINDS: dict[int, type[Message]] = {
     1: Hello,
     2: CreateStream,
@@ -567,6 +602,7 @@ KINDS: dict[int, type[Message]] = {
     28: SettleEvents,
     29: ScaleStream,
     30: GetScaleHistory,
+    31: FindEvents,
     64: Welcome,
     65: Error,
     66: Done,
@@ -589,5 +625,6 @@ KINDS: dict[int, type[Message]] = {
     83: EventsDelivered,
     84: Settled,
     85: ScaleHistory,
+    86: EventsFound,
 }
 KIND_OF: dict[type[Message], int] = {cls: kind for kind, cls in KINDS.items()}

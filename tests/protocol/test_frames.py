@@ -48,10 +48,13 @@ from slipstream.protocol import (
     EndTxn,
     Error,
     EventsDelivered,
+    EventsFound,
     FetchEvents,
+    FindEvents,
     Follow,
     FollowEnded,
     FollowFailed,
+    FoundEvent,
     Frame,
     FrameDecoder,
     GetCut,
@@ -245,6 +248,32 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
     ),
     LeaveGroup: st.builds(LeaveGroup, member_id=I64),
     FetchEvents: st.builds(FetchEvents, member_id=I64, max_events=I64, wait_ms=I64),
+    FindEvents: st.builds(
+        FindEvents,
+        stream=TEXT,
+        key=st.none() | st.binary(max_size=8),
+        start_ms=OPTIONAL_I64,
+        end_ms=OPTIONAL_I64,
+        limit=I64,
+        newest_first=st.booleans(),
+    ),
+    EventsFound: st.builds(
+        EventsFound,
+        events=st.lists(
+            st.builds(
+                FoundEvent,
+                segment=I64,
+                offset=I64,
+                timestamp=I64,
+                key=st.none() | st.binary(max_size=8),
+                value=st.binary(max_size=8),
+                headers=st.dictionaries(TEXT, st.binary(max_size=4), max_size=2),
+            ),
+            max_size=2,
+        ),
+        batches_read=I64,
+        truncated=st.booleans(),
+    ),
     SettleEvents: st.builds(SettleEvents, member_id=I64, acks=PAIRS, nacks=PAIRS, delay_ms=I64),
     SubscriptionInfo: subscription_infos,
     SubscriptionList: st.builds(
@@ -463,6 +492,7 @@ def test_kinds_are_a_bijection_covering_every_message() -> None:
     assert set(KINDS.values()) == set(MESSAGES)
     # these only travel inside other messages; every other message has a kind of its own
     assert set(Message.__subclasses__()) - set(KINDS.values()) == {
+        FoundEvent,
         MemberInfo,
         ScaleEventInfo,
         SegmentInfo,
