@@ -4,19 +4,18 @@ under 300 ms with 10,000 streams).
     .venv/bin/python bench/console.py                 # 10,000 streams
     .venv/bin/python bench/console.py --streams 1000  # quicker
 
-Starts a broker that serves the console (``slipstream up --http-port``; before the broker had
-its own HTTP server, tests/console/devserve.py), creates the streams with the public client
-(``--fsync never``: only the catalog's speed matters here), produces a little into some of
-them, then times each page: the server's answer in full over loopback (median and p95 of
-``--rounds`` requests, after one warm-up) and, in Chromium (Playwright, /usr/bin/chromium),
-navigation to the ``load`` event. Not a test: it prints a table and PASS/MISS for the target.
+Starts a broker that serves the console (``slipstream up --http-port``), creates the streams
+with the public client (``--fsync never``: only the catalog's speed matters here), produces a
+little into one of them, then times each page: the server's answer in full over loopback
+(median and p95 of ``--rounds`` requests, after one warm-up) and, in Chromium (Playwright,
+/usr/bin/chromium), navigation to the ``load`` event. Not a test: it prints a table and
+PASS/MISS for the target.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import importlib.util
 import os
 import socket
 import statistics
@@ -29,7 +28,6 @@ from pathlib import Path
 
 import slipstream
 
-ROOT = Path(__file__).resolve().parents[1]
 TARGET_MS = 300.0
 
 
@@ -39,23 +37,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def broker_has_http() -> bool:
-    if importlib.util.find_spec("slipstream.http") is None:
-        return False
-    import slipstream.http
-
-    return hasattr(slipstream.http, "create_app")
-
-
 def start_broker(data_dir: Path, port: int, http_port: int) -> subprocess.Popen[bytes]:
-    if broker_has_http():
-        command = [
-            sys.executable, "-m", "slipstream", "up", "--data-dir", str(data_dir),
-            "--port", str(port), "--http-port", str(http_port), "--fsync", "never",
-        ]  # fmt: skip
-    else:
-        serve = ROOT / "tests" / "console" / "devserve.py"
-        command = [sys.executable, str(serve), str(data_dir), str(port), str(http_port)]
+    command = [
+        sys.executable, "-m", "slipstream", "up", "--data-dir", str(data_dir),
+        "--port", str(port), "--http-port", str(http_port), "--fsync", "never",
+    ]  # fmt: skip
     log = open(data_dir.parent / "broker.log", "ab")  # noqa: SIM115 - the broker's life
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30

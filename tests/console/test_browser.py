@@ -12,13 +12,9 @@ docs/console.md shows), else to the test's tmp_path."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -28,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import BrokerProcess, free_port
+from conftest import BrokerProcess
 from playwright.sync_api import expect
 
 import slipstream
@@ -48,65 +44,22 @@ CHROMIUM_ARGS = [
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "console"
 
 
-def _broker_serves_http() -> bool:
-    spec = importlib.util.find_spec("slipstream.http")
-    if spec is None:
-        return False
-    import slipstream.http
-
-    return hasattr(slipstream.http, "create_app")
-
-
-class ConsoleBroker(BrokerProcess):
-    """``slipstream up --http-port N``: the console at http://127.0.0.1:N/."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.http_port = free_port()
-        super().__init__(data_dir, "--http-port", str(self.http_port))
-        self.url = f"http://127.0.0.1:{self.http_port}"
-
-    def start(self, timeout: float = 20.0) -> ConsoleBroker:
-        if _broker_serves_http():
-            super().start(timeout)
-        else:
-            self._start_devserve()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(self.url + "/static/console.css", timeout=1):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"the console did not answer within {timeout}s:\n{self.log()}")
-
-    def _start_devserve(self) -> None:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    str(Path(__file__).with_name("devserve.py")),
-                    str(self.data_dir),
-                    str(self.port),
-                    str(self.http_port),
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env},
-            )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-
-
 @pytest.fixture
-def console(tmp_path: Path) -> Iterator[ConsoleBroker]:
-    broker = ConsoleBroker(tmp_path / "data").start()
+def console(broker_factory: type[BrokerProcess]) -> Iterator[Any]:
+    """A real broker process (``slipstream up --http-port``) whose own HTTP server serves the
+    console; ``console.url`` is its address."""
+    broker = broker_factory().start()
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with urllib.request.urlopen(broker.http_url + "/static/console.css", timeout=1):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no console at {broker.http_url}:\n{broker.log()}") from None
+            time.sleep(0.05)
+    broker.url = broker.http_url  # type: ignore[attr-defined]
     yield broker
-    broker.kill()
 
 
 @pytest.fixture(scope="session")
