@@ -23,6 +23,16 @@ _REASONS = {
     413: "Request body over the limit: request_too_large",
 }
 
+#: a stream's scope and name and a subscription's name: a lower-case letter or digit, then
+#: those and ``._-`` (slipstream/streams/_names.py); a transaction id: a number
+_NAME = {"type": "string", "pattern": "^[a-z0-9][a-z0-9._-]{0,63}$"}
+_PATH_SCHEMAS: dict[str, dict[str, Any]] = {
+    "scope": _NAME,
+    "name": _NAME,
+    "subscription": _NAME,
+    "txn_id": {"type": "string", "pattern": "^[0-9]{1,18}$"},
+}
+
 
 def openapi_document(operations: Sequence[Operation]) -> dict[str, Any]:
     kinds: list[Any] = [ErrorBody]
@@ -37,7 +47,7 @@ def openapi_document(operations: Sequence[Operation]) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     for op in operations:
         parameters = [
-            {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+            {"name": name, "in": "path", "required": True, "schema": _PATH_SCHEMAS[name]}
             for name in re.findall(r"{(\w+)}", op.path)
         ]
         for param in op.query:

@@ -13,7 +13,7 @@ import functools
 import operator
 import types
 import typing
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -71,7 +71,7 @@ class CreateStream(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     forever / no size limit; ``scaling``: a policy's text ("fixed 2",
     "events 5000/s factor 2 min 1", "bytes 1048576/s factor 2 min 1 max 8"), "" for none."""
 
-    name: str
+    name: Annotated[str, msgspec.Meta(pattern="^[a-z0-9][a-z0-9._-]*/[a-z0-9][a-z0-9._-]*$")]
     segments: int = 1
     retention_ms: int | None = None
     retention_bytes: int | None = None
