@@ -2,10 +2,12 @@
 
 live    starts a broker (embedded: local files and SQLite under --data-dir, or --broker), a bid
         generator, both Spark jobs, a consumer group that acts on price alerts (the notifier),
-        and a live view of windows as they close, alerts as they are notified, rates, and each
-        consumer's backlog and lag, until Ctrl-C or --duration; then stops everything in order
-        (generator, queries, Spark, notifier, broker). Restarting resumes from the checkpoints
-        (the jobs, exactly once) and the notifier's subscription (at least once).
+        and a live view of windows as they close, alerts as they are notified, rates, each
+        consumer's backlog and lag, and the elastic bids stream's segments (split in the
+        generator's rush hour, merged when it is quiet, with the rule that fired), until
+        Ctrl-C or --duration; then stops everything in order (generator, queries, Spark,
+        notifier, broker). Restarting resumes from the checkpoints (the jobs, exactly once)
+        and the notifier's subscription (at least once).
 replay  runs version 2 of job 1 (other window or watermark) from the start of the bids stream
         into its own output stream and compares it with version 1's windows: the "rewind and
         test the new version" workflow. The live job may keep running meanwhile (--broker).
@@ -35,6 +37,7 @@ from rich.table import Table
 
 import slipstream
 from slipstream.broker import EmbeddedBroker, choose_port
+from slipstream.protocol import ScaleEventInfo
 from slipstream.spark import session
 
 from . import pipeline
@@ -80,11 +83,15 @@ def checkpoints_of(data_dir: Path) -> Path:
     return data_dir.with_name(data_dir.name + "-checkpoints")
 
 
-def reset_checkpoints_if_new(client: slipstream.Client, checkpoints: Path) -> None:
-    """Checkpoints hold offsets into the bids stream: worthless, and harmful, without it."""
+def reset_checkpoints_if_new(
+    client: slipstream.Client, checkpoints: Path, target: int = pipeline.DEFAULT_TARGET
+) -> None:
+    """Checkpoints hold offsets into the bids stream: worthless, and harmful, without it.
+    Then the streams, and the bids stream's scaling policy for ``target`` (also on a data
+    directory from an older run, whose bids stream had a fixed count)."""
     if pipeline.BIDS not in {s.name for s in client.list_streams("auctions")}:
         shutil.rmtree(checkpoints, ignore_errors=True)
-    pipeline.create_streams(client)
+    pipeline.create_streams(client, target=target)
 
 
 # --- live -------------------------------------------------------------------------------------
@@ -97,7 +104,7 @@ class Board:
     started: float = field(default_factory=time.monotonic)
     sent: list[int] = field(default_factory=lambda: [0])
     windows: collections.deque[dict[str, Any]] = field(
-        default_factory=lambda: collections.deque(maxlen=12)
+        default_factory=lambda: collections.deque(maxlen=8)
     )
     alerts: collections.deque[dict[str, Any]] = field(
         default_factory=lambda: collections.deque(maxlen=6)
@@ -109,6 +116,8 @@ class Board:
     close_delays: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=200)
     )
+    #: when the generator started its cycle (monotonic), for the phase it is in
+    cycle_started: float | None = None
 
     def on_window(self, window: dict[str, Any]) -> None:
         end = dt.datetime.fromisoformat(window["end"]).timestamp()
@@ -206,9 +215,139 @@ def consumer_status(client: slipstream.Client, stream: str, subscription: str) -
     }
 
 
-def produce(broker: str, rate: float, stop: threading.Event, board: Board) -> None:
+def produce(broker: str, cycle: pipeline.Cycle, stop: threading.Event, board: Board) -> None:
     with slipstream.connect(broker) as client:
-        pipeline.generate(client, rate, stop, board.sent)
+        board.cycle_started = time.monotonic()
+        pipeline.generate(client, cycle, stop, board.sent)
+
+
+def scale_summary(scale: ScaleEventInfo) -> dict[str, Any]:
+    """One split or merge of the bids stream, as the live view and the summary show it: the
+    action, the segments sealed and opened, the rule that fired (``manual`` for one by hand)
+    and the rate it compared, in a few words (``describe --history`` has the full sentence)."""
+    action = "merge" if len(scale.sealed) > 1 else "split"
+    try:
+        decision = json.loads(scale.reason)
+    except ValueError:
+        decision = {"rule": "manual"}  # the reason of a scale by hand is the word "manual"
+    rule = decision.get("rule", "manual")
+    why = "by hand"
+    threshold = decision.get("threshold")
+    inputs = decision.get("inputs") or []
+    if threshold is not None and inputs:
+        rates = [i["rates"][decision["policy"].split()[0]] for i in inputs]
+        if rule.startswith("hot_"):
+            window = "last_" + rule.removeprefix("hot_")
+            why = f"{max(r[window] for r in rates):,.0f}/s > {threshold:,.0f}/s"
+        else:  # cold_300s: together, every 10 s of the last 300 s
+            why = f"peak {sum(r['peak_10s'] for r in rates):,.0f}/s < {threshold:,.0f}/s"
+    elif rule != "manual":
+        why = decision.get("reason", rule)
+    return {
+        "epoch": scale.epoch,
+        "at_ms": scale.at_ms,
+        "action": action,
+        "sealed": sorted(scale.sealed),
+        "created": list(scale.created),
+        "rule": rule,
+        "why": why,
+    }
+
+
+class BidsWatch:
+    """The bids stream's segments over time, from ``describe_stream`` (each open segment's
+    key range, and its rate from how its end moved over the last few seconds) and, when the
+    epoch changes, ``scale_history`` (the splits and merges, and why)."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.policy = ""
+        self.open: list[slipstream.SegmentInfo] = []
+        self.rates: dict[int, float] = {}
+        self.scales: list[dict[str, Any]] = []
+        self._ends: collections.deque[tuple[float, dict[int, int]]] = collections.deque(maxlen=10)
+        self._history_epoch = -1
+
+    def update(self, client: slipstream.Client) -> None:
+        info = client.describe_stream(pipeline.BIDS)
+        now = time.monotonic()
+        self.epoch, self.policy = info.epoch, info.scaling
+        self.open = sorted((s for s in info.segments if not s.sealed), key=lambda s: s.key_lo)
+        self._ends.append((now, {s.number: s.end_offset for s in info.segments}))
+        then, ends = self._ends[0]  # the last 5 s: 10 views apart
+        seconds = max(now - then, 1e-9)
+        self.rates = {
+            s.number: (s.end_offset - ends.get(s.number, s.start_offset)) / seconds
+            for s in self.open
+        }
+        if self.epoch != self._history_epoch:
+            self.scales = [scale_summary(e) for e in client.scale_history(pipeline.BIDS)]
+            self._history_epoch = self.epoch
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "policy": self.policy,
+            "open_segments": len(self.open),
+            "splits": sum(1 for s in self.scales if s["action"] == "split"),
+            "merges": sum(1 for s in self.scales if s["action"] == "merge"),
+            "scales": self.scales,
+        }
+
+
+def key_range(segment: slipstream.SegmentInfo) -> str:
+    """A segment's key-hash range by its top 16 bits, as ``describe --history`` (abridged)."""
+    return f"{segment.key_lo >> 48:04x}-{segment.key_hi >> 48:04x}"
+
+
+def key_space_bar(segments: list[slipstream.SegmentInfo], width: int = 40) -> str:
+    """The open segments side by side over the key space, each as wide as its range."""
+    cells, edge = [], 0
+    for s in segments:
+        right = round((s.key_hi + 1) / 2**64 * width)
+        label = str(s.number)
+        cells.append(label.center(max(right - edge - 1, len(label)), "\u2500"))
+        edge = right
+    return "|" + "|".join(cells) + "|"
+
+
+def render_bids(watch: BidsWatch, phase: str) -> Table:
+    """The bids stream's open segments (key ranges, rates) and its last scaling decisions."""
+    segments = Table(
+        title=f"{pipeline.BIDS}: epoch {watch.epoch}, {len(watch.open)} open segments",
+        caption=key_space_bar(watch.open),
+        expand=True,
+    )
+    for name in ("segment", "keys", "bids/s", "stored"):
+        segments.add_column(name, justify="left" if name == "keys" else "right")
+    for s in watch.open:
+        rate = watch.rates.get(s.number, 0.0)
+        segments.add_row(str(s.number), key_range(s), f"{rate:,.0f}", f"{s.end_offset:,}")
+    timeline = Table(
+        title=f"scaling ({watch.policy or 'no policy'}); {phase}",
+        caption=f"all of it: slipstream stream describe {pipeline.BIDS} --history",
+        expand=True,
+    )
+    for name in ("time (UTC)", "epoch", "change", "rule", "why"):
+        timeline.add_column(name, no_wrap=True, justify="right" if name == "epoch" else "left")
+    for scale in watch.scales[-6:]:
+        at = dt.datetime.fromtimestamp(scale["at_ms"] / 1000, dt.UTC).strftime("%H:%M:%S")
+        sealed = ", ".join(map(str, scale["sealed"]))
+        created = ", ".join(map(str, scale["created"]))
+        timeline.add_row(
+            at,
+            str(scale["epoch"]),
+            f"{scale['action']} {sealed} -> {created}",
+            scale["rule"],
+            scale["why"],
+        )
+    if not watch.scales:
+        timeline.add_row("-", "-", "no split or merge yet", "", "")
+    both = Table.grid(expand=True, padding=(0, 1))
+    both.add_column(ratio=2)
+    both.add_column(ratio=3)
+    both.add_row(segments, timeline)
+    return both
 
 
 def job_status(query: Any) -> dict[str, Any]:
@@ -229,8 +368,22 @@ def job_status(query: Any) -> dict[str, Any]:
     return status
 
 
+def phase_of(board: Board, cycle: pipeline.Cycle) -> tuple[str, float]:
+    """The generator's phase in words (with the seconds left in it) and its rate."""
+    if board.cycle_started is None:
+        return "generator starting", 0.0
+    phase, left = cycle.at(time.monotonic() - board.cycle_started)
+    if len(cycle.phases) == 1:
+        return f"{cycle.name}", phase.rate
+    return f"{cycle.name}: {phase.name} at {phase.rate:,.0f}/s, {left:.0f} s left", phase.rate
+
+
 def render(
-    board: Board, rate: float, jobs: dict[str, dict[str, Any]], consumers: dict[str, dict[str, Any]]
+    board: Board,
+    cycle: pipeline.Cycle,
+    jobs: dict[str, dict[str, Any]],
+    consumers: dict[str, dict[str, Any]],
+    watch: BidsWatch,
 ) -> Group:
     windows = Table(title="windows as they close (auctions/windows)", expand=True)
     for name in ("auction", "window (UTC)", "bids", "max", "mean", "closed after"):
@@ -270,6 +423,7 @@ def render(
     board.samples.append((time.monotonic(), board.sent[0]))  # the last 5 s: 10 views apart
     (t0, sent0), (t1, sent1) = board.samples[0], board.samples[-1]
     delays = sorted(board.close_delays)
+    phase, rate = phase_of(board, cycle)
     stats = Table.grid(padding=(0, 2))
     stats.add_row(
         f"bids {sent1:,} ({(sent1 - sent0) / max(t1 - t0, 1e-9):,.0f}/s, target {rate:,.0f})",
@@ -288,12 +442,48 @@ def render(
             f"{s['batch_ms']:,} ms/batch",
             f"watermark {s['watermark'][11:19] or '-'}, late dropped {s['dropped_late']}",
         )
-    return Group(stats, lags, windows, alerts)
+    return Group(stats, render_bids(watch, phase), lags, windows, alerts)
 
 
-@app.command(epilog="Example: python -m auctions live --rate 2000 --duration 60")
+def choose_cycle(rate: float | None, cycle: str | None, target: int) -> pipeline.Cycle:
+    """--rate alone: that steady rate; --cycle: its phases; neither: the rush hour."""
+    if rate is not None and cycle is not None:
+        raise typer.BadParameter("give --rate (a steady rate) or --cycle, not both")
+    if rate is not None:
+        return pipeline.Cycle.steady(rate)
+    try:
+        return pipeline.Cycle.parse(cycle or "rush-hour", target)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--cycle") from None
+
+
+@app.command(
+    epilog="Examples: python -m auctions live (the rush-hour cycle; a split within about a "
+    "minute, merges after 8 and 13 minutes); python -m auctions live --rate 2000 --duration 60; "
+    "python -m auctions live --cycle 30:300,30:3000,400:300"
+)
 def live(
-    rate: Annotated[float, typer.Option(min=1, help="Bids per second.")] = 1000.0,
+    rate: Annotated[
+        float | None,
+        typer.Option(min=1, help="A steady rate of bids per second instead of a cycle."),
+    ] = None,
+    cycle: Annotated[
+        str | None,
+        typer.Option(
+            help="How the bid rate varies, over and over: 'rush-hour' (the default: 60 s at "
+            "0.3 x --target, 120 s at 5 x, 690 s at 0.3 x) or SECONDS:RATE phases, e.g. "
+            "30:300,30:3000,400:300.",
+            show_default=False,
+        ),
+    ] = None,
+    target: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Bids per second per segment of the elastic bids stream: a segment above "
+            "2 x this splits within seconds; neighbours below half of it for 5 minutes merge.",
+        ),
+    ] = pipeline.DEFAULT_TARGET,
     duration: Annotated[
         float | None, typer.Option(min=0, help="Stop after this many seconds (default: Ctrl-C).")
     ] = None,
@@ -303,10 +493,11 @@ def live(
 ) -> None:
     """The live auctions pipeline: broker, bid generator, both Spark jobs, the notifier
     group, a live view."""
+    chosen = choose_cycle(rate, cycle, target)
     checkpoints = checkpoints_of(data_dir)
     with platform(broker, data_dir) as (address, client):
-        reset_checkpoints_if_new(client, checkpoints)
-        board, stop = Board(), threading.Event()
+        reset_checkpoints_if_new(client, checkpoints, target)
+        board, stop, watch = Board(), threading.Event(), BidsWatch()
         threading.Thread(
             target=follow, args=(address, pipeline.WINDOWS, board.on_window), daemon=True
         ).start()
@@ -316,7 +507,9 @@ def live(
         # previous price): noise in a live view. The workers inherit this process's environment.
         os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
         spark = session("auctions", log_level="ERROR")
-        generator = threading.Thread(target=produce, args=(address, rate, stop, board), daemon=True)
+        generator = threading.Thread(
+            target=produce, args=(address, chosen, stop, board), daemon=True
+        )
         generator.start()
         queries = {
             "job 1 windows": pipeline.start_windows(
@@ -343,8 +536,9 @@ def live(
                         raise notifier.error
                     jobs = {name: job_status(q) for name, q in queries.items()}
                     consumers = {n: consumer_status(client, *c) for n, c in CONSUMERS.items()}
+                    watch.update(client)
                     if not as_json:
-                        view.update(render(board, rate, jobs, consumers))
+                        view.update(render(board, chosen, jobs, consumers, watch))
                     time.sleep(0.5)
         except KeyboardInterrupt:
             console.print("[dim]stopping: generator, queries, Spark, broker ...")
@@ -366,6 +560,7 @@ def live(
             )
             consumers = {n: consumer_status(client, *c) for n, c in CONSUMERS.items()}
             price_moves = sum(client.tail(pipeline.PRICE_MOVES).positions.values())
+            watch.update(client)
     summary = {
         "seconds": round(time.monotonic() - board.started, 1),
         "bids": board.sent[0],
@@ -373,6 +568,8 @@ def live(
         "jobs": jobs,
         "consumers": consumers,
         "price_moves_stored": price_moves,
+        "cycle": chosen.name,
+        "bids_stream": watch.summary(),
         "checkpoints": str(checkpoints),
     }
     if as_json:

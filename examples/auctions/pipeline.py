@@ -1,7 +1,9 @@
 """Live auctions: a real-time pipeline on slipstream and Spark, in two chained jobs.
 
     bids (auctions/bids)                 JSON {"auction", "bidder", "price"}, keyed by auction,
-      |                                  event time = when the bid was placed (some arrive late)
+      |                                  event time = when the bid was placed (some arrive late);
+      |                                  an elastic stream: its segments split in a rush hour
+      |                                  and merge again when it is quiet
       |  job 1 "windows": 10 s tumbling windows per auction with a 5 s watermark
       v
     auctions/windows                     one event per closed window: bids, max and mean price
@@ -25,7 +27,7 @@ import random
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
@@ -51,6 +53,23 @@ MOVE_SCHEMA = (
 )
 JUMP = 0.25  # a window's top bid 25 % above the previous window's: an alert
 
+#: bids per second that one segment of the bids stream should carry: the rush hour (5 x this)
+#: splits it, the quiet phase (0.3 x) lets the pieces merge again (docs/scaling.md has the rule).
+#: Measured on a 2-core machine shared with other work: the generator sends up to ~80,000
+#: bids/s flat out, and both jobs keep up with a rush of 5,000/s (see the README)
+DEFAULT_TARGET = 1000
+#: the most segments the bids stream may have (the Spark job reads each in its own task)
+MAX_BID_SEGMENTS = 8
+
+
+def bids_scaling(target: int = DEFAULT_TARGET) -> slipstream.ScalingPolicy:
+    """The bids stream's policy: split a segment above ``target`` bids/s into two, merge cold
+    neighbours, between 1 and :data:`MAX_BID_SEGMENTS` segments."""
+    return slipstream.ScalingPolicy.by_event_rate(
+        target, scale_factor=2, min_segments=1, max_segments=MAX_BID_SEGMENTS
+    )
+
+
 #: the consumer group that acts on price moves (a subscription of PRICE_MOVES), and the
 #: subscriptions in which the live jobs record their progress (the source's "subscription"
 #: option), so that one ``describe_subscription`` shows every consumer's backlog and lag
@@ -74,15 +93,32 @@ class WindowJob:
 
 
 def create_streams(
-    client: slipstream.Client, segments: int = 4, outputs: tuple[str, ...] = ()
+    client: slipstream.Client,
+    segments: int | None = None,
+    outputs: tuple[str, ...] = (),
+    target: int = DEFAULT_TARGET,
 ) -> None:
     """The pipeline's streams and the notifier's subscription (existing ones are left as
-    they are). The subscription exists before job 2 writes a price move, so the notifier
-    misses none, even those written before its first member joins (on a data directory from
-    before the notifier, "earliest" makes it act once on the alerts already there)."""
-    for name in (BIDS, WINDOWS, PRICE_MOVES, *outputs):
+    they are, but for the bids stream's scaling policy). The subscription exists before job 2
+    writes a price move, so the notifier misses none, even those written before its first
+    member joins (on a data directory from before the notifier, "earliest" makes it act once on
+    the alerts already there).
+
+    The bids stream is elastic (:func:`bids_scaling` with ``target``): it starts with one
+    segment (or ``segments``) and the broker splits and merges it by load. A bids stream from
+    an older run (a fixed count of segments, or another target) gets this policy now; that is
+    idempotent, and its segments then follow the load from the next scaling pass (a fixed
+    stream's 4 segments merge after five quiet minutes). The other streams get ``segments``
+    (default 4) fixed ones: they carry one event per window."""
+    policy = bids_scaling(target)
+    try:
+        client.create_stream(BIDS, segments=segments or 1, scaling=policy)
+    except slipstream.StreamExists:
+        if client.describe_stream(BIDS).scaling != str(policy):
+            client.update_stream(BIDS, scaling=policy)
+    for name in (WINDOWS, PRICE_MOVES, *outputs):
         with contextlib.suppress(slipstream.StreamExists):
-            client.create_stream(name, segments=segments)
+            client.create_stream(name, segments=segments or 4)
     client.create_subscription(PRICE_MOVES, NOTIFIER, "earliest", exist_ok=True)
 
 
@@ -245,18 +281,100 @@ class BidGenerator:
         return auction, value.encode(), now_ms
 
 
+@dataclass(frozen=True)
+class Phase:
+    """``seconds`` of bids at ``rate`` per second."""
+
+    name: str
+    seconds: float
+    rate: float
+
+
+@dataclass(frozen=True)
+class Cycle:
+    """How the generator's rate varies: its phases in turn, over and over (one phase: a
+    steady rate). Build with :meth:`steady`, :meth:`rush_hour` or :meth:`parse`."""
+
+    name: str
+    phases: tuple[Phase, ...]
+    period: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.phases or any(p.seconds <= 0 or p.rate < 0 for p in self.phases):
+            raise ValueError(f"a cycle needs phases of > 0 s at >= 0 bids/s: {self.phases}")
+        object.__setattr__(self, "period", sum(p.seconds for p in self.phases))
+
+    @classmethod
+    def steady(cls, rate: float) -> Cycle:
+        return cls(f"steady {rate:,.0f}/s", (Phase("steady", 3600, rate),))
+
+    @classmethod
+    def rush_hour(cls, target: int = DEFAULT_TARGET) -> Cycle:
+        """14.5 minutes for a ``target`` bids/s per segment policy: 60 s quiet (0.3 x target,
+        one segment), a 120 s rush hour (5 x target: the segment splits within seconds, its
+        halves again 10 s later), then 690 s quiet: five minutes after the rush the pieces
+        merge pairwise (the merge rule wants a pair below half the target for 300 s), five
+        minutes later again, and the cycle starts over."""
+        quiet, rush = 0.3 * target, 5.0 * target
+        phases = (Phase("quiet", 60, quiet), Phase("rush hour", 120, rush))
+        return cls("rush-hour", (*phases, Phase("quiet", 690, quiet)))
+
+    @classmethod
+    def parse(cls, text: str, target: int = DEFAULT_TARGET) -> Cycle:
+        """``rush-hour`` (:meth:`rush_hour` for ``target``) or phases as ``SECONDS:RATE``
+        separated by commas, e.g. ``30:300,30:2500,60:300``. Raises ValueError."""
+        if text == "rush-hour":
+            return cls.rush_hour(target)
+        try:
+            pairs = [part.split(":") for part in text.split(",")]
+            phases = tuple(
+                Phase(f"phase {i + 1}", float(s), float(r)) for i, (s, r) in enumerate(pairs)
+            )
+        except ValueError:
+            raise ValueError(
+                f"bad cycle {text!r}: use rush-hour, or SECONDS:RATE phases such as "
+                "30:300,30:2500,60:300"
+            ) from None
+        return cls(text, phases)
+
+    def at(self, elapsed: float) -> tuple[Phase, float]:
+        """The phase ``elapsed`` seconds into the run, and the seconds left in it."""
+        into = elapsed % self.period
+        for phase in self.phases:
+            if into < phase.seconds:
+                return phase, phase.seconds - into
+            into -= phase.seconds
+        return self.phases[-1], 0.0
+
+    def due(self, elapsed: float) -> float:
+        """How many bids the first ``elapsed`` seconds hold (the integral of the rate)."""
+        rounds, into = divmod(elapsed, self.period)
+        total = rounds * sum(p.seconds * p.rate for p in self.phases)
+        for phase in self.phases:
+            total += min(into, phase.seconds) * phase.rate
+            into -= phase.seconds
+            if into <= 0:
+                break
+        return total
+
+
 def generate(
-    client: slipstream.Client, rate: float, stop: Any, counter: list[int] | None = None
+    client: slipstream.Client, rate: float | Cycle, stop: Any, counter: list[int] | None = None
 ) -> None:
-    """Send ``rate`` bids per second until ``stop.is_set()`` (a threading.Event)."""
+    """Send bids until ``stop.is_set()`` (a threading.Event): ``rate`` per second, or as
+    the cycle's phases say. A generator that falls behind (a busy machine) catches up in
+    bursts of at most 10,000 bids."""
+    cycle = rate if isinstance(rate, Cycle) else Cycle.steady(rate)
     generator = BidGenerator()
     with client.producer(BIDS, linger_ms=5) as producer:
         started = time.monotonic()
         sent = 0
         while not stop.is_set():
-            due = int((time.monotonic() - started) * rate) - sent
+            elapsed = time.monotonic() - started
+            due = int(cycle.due(elapsed)) - sent
             if due <= 0:
-                time.sleep(min(0.01, 1 / rate))
+                phase, _ = cycle.at(elapsed)
+                time.sleep(0.01 if phase.rate <= 0 else min(0.01, 1 / phase.rate))
                 continue
             now_ms = time.time_ns() // 1_000_000
             for _ in range(min(due, 10_000)):
