@@ -21,9 +21,15 @@ The checker, given what the producers had acknowledged and every run's records:
 ``order``
     Within a run, a segment's events arrive grant by grant (never an event of an earlier grant
     after one of a later grant), and within a grant they run contiguously from the grant's
-    start: no skip, no repeat, no reordering. Events of a key live in one segment (the stream
-    does not scale here), so this is per-key order, and stronger. Segments written only by
-    idempotent producers have no holes, which is what makes contiguity a valid demand.
+    start: no skip, no repeat, no reordering. Segments written only by idempotent producers
+    have no holes, which is what makes contiguity a valid demand.
+``key order``
+    Across segments: for each producer and key, the first deliveries (by ``time``, over all
+    runs) follow the order the producer sent them (``Sent.seq``). Within a segment this
+    follows from ``order``; across a split or merge, a key's later events are in a successor,
+    which the group hands out only once every predecessor is committed to its end, and a
+    member commits only what it was handed (and wrote down) before. So a successor's first
+    event of a key is handed out after the last of that key's events in its predecessors.
 ``rewind``
     A grant started below a position some run had committed, with the broker's
     acknowledgement, at least ``SLACK_S`` before that grant's first event was handed out:
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
+from itertools import pairwise
 from pathlib import Path
 
 import msgspec
@@ -120,6 +127,7 @@ def check_group(
     grants: dict[tuple[str, int, int], tuple[int, float]] = {}  # -> (start, first handed out)
     last: dict[tuple[str, int], tuple[int, int]] = {}  # (run, segment) -> (grant, offset)
     commits: list[tuple[float, int, int]] = []  # (time, segment, position)
+    first_seen: dict[str, tuple[float, Sent]] = {}  # value -> (first handed out, what it is)
     for record in records:
         if isinstance(record, Committed):
             commits.extend((record.time, s, p) for s, p in record.positions.items())
@@ -134,6 +142,9 @@ def check_group(
         else:
             if sent.key != record.key:
                 problem("phantom", f"{record.value!r} at {here} came with key {record.key!r}")
+            seen = first_seen.get(record.value)
+            if seen is None or record.time < seen[0]:
+                first_seen[record.value] = (record.time, sent)
         if value_at.setdefault(here, record.value) != record.value:
             problem("inconsistent", f"{here} held {value_at[here]!r}, then {record.value!r}")
         if position_of.setdefault(record.value, here) != here:
@@ -167,6 +178,19 @@ def check_group(
             problem(
                 "inconsistent", f"acknowledged {text} at {position}, read at {position_of[text]}"
             )
+    per_key: dict[tuple[int, str], list[tuple[int, float, str]]] = defaultdict(list)
+    for value, (handed, sent) in first_seen.items():
+        per_key[(sent.producer, sent.key)].append((sent.seq, handed, value))
+    for (producer, key), firsts in per_key.items():
+        firsts.sort()
+        for (_, before, earlier), (_, after, later) in pairwise(firsts):
+            if after < before:
+                problem(
+                    "key order",
+                    f"producer {producer} key {key}: {later} at {position_of[later]} was first "
+                    f"handed out {before - after:.3f} s before {earlier} at "
+                    f"{position_of[earlier]}",
+                )
     commits.sort()
     for (run, segment, grant), (start, first) in grants.items():
         before = [p for t, s, p in commits if s == segment and t < first - SLACK_S]
