@@ -62,8 +62,10 @@ def console(broker_factory: type[BrokerProcess]) -> Iterator[Any]:
     yield broker
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
+    """One Chromium for this module (Playwright's sync API keeps an event loop of its own:
+    closed with the module, before other tests run theirs)."""
     from playwright.sync_api import sync_playwright
 
     if not os.path.exists(CHROMIUM):
