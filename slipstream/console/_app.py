@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 import jinja2
 import msgspec
@@ -351,7 +351,16 @@ def _error_page(request: Request, exc: SlipstreamError) -> HTMLResponse:
 
 async def _form(request: Request) -> dict[str, str]:
     """The fields of a small urlencoded form (what the pages' forms send), first value each;
-    a body over ``MAX_FORM_BYTES`` is refused (400)."""
+    a body over ``MAX_FORM_BYTES`` is refused (400), and so is a form posted by a page of
+    another site (its ``Origin`` is not this server): another tab must not reset or abort
+    through the operator's browser."""
+    origin = request.headers.get("origin")
+    host = request.headers.get("host", "")
+    if origin is not None and urlsplit(origin).netloc != host:
+        raise InvalidArgument(
+            f"a form posted from {origin} is refused: the console takes forms from its own "
+            f"pages (http://{host}) only"
+        )
     body = b""
     async for chunk in request.stream():
         body += chunk

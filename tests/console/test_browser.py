@@ -17,6 +17,7 @@ import os
 import re
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -336,3 +337,28 @@ def test_errors_render_a_page(console: Any, page: Any, path: str, status: int, t
     response = page.goto(console.url + path)
     assert response.status == status
     expect(page.locator("#error-message")).to_contain_text(re.compile(re.escape(text)))
+
+
+def test_a_form_from_another_site_is_refused(console: Any) -> None:
+    """A page of another origin cannot make the operator's browser reset a subscription."""
+    with console.client() as client:
+        client.create_stream("demo/orders")
+        with client.producer("demo/orders") as producer:
+            producer.send(b'{"n": 1}', key="k1")
+        client.create_subscription("demo/orders", "billing")
+    body = b"stream=demo%2Forders&name=billing&at=latest"
+    request = urllib.request.Request(
+        console.url + "/subscription/reset",
+        data=body,
+        headers={
+            "Origin": "http://evil.example",
+            "Content-Type": "application/x-www-form-urlencoded",
+        },
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request)
+    assert refused.value.code == 400
+    assert b"refused" in refused.value.read()
+    with console.client() as client:
+        info = client.describe_subscription("demo/orders", "billing")
+    assert sum(s.backlog_events for s in info.segments) == 1  # not reset
