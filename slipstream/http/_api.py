@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import shutil
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -472,10 +471,10 @@ async def broker_info(call: Call) -> Any:
     ]
     config = msgspec.to_builtins(dataclasses.asdict(broker.config), enc_hook=str)
     host, port = broker.address or ("", 0)
-    http_host, http_port = getattr(broker, "http_address", None) or ("", 0)
+    http_host, http_port = broker.http_address or ("", 0)
     return BrokerInfo(
         version=__version__,
-        started_ms=getattr(broker, "started_ms", int(time.time() * 1000)),
+        started_ms=call.request.app.state.started_ms,
         address=f"{host}:{port}",
         http_address=f"{http_host}:{http_port}",
         config=config,
@@ -487,7 +486,7 @@ async def broker_info(call: Call) -> Any:
             sum(journals),
             sum(seg.bytes for s in streams for seg in s.segments),
         ),
-        recovery=dict(getattr(broker, "recovery", {})),
+        recovery=dict(broker.recovery),
         streams=len(streams),
         open_transactions=len(call.service.list_txns(call.caller)),
     )

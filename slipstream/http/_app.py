@@ -11,6 +11,7 @@ answer is 413 without reading the rest.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -227,4 +228,5 @@ def create_app(broker: Broker) -> Starlette:
         },
     )
     app.state.broker = broker
+    app.state.started_ms = int(time.time() * 1000)  # made as the broker starts serving
     return app

@@ -26,6 +26,7 @@ _REASONS = {
 #: a stream's scope and name and a subscription's name: a lower-case letter or digit, then
 #: those and ``._-`` (slipstream/streams/_names.py); a transaction id: a number
 _NAME = {"type": "string", "pattern": "^[a-z0-9][a-z0-9._-]{0,63}$"}
+_STREAM_NAME = "^[a-z0-9][a-z0-9._-]{0,63}/[a-z0-9][a-z0-9._-]{0,63}$"
 _PATH_SCHEMAS: dict[str, dict[str, Any]] = {
     "scope": _NAME,
     "name": _NAME,
@@ -42,6 +43,8 @@ def openapi_document(operations: Sequence[Operation]) -> dict[str, Any]:
         if op.answer is not None:
             kinds.append(op.answer)
     schemas, components = msgspec.json.schema_components(kinds, ref_template=_REF)
+    # described, not enforced by the decoder: the service's invalid_name says more
+    components["CreateStream"]["properties"]["name"]["pattern"] = _STREAM_NAME
     schema_of = dict(zip(map(_key, kinds), schemas, strict=True))
     error = {"application/json": {"schema": schema_of[_key(ErrorBody)]}}
     paths: dict[str, dict[str, Any]] = {}

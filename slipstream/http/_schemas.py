@@ -13,7 +13,7 @@ import functools
 import operator
 import types
 import typing
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 
@@ -71,7 +71,7 @@ class CreateStream(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     forever / no size limit; ``scaling``: a policy's text ("fixed 2",
     "events 5000/s factor 2 min 1", "bytes 1048576/s factor 2 min 1 max 8"), "" for none."""
 
-    name: Annotated[str, msgspec.Meta(pattern="^[a-z0-9][a-z0-9._-]*/[a-z0-9][a-z0-9._-]*$")]
+    name: str
     segments: int = 1
     retention_ms: int | None = None
     retention_bytes: int | None = None
@@ -189,8 +189,9 @@ class DiskUse(msgspec.Struct, frozen=True):
 
 
 class BrokerInfo(msgspec.Struct, frozen=True):
-    """``config``: what the broker runs with; ``recovery``: what its last start recovered
-    (counts, torn and damaged bytes, milliseconds; see ``Broker.open``)."""
+    """``started_ms``: when it started serving; ``config``: what the broker runs with;
+    ``recovery``: what its last start recovered (counts, torn and damaged bytes,
+    milliseconds; see ``Broker.open``)."""
 
     version: str
     started_ms: int

@@ -159,7 +159,9 @@ def test_the_broker_reports_version_config_containers_disk_and_recovery(
     assert info["recovery"]["streams"] == 0 and "ms" in info["recovery"]
     assert info["streams"] == 1
     broker.restart()
-    assert api.get("/api/broker").json()["recovery"]["streams"] == 1
+    again = api.get("/api/broker").json()
+    assert again["recovery"]["streams"] == 1
+    assert again["started_ms"] > info["started_ms"]
 
 
 # --- errors ----------------------------------------------------------------------------------
