@@ -12,6 +12,7 @@ Routes (the broker's HTTP server mounts them at ``/``; its JSON API lives under 
     GET  /subscriptions[?stream=]            subscriptions with lag and members
     GET  /subscription?stream=&name=         one subscription; POST /subscription/reset
     GET  /transactions                       open transactions; POST /transactions/abort
+    GET  /spark?query=                       a Spark sink query's last committed batch
     GET  /static/...                         CSS, htmx and uPlot (vendored, no build step)
 
 Errors render a page with the error's text: 404 for an unknown stream, subscription or
@@ -102,6 +103,7 @@ class Console:
             Route("/subscription", page(self.subscription)),
             Route("/subscription/reset", page(self.reset_subscription), methods=["POST"]),
             Route("/transactions", page(self.transactions)),
+            Route("/spark", page(self.spark_query)),
             Route("/transactions/abort", page(self.abort_transaction), methods=["POST"]),
             Mount("/static", StaticFiles(directory=HERE / "static"), name="console-static"),
         ]
@@ -305,6 +307,47 @@ class Console:
         await self.service.reset_subscription(caller, stream, name, at, timestamp_ms)
         query = urlencode({"stream": stream, "name": name, "done": f"reset to {at}"})
         return RedirectResponse(f"/subscription?{query}", status_code=303)
+
+    # --- Spark queries that write through the slipstream sink --------------------------------
+
+    async def spark_query(self, request: Request, caller: Caller) -> Response:
+        """A streaming query writing through the sink commits each batch under the
+        transactional id ``spark:<query id>`` with ``{"query", "batch", "events"}`` as the
+        commit's metadata (spark/_sink.py): its last committed batch, when, and how many
+        events. 404 when the id never committed."""
+        query = request.query_params.get("query", "").strip()
+        if not query:
+            return render("spark.html", request, query="", commit=None)
+        identity = self.service.identity(caller, f"spark:{query}")
+        if identity.producer_id < 0 or not identity.last_metadata:
+            return render(
+                "spark.html",
+                request,
+                status=404,
+                query=query,
+                commit=None,
+                missing=f"no batch of query {query} was committed through the slipstream sink "
+                f"(transactional id spark:{query})",
+            )
+        try:
+            metadata = msgspec.json.decode(identity.last_metadata)
+        except msgspec.DecodeError:
+            metadata = {}
+        if not isinstance(metadata, dict):
+            metadata = {}
+        return render(
+            "spark.html",
+            request,
+            query=query,
+            commit={
+                "batch": metadata.get("batch"),
+                "events": metadata.get("events"),
+                "committed_ms": identity.committed_ms,
+                "age_s": max(0.0, time.time() - identity.committed_ms / 1000),
+                "txn_id": identity.last_txn_id,
+                "epoch": identity.epoch,
+            },
+        )
 
     # --- transactions ------------------------------------------------------------------------
 

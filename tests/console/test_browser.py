@@ -362,3 +362,20 @@ def test_a_form_from_another_site_is_refused(console: Any) -> None:
     with console.client() as client:
         info = client.describe_subscription("demo/orders", "billing")
     assert sum(s.backlog_events for s in info.segments) == 1  # not reset
+
+
+def test_spark_sink_query_last_batch(console: Any, page: Any, screenshot: Any) -> None:
+    """What the sink commits per batch (spark/_sink.py), looked up by query id."""
+    with console.client() as client:
+        client.create_stream("demo/out")
+        with client.transaction("spark:q-42") as txn:
+            txn.send("demo/out", b'{"n": 1}', key="k1")
+            txn.metadata = {"query": "q-42", "batch": 7, "events": 1}
+    page.goto(console.url + "/spark")
+    page.locator('input[name="query"]').fill("q-42")
+    page.locator("#spark-button").click()
+    expect(page.locator("#spark-batch")).to_have_text("7")
+    screenshot(page, "spark")
+    response = page.goto(console.url + "/spark?query=never-ran")
+    assert response.status == 404
+    expect(page.locator("#error-message")).to_contain_text("spark:never-ran")
