@@ -77,12 +77,15 @@ class FoundEvents:
 
 @dataclass(frozen=True, slots=True)
 class _Candidate:
-    """A batch that may hold matches: where it starts, how long it is, its time bounds."""
+    """A batch that may hold matches: where it starts and ends (offsets), its length in bytes,
+    its time bounds, and whether it is in the journal (then finds remember its key hashes)."""
 
     offset: int
+    end: int
     length: int
     min_ts: int
     max_ts: int
+    journal: bool = False
 
 
 class JournalKeys:
@@ -127,7 +130,16 @@ class Finder:
         self.meta = meta
         self.containers = containers
         self.read_pool = read_pool
-        self.journal_keys = journal_keys or JournalKeys()
+        if journal_keys is None:
+            # with indexing switched off (to measure it) finds keep no journal keys either
+            indexing = all(c.config.find_index for c in containers)
+            journal_keys = JournalKeys(16 * 1024 * 1024 if indexing else 0)
+        self.journal_keys = journal_keys
+        #: decoded find indexes of chunks, least recently used dropped beyond this
+        self.index_cache_bytes = 64 * 1024 * 1024
+        self._indexes: OrderedDict[tuple[int, int], tuple[FindIndex | None, int]] = OrderedDict()
+        self._indexes_bytes = 0
+        self._indexes_lock = threading.Lock()
 
     async def find(
         self,
@@ -247,7 +259,12 @@ class Finder:
                 assert isinstance(part, list)
                 candidates = [
                     _Candidate(
-                        b.base_offset, b.address.length - 8, b.min_timestamp, b.max_timestamp
+                        b.base_offset,
+                        b.next_offset,
+                        b.address.length - 8,
+                        b.min_timestamp,
+                        b.max_timestamp,
+                        journal=True,
                     )
                     for b in part
                     if h32 is None or _may_hold(self.journal_keys, segment, b.base_offset, h32)
@@ -277,25 +294,47 @@ class Finder:
         chunk = container.chunk_cache.lookup(segment, record.base_offset)
         if chunk is None or chunk.record.base_offset != record.base_offset:
             return []  # retention removed it meanwhile
-        index = FindIndex.decode(
-            self.meta.chunk_finds(segment.stream_id, segment.number, record.base_offset)
-        )
+        index = self._index_of(segment, record)
         count = len(chunk.offsets)
+        # where each batch ends: the next one's start (a hole between them is no matter: the
+        # next batch is then not adjacent), the chunk's end for the last
+        ends = np.append(chunk.offsets[1:], record.next_offset)
         if index is None or index.batch_count != count:
             return [
-                _Candidate(int(o), int(n), record.min_timestamp, record.max_timestamp)
-                for o, n in zip(chunk.offsets, chunk.lengths, strict=True)
+                _Candidate(int(o), int(e), int(n), record.min_timestamp, record.max_timestamp)
+                for o, e, n in zip(chunk.offsets, ends, chunk.lengths, strict=True)
             ]
         chosen = index.batches_with(h32, start_ms, end_ms)
         return [
             _Candidate(
                 int(chunk.offsets[i]),
+                int(ends[i]),
                 int(chunk.lengths[i]),
                 int(index.min_timestamps[i]),
                 int(index.max_timestamps[i]),
             )
             for i in chosen
         ]
+
+    def _index_of(self, segment: Segment, record: ChunkRecord) -> FindIndex | None:
+        """A chunk's decoded find index, from the cache or the catalog (chunks never change,
+        so a cached index stays right; one whose chunk is gone is simply not asked for)."""
+        key = (segment.global_id, record.base_offset)
+        with self._indexes_lock:
+            cached = self._indexes.get(key)
+            if cached is not None:
+                self._indexes.move_to_end(key)
+                return cached[0]
+        data = self.meta.chunk_finds(segment.stream_id, segment.number, record.base_offset)
+        index = FindIndex.decode(data)
+        with self._indexes_lock:
+            if key not in self._indexes:
+                self._indexes[key] = (index, len(data) + 64)
+                self._indexes_bytes += len(data) + 64
+                while self._indexes_bytes > self.index_cache_bytes and len(self._indexes) > 1:
+                    _, (_, size) = self._indexes.popitem(last=False)
+                    self._indexes_bytes -= size
+        return index
 
     async def _read_run(
         self,
@@ -332,12 +371,20 @@ class Finder:
         ordered = [(offset, got[offset]) for offset in sorted(got)]
         state.batches_read += len(ordered)
         global_id = segment.global_id
+        in_journal = {c.offset for c in run if c.journal}
         results = await asyncio.get_running_loop().run_in_executor(
-            self.read_pool, _match_batches, ordered, segment.number, key, start_ms, end_ms
+            self.read_pool,
+            _match_batches,
+            ordered,
+            in_journal,
+            segment.number,
+            key,
+            start_ms,
+            end_ms,
         )
         out: list[Event] = []
         for (offset, _), (events, hashes) in zip(ordered, results, strict=True):
-            if offset >= segment.chunk_end:
+            if hashes is not None:
                 self.journal_keys.put(global_id, offset, hashes)
             for event in events:
                 state.bytes += len(event.value) + len(event.key or b"")
@@ -426,26 +473,31 @@ def _runs(candidates: list[_Candidate], newest_first: bool) -> list[list[_Candid
 
 
 def _adjacent(before: _Candidate, after: _Candidate) -> bool:
-    return after.offset > before.offset and after.offset - before.offset <= 1 << 20
+    """Whether ``after`` starts where ``before`` ends: one read then returns both, and no
+    batch between them that is not a candidate."""
+    return after.offset == before.end and after.journal == before.journal
 
 
 def _match_batches(
     batches: list[tuple[int, bytes | bytearray | memoryview]],
+    in_journal: set[int],
     segment: int,
     key: bytes | None,
     start_ms: int | None,
     end_ms: int | None,
-) -> list[tuple[list[Event], np.ndarray]]:
-    """Each batch's matching events (offset order) and its key hashes (a reader thread's work).
-    Batches of another schema than the event schema (typed streams) match nothing."""
-    out: list[tuple[list[Event], np.ndarray]] = []
+) -> list[tuple[list[Event], np.ndarray | None]]:
+    """Each batch's matching events (offset order) and, for journal batches (``in_journal``),
+    its key hashes (a reader thread's work). Batches of another schema than the event schema
+    (typed streams) match nothing."""
+    out: list[tuple[list[Event], np.ndarray | None]] = []
     for offset, batch in batches:
         record = read_body(batch)
+        journal = offset in in_journal
         if not record.schema.equals(EVENT_SCHEMA):
-            out.append(([], np.zeros(0, dtype=np.uint32)))
+            out.append(([], np.zeros(0, dtype=np.uint32) if journal else None))
             continue
         keys = record.column(0)
-        hashes = _hashes_of(keys)
+        hashes = _hashes_of(keys) if journal else None
         mask = np.ones(record.num_rows, dtype=bool)
         if key is not None:
             equal = pc.equal(keys, pa.scalar(key, pa.binary())).fill_null(False)
