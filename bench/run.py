@@ -38,7 +38,7 @@ WORKLOADS = [
     "scaling",
 ]
 #: not run unless named: bench/consumers.py loads gigabytes and takes 5 to 10 minutes;
-#: bench/scaling.py waits 300 s for a merge and takes about 8 minutes
+#: bench/scaling.py ramps to 192,000 events/s, waits 300 s for merges and takes about 14 minutes
 OPT_IN = {"consumers", "scaling"}
 SIZES = {
     "full": {
