@@ -185,7 +185,8 @@ def test_a_ramp_splits_and_merges_by_itself_while_a_group_and_spark_read(
 
         def spark_has_all() -> bool:
             assert query.exception() is None
-            return len(spark_result(client)) >= len(acknowledged)
+            written = {e.value for e in spark_result(client)}
+            return all(v in written for v in acknowledged)
 
         wait_until(group_has_all, 60, "the group's delivery of every acknowledged event")
         wait_until(spark_has_all, 90, "the query's output of every acknowledged event")
@@ -213,9 +214,9 @@ def test_a_ramp_splits_and_merges_by_itself_while_a_group_and_spark_read(
     first = splits[0].inputs[0].rates.events.last_10s
     assert 2 * TARGET < first < 8 * burst_rate, (first, burst_rate)
     assert any(p.segment in merged for p in acknowledged.values())  # written after a merge
-    assert check_history(acknowledged, result) == []
+    at_spark = check_history(acknowledged, result)
     report = check_group(acknowledged, records)
-    assert report.problems == [], report.problems
+    assert at_spark[:20] == [] and report.problems == [], (len(at_spark), at_spark[:20], report)
     assert report.counts["runs"] == MEMBERS
 
 
