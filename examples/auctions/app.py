@@ -458,8 +458,8 @@ def choose_cycle(rate: float | None, cycle: str | None, target: int) -> pipeline
 
 
 @app.command(
-    epilog="Examples: python -m auctions live (the rush-hour cycle; a split within about a "
-    "minute, merges after 8 and 13 minutes); python -m auctions live --rate 2000 --duration 60; "
+    epilog="Examples: python -m auctions live (the rush-hour cycle: splits after about a "
+    "minute, merges after about 7 and 12); python -m auctions live --rate 2000 --duration 60; "
     "python -m auctions live --cycle 30:300,30:3000,400:300"
 )
 def live(
@@ -471,7 +471,7 @@ def live(
         str | None,
         typer.Option(
             help="How the bid rate varies, over and over: 'rush-hour' (the default: 60 s at "
-            "0.3 x --target, 120 s at 5 x, 690 s at 0.3 x) or SECONDS:RATE phases, e.g. "
+            "0.3 x --target, 60 s at 5 x, 750 s at 0.3 x) or SECONDS:RATE phases, e.g. "
             "30:300,30:3000,400:300.",
             show_default=False,
         ),

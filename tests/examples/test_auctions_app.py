@@ -136,8 +136,8 @@ def test_the_rush_hour_cycle_crosses_the_split_and_merge_thresholds_of_its_targe
     cycle = pipeline.Cycle.rush_hour(target=1000)
     assert [(p.name, p.seconds, p.rate) for p in cycle.phases] == [
         ("quiet", 60, 300),
-        ("rush hour", 120, 5000),
-        ("quiet", 690, 300),
+        ("rush hour", 60, 5000),
+        ("quiet", 750, 300),
     ]
     rush = cycle.phases[1].rate
     assert rush > 2 * 1000 * 2  # one segment splits (hot_10s), and then each half again
@@ -149,7 +149,7 @@ def test_the_rush_hour_cycle_crosses_the_split_and_merge_thresholds_of_its_targe
     assert cycle.due(60) == 60 * 300
     assert cycle.due(70) == 60 * 300 + 10 * 5000
     assert cycle.due(cycle.period + 70) == cycle.due(cycle.period) + cycle.due(70)
-    assert cycle.at(61) == (cycle.phases[1], 119)
+    assert cycle.at(61) == (cycle.phases[1], 59)
     assert cycle.at(cycle.period + 1)[0] == cycle.phases[0]
 
 
