@@ -50,7 +50,7 @@ from ..format import (
     numpy_array,
     read_body,
 )
-from ..storage import ChunkRecord, FindIndex, MetaStore, key_hash32
+from ..storage import ChunkRecord, FindIndex, MetaStore, column_key_hashes, key_hash32
 from ..streams import key_hash
 from ._segment import Segment
 
@@ -521,7 +521,4 @@ def _match_batches(
 
 
 def _hashes_of(keys: pa.Array) -> np.ndarray:
-    if keys.null_count == len(keys):
-        return np.zeros(0, dtype=np.uint32)
-    distinct = pc.unique(keys.drop_null()).to_pylist()
-    return np.unique(np.fromiter(map(key_hash32, distinct), dtype=np.uint32, count=len(distinct)))
+    return np.unique(column_key_hashes(keys))

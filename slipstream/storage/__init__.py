@@ -1,7 +1,13 @@
 """Storage behind small interfaces: Journal (tier 1), LongTermStore (tier 2), MetaStore."""
 
 from ._chunks import LocalChunkStore, LongTermStore, MemoryChunkStore, chunk_name
-from ._index import FindIndex, batch_key_hashes, build_find_index, key_hash32
+from ._index import (
+    FindIndex,
+    batch_key_hashes,
+    build_find_index,
+    column_key_hashes,
+    key_hash32,
+)
 from ._journal import (
     BLOCK,
     ENTRY_OVERHEAD,
@@ -59,6 +65,7 @@ __all__ = [
     "batch_key_hashes",
     "build_find_index",
     "chunk_name",
+    "column_key_hashes",
     "ensure_dir",
     "fsync_dir",
     "key_hash32",

@@ -18,22 +18,21 @@ Byte layout, version 1 (all integers little-endian; docs/format.md says the same
     20       4      reserved         0
     24       8n     min_timestamp    i64 per batch: its oldest event time (ms)
     24+8n    8n     max_timestamp    i64 per batch: its newest event time (ms)
-    24+16n   4m     key_hash         u32: low 32 bits of the key's XXH3-64 hash (the routing hash),
-                                     ascending
+    24+16n   4m     key_hash         u32: the key's index hash (column_key_hashes), ascending
     24+16n+4m 4m    batch            u32: the ordinal of a batch holding a key of that hash,
                                      ascending within one hash
 
 One pair per distinct key per batch: events without a key (or batches whose schema has no
 ``key`` column) add none. A lookup is two binary searches; it returns every batch that holds
-the key, and also those that hold another key of the same 32-bit hash (about m / 2**32 of the
+the key, and also those that hold another key of the same 32-bit index hash (about m / 2**32 of the
 lookups, one extra batch read each): the reader compares keys exactly.
 
-Size against the alternative, measured in bench/find.py (bench/README.md): a sorted array costs
-8 bytes per distinct key per batch plus 16 bytes per batch, and answers exactly which batches;
-a per-batch Bloom filter at 1% false positives costs about 1.2 bytes per key but must be tested
-batch by batch, and every false positive is a whole batch read (one per hundred batches of a
-chunk). With batches of tens to thousands of events, the array is 0.3-2% of the data, small
-enough that exact answers win.
+Size against the alternative: a sorted array costs 8 bytes per distinct key per batch plus 16
+bytes per batch, and answers exactly which batches; a per-batch Bloom filter at 1% false
+positives would cost about 1.2 bytes per key but must be tested batch by batch, and every false
+positive is a whole batch read (one per hundred batches of a chunk: with 2 MiB batches, 20 KiB
+of reads per batch tested). Measured by bench/find.py (bench/README.md): 7.7 MB per GB of
+random 1,000-byte events over 100,000 keys (0.77%), small enough that exact answers win.
 
 Failure modes: an index that is missing (chunks moved before the index existed, or a mover with
 indexing switched off), of a newer version, or whose CRC fails decodes to None; the caller then
@@ -48,8 +47,6 @@ from collections.abc import Sequence
 import crc32c
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
-import xxhash
 
 from ..format import BatchHeader, read_body
 
@@ -61,11 +58,71 @@ assert FIND_HEADER_LENGTH == 24
 _NO_HASHES = np.zeros(0, dtype=np.uint32)
 
 
+#: the index's key hash (not the routing hash: this one is computed for a whole Arrow column at
+#: once with numpy, 30x cheaper than hashing key by key in Python; docs/format.md spells it out)
+_PRIME = np.uint64(0x100000001B3)
+_LENGTH_MIX = np.uint64(0x9E3779B97F4A7C15)
+_POWERS = np.cumprod(np.full(256, _PRIME, dtype=np.uint64))  # P**1 .. P**256, mod 2**64
+_POWERS = np.concatenate([np.ones(1, dtype=np.uint64), _POWERS])  # P**0 .. P**256
+
+
+def _powers(count: int) -> np.ndarray:
+    """P**0 .. P**(count - 1), mod 2**64."""
+    global _POWERS
+    if count > len(_POWERS):
+        more = np.cumprod(np.full(count - len(_POWERS), _PRIME, dtype=np.uint64)) * _POWERS[-1]
+        _POWERS = np.concatenate([_POWERS, more])
+    return _POWERS[:count]
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser, element-wise (uint64, wrapping)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    mixed: np.ndarray = x ^ (x >> np.uint64(31))
+    return mixed
+
+
+def column_key_hashes(keys: pa.Array) -> np.ndarray:
+    """The 32-bit index hash of every non-null key of a ``binary`` or ``string`` column, in row
+    order (``uint32``): for key bytes b[0..L), s = sum of b[i] * P**(L-1-i) mod 2**64 with P the
+    64-bit FNV prime, then splitmix64(s ^ L * 0x9E3779B97F4A7C15), low 32 bits. Vectorised: no
+    Python work per key."""
+    if keys.null_count:
+        keys = keys.drop_null()
+    count = len(keys)
+    if count == 0:
+        return _NO_HASHES
+    if pa.types.is_large_binary(keys.type) or pa.types.is_large_string(keys.type):
+        offsets = np.frombuffer(keys.buffers()[1], np.int64, count + 1, keys.offset * 8)
+    else:
+        offsets = np.frombuffer(keys.buffers()[1], np.int32, count + 1, keys.offset * 4)
+    offsets = offsets.astype(np.int64)
+    data_buffer = keys.buffers()[2]
+    data = (
+        np.frombuffer(data_buffer, np.uint8)[offsets[0] : offsets[-1]]
+        if data_buffer is not None
+        else np.zeros(0, np.uint8)
+    )
+    offsets = offsets - offsets[0]
+    lengths = np.diff(offsets)
+    with np.errstate(over="ignore"):
+        if len(data):
+            ends = np.repeat(offsets[1:], lengths)  # each byte's key end
+            weights = _powers(int(lengths.max()))[ends - 1 - np.arange(len(data))]
+            sums = np.concatenate([np.zeros(1, np.uint64), np.cumsum(data * weights)])
+            folded = sums[offsets[1:]] - sums[offsets[:-1]]
+        else:
+            folded = np.zeros(count, np.uint64)
+        mixed = _mix(folded ^ (lengths.astype(np.uint64) * _LENGTH_MIX))
+    return (mixed & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+
+
 def key_hash32(key: bytes) -> int:
-    """The 32 bits of a routing key's hash the index keeps: the low half of ``key_hash`` (XXH3-64,
-    seed 0; streams/_routing.py). The low half, because a segment's keys share the high bits
-    (segments own ranges of the hash space)."""
-    return int(xxhash.xxh3_64_intdigest(key)) & 0xFFFFFFFF
+    """The index hash of one key (``column_key_hashes`` of a one-key column)."""
+    return int(column_key_hashes(pa.array([key], pa.binary()))[0])
 
 
 def batch_key_hashes(batch: bytes | bytearray | memoryview) -> np.ndarray:
@@ -76,20 +133,14 @@ def batch_key_hashes(batch: bytes | bytearray | memoryview) -> np.ndarray:
     if "key" not in record.schema.names:
         return _NO_HASHES
     column = record.column("key")
-    if not (pa.types.is_binary(column.type) or pa.types.is_string(column.type)):
+    if not (
+        pa.types.is_binary(column.type)
+        or pa.types.is_string(column.type)
+        or pa.types.is_large_binary(column.type)
+        or pa.types.is_large_string(column.type)
+    ):
         return _NO_HASHES
-    if column.null_count == len(column):
-        return _NO_HASHES
-    distinct = pc.unique(column.drop_null()).to_pylist()
-    hashes = np.fromiter(
-        (
-            key_hash32(k if isinstance(k, bytes) else k.encode())
-            for k in distinct  # distinct keys: usually far fewer than events
-        ),
-        dtype=np.uint32,
-        count=len(distinct),
-    )
-    return np.unique(hashes)
+    return np.unique(column_key_hashes(column))
 
 
 def build_find_index(headers: Sequence[BatchHeader], hashes: Sequence[np.ndarray]) -> bytes:

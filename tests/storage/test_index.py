@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -43,9 +44,9 @@ from slipstream.storage import (
     SqliteMetaStore,
     batch_key_hashes,
     build_find_index,
+    column_key_hashes,
     key_hash32,
 )
-from slipstream.streams import key_hash
 
 T = TypeVar("T")
 Row = tuple[bytes | None, int]  # (key, timestamp) of one event
@@ -98,9 +99,36 @@ def test_an_index_round_trips_and_names_the_batches_of_a_key_and_a_time() -> Non
     assert np.frombuffer(data, "<i8", 3, 24).tolist() == [100, 200, 300]
 
 
-def test_the_index_hash_is_the_low_half_of_the_routing_hash() -> None:
-    for key in (b"", b"user-42", "ключ".encode(), bytes(range(256))):
-        assert key_hash32(key) == key_hash(key) & 0xFFFFFFFF
+def reference_hash(key: bytes) -> int:
+    """The index hash as docs/format.md defines it, one key in plain Python."""
+    mask = (1 << 64) - 1
+    s = 0
+    for byte in key:
+        s = (s * 0x100000001B3 + byte) & mask
+    x = s ^ ((len(key) * 0x9E3779B97F4A7C15) & mask)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return (x ^ (x >> 31)) & 0xFFFFFFFF
+
+
+@given(st.lists(st.one_of(st.none(), st.binary(max_size=300)), max_size=40), st.integers(0, 5))
+def test_column_key_hashes_are_the_documented_hash_of_each_key(
+    keys: list[bytes | None], cut: int
+) -> None:
+    column = pa.array(keys, pa.binary()).slice(min(cut, len(keys)))  # a slice: offsets inside
+    present = [k for k in keys[min(cut, len(keys)) :] if k is not None]
+    assert column_key_hashes(column).tolist() == [reference_hash(k) for k in present]
+    assert [key_hash32(k) for k in present] == [reference_hash(k) for k in present]
+    strings = pa.array([k.hex() for k in present], pa.string())
+    assert column_key_hashes(strings).tolist() == [
+        reference_hash(k.hex().encode()) for k in present
+    ]
+
+
+def test_the_index_hash_tells_apart_lengths_and_has_a_golden_value() -> None:
+    hashes = {key_hash32(k) for k in (b"", b"\0", b"\0\0", b"\0\0\0")}
+    assert len(hashes) == 4
+    assert key_hash32(b"user-42") == reference_hash(b"user-42") == 0xD627D82A
 
 
 def test_batch_key_hashes_are_distinct_and_skip_null_keys() -> None:
