@@ -118,12 +118,16 @@ class ScalingMachine(RuleBasedStateMachine):
         self.consumed: dict[str, int] = defaultdict(int)
         self.subscriptions = itertools.count()
         self.restarts = 0
+        #: what this run did, printed with a failure: a replay of a real broker run may
+        #: pass (timing), and then Hypothesis reports only that the replay differed
+        self.steps: list[str] = []
 
     # --- setup and bookkeeping -------------------------------------------------------------
 
     @initialize(segments=st.integers(1, 3))
     def create_stream(self, segments: int) -> None:
         self.info = self.client.create_stream(self.stream, segments=segments)
+        self.steps.append(f"create_stream({segments})")
         self.client.create_subscription(self.stream, "steady", start="earliest")
         self.producer = self.client.producer(self.stream, linger_ms=1, batch_bytes=512)
         self.cuts.append((self.client.tail(self.stream).to_json(), {}))
@@ -141,6 +145,13 @@ class ScalingMachine(RuleBasedStateMachine):
 
     # --- writes and scales -----------------------------------------------------------------
 
+    def fail(self, message: str) -> None:
+        lines = [message, "after these steps of this run:", *self.steps, "segments:"]
+        lines += [str(s) for s in shape(self.info)] if self.info is not None else []
+        report = "\n".join(lines)
+        print(report)  # shown under "Captured stdout call" whatever Hypothesis reports
+        raise AssertionError(report)
+
     def send(self, keys: list[str]) -> None:
         assert self.producer is not None
         for key in keys:
@@ -156,12 +167,14 @@ class ScalingMachine(RuleBasedStateMachine):
     def append_a_few(self, keys: list[str]) -> None:
         self.send(keys)
         self.acknowledge()
+        self.steps.append(f"append({keys})")
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=50, max_size=300))
     def append_many(self, keys: list[str]) -> None:
         """Enough for several pushes of a follow (the credit is small)."""
         self.send(keys)
         self.acknowledge()
+        self.steps.append(f"append({len(keys)} events)")
 
     @precondition(lambda self: self.info is not None and len(open_segments(self.info)) < MAX_OPEN)
     @rule(data=st.data(), into=st.integers(2, 3), during=in_flight)
@@ -174,6 +187,7 @@ class ScalingMachine(RuleBasedStateMachine):
         self.send(during)
         after = self.client.scale_stream(self.stream, split=segment, into=into)
         self.acknowledge()
+        self.steps.append(f"split({segment}, into={into}, during={during})")
         created = after.segments[len(before.segments) :]
         assert after.epoch == before.epoch + 1
         assert [s.predecessors for s in created] == [[segment]] * into
@@ -195,6 +209,7 @@ class ScalingMachine(RuleBasedStateMachine):
         self.send(during)
         after = self.client.scale_stream(self.stream, merge=pair[::-1] if reverse else pair)
         self.acknowledge()
+        self.steps.append(f"merge({pair}, during={during})")
         created = after.segments[len(before.segments) :]
         assert after.epoch == before.epoch + 1
         assert [sorted(s.predecessors) for s in created] == [sorted(pair)]
@@ -207,6 +222,7 @@ class ScalingMachine(RuleBasedStateMachine):
         producer reconnect by themselves."""
         before = self.info
         self.restarts += 1
+        self.steps.append(f"restart(kill={kill})")
         if kill:
             self.broker.kill()
         else:
@@ -217,6 +233,7 @@ class ScalingMachine(RuleBasedStateMachine):
     @rule()
     def take_cut(self) -> None:
         self.cuts.append((self.client.tail(self.stream).to_json(), dict(self.sent)))
+        self.steps.append(f"take_cut() -> cut {len(self.cuts) - 1}")
 
     @rule(data=st.data())
     def refuse_bad_scales(self, data: st.DataObject) -> None:
@@ -239,7 +256,8 @@ class ScalingMachine(RuleBasedStateMachine):
         got = by_key(events)
         for key in sorted(set(got) | set(self.sent)):
             expected = list(range(since.get(key, 0), self.sent.get(key, 0)))
-            assert got.get(key, []) == expected, f"{who}, key {key}: {got.get(key)}"
+            if got.get(key, []) != expected:
+                self.fail(f"{who}, key {key}: read {got.get(key)}, expected {expected}")
 
     @rule(data=st.data())
     def read(self, data: st.DataObject) -> None:
@@ -248,6 +266,7 @@ class ScalingMachine(RuleBasedStateMachine):
         with self.client.reader(self.stream, "earliest", self.client.tail(self.stream)) as reader:
             self.check("a reader from the earliest events", list(reader), {})
         text, then = data.draw(st.sampled_from(self.cuts))
+        self.steps.append(f"read(from earliest; from {text})")
         start = StreamCut.from_json(text)
         with self.client.reader(self.stream, start, self.client.tail(self.stream)) as reader:
             self.check(f"a reader from the cut {text}", list(reader), then)
@@ -260,10 +279,11 @@ class ScalingMachine(RuleBasedStateMachine):
         with self.client.consumer(self.stream, subscription, commit="manual") as consumer:
             deadline = time.monotonic() + READ_TIMEOUT_S
             while len(events) < count:
-                assert time.monotonic() < deadline, (
-                    f"{subscription}: {len(events)} of {count} events, holding "
-                    f"{consumer.assignment}: {by_key(events)}"
-                )
+                if time.monotonic() > deadline:
+                    self.fail(
+                        f"{subscription}: {len(events)} of {count} events, holding "
+                        f"{consumer.assignment}: {by_key(events)}"
+                    )
                 events.extend(consumer.poll(0.05))
                 commit_progress(consumer)
             events.extend(consumer.poll(0.05))
@@ -277,6 +297,7 @@ class ScalingMachine(RuleBasedStateMachine):
         every scale and restart since)."""
         text, then = data.draw(st.sampled_from(self.cuts))
         name = f"from-cut-{next(self.subscriptions)}"
+        self.steps.append(f"consume({name} from {text}; steady)")
         self.client.create_subscription(self.stream, name, start=StreamCut.from_json(text))
         expected = sum(self.sent.values()) - sum(then.values())
         events = self.consume_all(name, expected)
@@ -301,8 +322,8 @@ def test_random_appends_scales_restarts_and_reads_keep_every_keys_order(
     run_state_machine_as_test(
         lambda: ScalingMachine(broker),
         settings=settings(
-            max_examples=12,
-            stateful_step_count=25,
+            max_examples=16,
+            stateful_step_count=30,
             deadline=None,
             # No shrinking: a replay of a real broker run is not deterministic (timing), and
             # shrinking one costs minutes; a failure prints its run's steps as they were.
