@@ -313,9 +313,12 @@ class Cycle:
     def rush_hour(cls, target: int = DEFAULT_TARGET) -> Cycle:
         """14.5 minutes for a ``target`` bids/s per segment policy: 60 s quiet (0.3 x target,
         one segment), a one-minute rush hour (5 x target: the segment splits within seconds,
-        its halves again 10 s later), then 750 s quiet: five minutes after the rush the four
-        pieces merge pairwise (the merge rule wants a pair below half the target for 300 s),
-        five minutes later the two, and the cycle starts over."""
+        its halves again 10 s later: 4 segments), then 750 s quiet. The merge rule wants a
+        pair of neighbours below half the target for 300 s, and a segment takes part in one
+        scale at a time: about five minutes after the rush the coldest neighbours merge (one
+        pair or two), five minutes later the next, and the next rush hour splits again what
+        is left (measured: 1 -> 2 -> 4 segments 4 and 15 s into the rush, 4 -> 3 after 7.1
+        minutes)."""
         quiet, rush = 0.3 * target, 5.0 * target
         phases = (Phase("quiet", 60, quiet), Phase("rush hour", 60, rush))
         return cls("rush-hour", (*phases, Phase("quiet", 750, quiet)))
