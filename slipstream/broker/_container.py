@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import takewhile
+from pathlib import Path
 
 import numpy as np
 
@@ -652,11 +653,19 @@ class Container:
         # Everything the mover's thread needs of the segments, taken now, on the loop: the
         # loop goes on changing them (appends, retention, deletion) while the mover runs.
         targets: dict[int, _MoveTarget] = {}
+        # The find indexes need the batches' keys: those still in the tail cache (most of a
+        # file just sealed) are handed over as they are (a published batch's bytes never
+        # change), by their position in the file; the mover reads only the others back.
+        cached: dict[int, Payload | bytes] = {}
         for global_id, segment in self.segments.items():
             # the offsets the segment lost in this file: its chunk covers them, as a gap in
             # the batch index, so the hole outlives the journal file (and a restart)
-            in_file = takewhile(lambda b: b.address.file_id == file_id, segment.journal)
+            in_file = list(takewhile(lambda b: b.address.file_id == file_id, segment.journal))
             lost = [batch for batch in in_file if batch.lost]  # in offset order
+            if self.config.find_index:
+                for batch in in_file:
+                    if batch.data is not None:
+                        cached[batch.address.position + _SEGMENT_ID.size] = batch.data
             targets[global_id] = _MoveTarget(
                 segment.stream_id,
                 segment.number,
@@ -693,13 +702,6 @@ class Container:
             adopter = max(owned, key=owned.__getitem__, default=None)
             if source is None or adopter is None or owned[adopter] * 2 < source.stat().st_size:
                 adopter = None
-            # the find indexes need the batches' keys: the file is read back once (from the
-            # page cache, mostly: it was written moments ago)
-            whole = (
-                source.read_bytes()
-                if self.config.find_index and source is not None and any(by_segment.values())
-                else None
-            )
             plans = []
             for global_id, batches in by_segment.items():
                 target = targets[global_id]
@@ -736,9 +738,7 @@ class Container:
                     finds = build_find_index(
                         headers,
                         [
-                            _key_hashes(
-                                b if whole is None else memoryview(whole)[at : at + h.batch_length]
-                            )
+                            _key_hashes(_batch_bytes(source, at, h, b, cached))
                             for at, h, b in batches
                         ],
                     )
@@ -840,6 +840,24 @@ def _chain(first: asyncio.Future[int], retry: asyncio.Future[int]) -> None:
             retry.set_result(done.result())
 
     first.add_done_callback(copy)
+
+
+def _batch_bytes(
+    source: Path | None,
+    at: int,
+    header: BatchHeader,
+    found: Payload | bytes,
+    cached: dict[int, Payload | bytes],
+) -> Payload | bytes:
+    """A moved batch's whole bytes for its find index (the mover's thread): ``found`` if the
+    journal gave whole entries, else the tail cache's copy, else read from the file."""
+    if source is None or len(found) >= header.batch_length:
+        return found
+    data = cached.get(at)
+    if data is not None:
+        return data
+    with open(source, "rb") as f:
+        return os.pread(f.fileno(), header.batch_length, at)
 
 
 def _key_hashes(batch: Payload | bytes) -> np.ndarray:

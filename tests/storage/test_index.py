@@ -166,12 +166,15 @@ class Node:
     """One container over file storage (journal, local chunks, SQLite catalog): what a broker
     builds, minus the network. A new Node over the same directory is a restart (recovery)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, tail_cache: bool = True) -> None:
         self.meta = SqliteMetaStore(root / "meta.db")
         self.long_term = LocalChunkStore(root / "chunks", fsync=False)
         journal = FileJournal(root / "journal", fsync=False)
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="test-find")
-        self.config = ContainerConfig(roll_ms=600_000)
+        # without a tail cache the mover reads every batch back from the journal file
+        self.config = ContainerConfig(
+            roll_ms=600_000, tail_cache_bytes=64 << 20 if tail_cache else 0
+        )
         self.container = Container(0, journal, self.long_term, self.meta, self.pool, self.config)
         self.controller = Controller(self.meta, self.long_term, [self.container], self.pool)
         self.controller.recover()
@@ -320,15 +323,19 @@ def found_rows(result: FoundEvents) -> list[tuple[int, bytes | None, int]]:
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-@given(files=files_strategy, queries=st.lists(query_strategy, min_size=1, max_size=4))
+@given(
+    files=files_strategy,
+    queries=st.lists(query_strategy, min_size=1, max_size=4),
+    tail_cache=st.booleans(),
+)
 def test_a_find_answers_exactly_what_a_full_scan_finds(
-    files: list[tuple[list[list[Row]], str]], queries: list[dict[str, Any]]
+    files: list[tuple[list[list[Row]], str]], queries: list[dict[str, Any]], tail_cache: bool
 ) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
 
         async def before_restart() -> Stored:
-            node = Node(root)
+            node = Node(root, tail_cache)
             node.start()
             try:
                 stored = await store(node, files)
