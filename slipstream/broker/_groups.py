@@ -401,7 +401,8 @@ class Subscriptions:
         positions: Mapping[int, int],
     ) -> None:
         """Store positions, durable before it returns. A member commits only segments it
-        holds; ``member_id`` 0 commits from outside the group (only while nobody is joined)."""
+        holds (a sealed one it released may be named again unchanged at its end);
+        ``member_id`` 0 commits from outside the group (only while nobody is joined)."""
         group = self.group(stream_name, name)
         async with group.lock:
             self._check_commit(caller, group, member_id, generation, positions)
@@ -461,7 +462,11 @@ class Subscriptions:
         member = self.member(caller, member_id)
         if member.group is not group:
             raise NotAssigned(f"member {member_id} is not a member of {name!r}")
-        foreign = sorted(s for s in positions if group.holder.get(s) != member_id)
+        foreign = sorted(
+            s
+            for s, position in positions.items()
+            if group.holder.get(s) != member_id and not _finished(group, s, position)
+        )
         if foreign:
             raise NotAssigned(
                 f"member {member_id} does not hold segment(s) {foreign} of {name!r} (moved to "
@@ -549,3 +554,17 @@ class Subscriptions:
 
     def _label(self, group: Group) -> str:
         return f"{group.stream.name}:{group.record.name}"
+
+
+def _finished(group: Group, segment: int, position: int) -> bool:
+    """``position`` commits ``segment`` again where it is already committed, at the end of a
+    sealed segment: a no-op, accepted from a member that no longer holds it, since an
+    application's commit can race the release of a segment it just committed to its end
+    (the member releases it in its next poll)."""
+    one = group.stream.segments.get(segment)
+    return (
+        one is not None
+        and one.sealed
+        and position >= one.next_offset
+        and group.record.positions.get(segment) == position
+    )

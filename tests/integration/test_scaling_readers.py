@@ -311,3 +311,34 @@ def test_a_sealed_segment_waits_with_its_backlog_and_is_released_once_committed_
     after = rows()
     assert after[0] == (300, 300, 0, 0)
     assert all(after[s][2] == 0 for s in (1, 2))
+
+
+def test_committing_a_released_segment_again_at_its_committed_position_is_a_no_op(
+    client: slipstream.Client,
+) -> None:
+    """Once a sealed segment is committed to its end, the member releases it in its next
+    poll; an application's commit racing that release may still name it. Committing it again
+    at the position already committed changes nothing, so it is accepted (the rest of the
+    commit is stored); moving it anywhere else is still refused: the member does not hold it.
+    """
+    client.create_stream("sr/again", segments=1)
+    client.create_subscription("sr/again", "app")
+    appender = Appender(client, "sr/again")
+    appender.produce(50)
+    client.scale_stream("sr/again", split=0, into=2)
+    appender.produce(40)
+    with client.consumer("sr/again", "app", commit="manual") as consumer:
+        wait_for(lambda: consumer.assignment == {0})
+        events: list[Event] = []
+        while len(events) < 50:
+            events.extend(consumer.poll(0.05))
+        consumer.commit()
+        wait_for(lambda: consumer.assignment == {1, 2})
+        while len(events) < 90:
+            events.extend(consumer.poll(0.05))
+        ends = {s: max(e.offset for e in events if e.segment == s) + 1 for s in (1, 2)}
+        consumer.commit({0: 50, **ends})  # 0 is released, but unchanged: accepted
+        with pytest.raises(slipstream.NotAssigned):
+            consumer.commit({0: 49})
+    rows = {s.segment: s.position for s in client.describe_subscription("sr/again", "app").segments}
+    assert rows == {0: 50, **ends}
