@@ -369,3 +369,28 @@ async def check(node: Node, stored: Stored, query: dict[str, Any]) -> None:
         if query["limit"] > len(stored.events):  # no early stop: every candidate is read
             reads = reads_when_complete(stored, query, journal_known)
             assert result.batches_read == reads, (query, journal_known)
+
+
+def test_a_catalog_from_before_find_indexes_gets_the_column_and_its_chunks_are_scanned(
+    tmp_path: Path,
+) -> None:
+    # a chunks table as catalogs had it before find indexes (no ``finds`` column)
+    import sqlite3
+
+    path = tmp_path / "meta.db"
+    with sqlite3.connect(path) as db:
+        db.execute(
+            "CREATE TABLE chunks (stream_id INTEGER NOT NULL, segment INTEGER NOT NULL, "
+            "base_offset INTEGER NOT NULL, next_offset INTEGER NOT NULL, bytes INTEGER NOT NULL, "
+            "min_timestamp INTEGER NOT NULL, max_timestamp INTEGER NOT NULL, name TEXT NOT NULL, "
+            "idx BLOB NOT NULL, producers BLOB NOT NULL DEFAULT x'', max_timestamp_so_far "
+            "INTEGER, PRIMARY KEY (stream_id, segment, base_offset))"
+        )
+        db.execute("INSERT INTO chunks VALUES (1, 0, 0, 3, 10, 1, 2, '1/0/0', x'', x'', 2)")
+    meta = SqliteMetaStore(path)
+    try:
+        assert meta.chunk_finds(1, 0, 0) == b"", "an old chunk has no index: finds scan it"
+        assert FindIndex.decode(meta.chunk_finds(1, 0, 0)) is None
+        assert meta.chunk_finds(1, 0, 99) == b"", "no such chunk"
+    finally:
+        meta.close()
