@@ -520,7 +520,7 @@ def stream_delete(
 ) -> None:
     """Delete a stream and all its events. Asks first unless --yes; without a terminal to
     ask on, --yes is required."""
-    from ._common import human_bytes
+    from ..streams import human_bytes
 
     with connect(broker) as client:
         if not yes:

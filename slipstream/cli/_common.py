@@ -64,16 +64,6 @@ def parse_time_ms(text: str) -> int:
     return int(moment.timestamp() * 1000)
 
 
-def human_bytes(count: int) -> str:
-    """1536 -> ``1.5 KiB``."""
-    size = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{count} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
 def human_duration_ms(ms: int) -> str:
     """604800000 -> ``7d``; the largest units that divide it exactly."""
     parts = []

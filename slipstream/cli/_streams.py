@@ -14,8 +14,8 @@ from slipstream import SegmentInfo, StreamInfo
 
 from .._errors import InvalidArgument
 from ..protocol import ScaleEventInfo
-from ..streams import ScalingDecision
-from ._common import human_bytes, human_duration_ms, iso_ms
+from ..streams import ScalingDecision, human_bytes
+from ._common import human_duration_ms, iso_ms
 
 
 def stream_dict(info: StreamInfo) -> dict[str, Any]:

@@ -20,13 +20,12 @@ from rich.text import Text
 from slipstream.protocol import SubscriptionInfo
 
 from .._errors import InvalidArgument
-from ..streams import parse_duration_ms
+from ..streams import human_bytes, parse_duration_ms
 from ._common import (
     BrokerOption,
     connect,
     err,
     examples,
-    human_bytes,
     human_duration_ms,
     iso_ms,
     out,

@@ -8,7 +8,8 @@ from rich import box
 from rich.table import Table
 
 from ..protocol import TxnInfo
-from ._common import human_bytes, human_duration_ms
+from ..streams import human_bytes
+from ._common import human_duration_ms
 
 
 def txn_dict(txn: TxnInfo) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from .._errors import (
     SlipstreamError,
 )
 from ..protocol import StreamInfo, SubscriptionInfo
+from ..streams import human_bytes
 from ._browse import (
     MAX_LIMIT,
     EventPage,
@@ -505,14 +506,6 @@ def _filters(environment: jinja2.Environment) -> None:
             return "\u2013"
         return f"{value:,.0f}/s" if value >= 10 else f"{value:.1f}/s"
 
-    def size(value: int) -> str:
-        amount = float(value)
-        for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-            if amount < 1024 or unit == "TiB":
-                return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
-            amount /= 1024
-        return f"{value} B"
-
     def duration(ms: int | None) -> str:
         if ms is None:
             return "forever"
@@ -531,7 +524,7 @@ def _filters(environment: jinja2.Environment) -> None:
         return f"{value:,}"
 
     environment.filters.update(
-        rate=rate, size=size, duration=duration, when=when, number=number, tojson=_tojson
+        rate=rate, size=human_bytes, duration=duration, when=when, number=number, tojson=_tojson
     )
 
 

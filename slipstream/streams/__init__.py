@@ -38,7 +38,7 @@ from ._scaling import (
     parse_rate,
     policy_from_options,
 )
-from ._units import parse_duration_ms, parse_size_bytes, relative_time_ms
+from ._units import human_bytes, parse_duration_ms, parse_size_bytes, relative_time_ms
 
 __all__ = [
     "FULL_KEY_RANGE",
@@ -67,6 +67,7 @@ __all__ = [
     "assign",
     "assignable",
     "decide",
+    "human_bytes",
     "key_hash",
     "manual_merge",
     "manual_split",

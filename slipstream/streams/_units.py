@@ -1,5 +1,6 @@
 """Parsing human durations (``7d``) and sizes (``10GiB``) for retention settings, and relative
-start times (``-1h``: an hour before now) for readers, the CLI and the Spark source."""
+start times (``-1h``: an hour before now) for readers, the CLI and the Spark source; sizes
+written for people (the CLI and the console)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,13 @@ def relative_time_ms(text: str, now_ms: int) -> int | None:
             "-2d or -1h30m"
         ) from None
     return max(0, now_ms - ago)
+
+
+def human_bytes(count: int) -> str:
+    """1536 -> ``1.5 KiB``."""
+    size = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{count} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
