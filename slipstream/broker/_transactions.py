@@ -347,6 +347,12 @@ class Coordinator:
                 current_epoch=current,
             )
 
+    def list_identities(self, prefix: str = "") -> list[IdentityInfo]:
+        """The transactional ids starting with ``prefix`` that ever began, sorted by id, each
+        with its epoch and last committed transaction (from memory: the MetaStore's
+        identities as loaded at open, and every save since)."""
+        return [self.identity(tid) for tid in sorted(self.identities) if tid.startswith(prefix)]
+
     def identity(self, transactional_id: str) -> IdentityInfo:
         identity = self.identities.get(transactional_id)
         if identity is None:

@@ -12,7 +12,9 @@ Routes (the broker's HTTP server mounts them at ``/``; its JSON API lives under 
     GET  /subscriptions[?stream=]            subscriptions with lag and members
     GET  /subscription?stream=&name=         one subscription; POST /subscription/reset
     GET  /transactions                       open transactions; POST /transactions/abort
-    GET  /spark?query=                       a Spark sink query's last committed batch
+    GET  /spark[?query=]                     Spark sink queries (last batch, rate) and the
+                                             subscriptions queries read through (lag)
+    GET  /spark/rows[?query=]                the queries table's rows (htmx, every 2 s)
     GET  /static/...                         CSS, htmx and uPlot (vendored, no build step)
 
 Errors render a page with the error's text: 404 for an unknown stream, subscription or
@@ -45,7 +47,7 @@ from .._errors import (
     OffsetOutOfRange,
     SlipstreamError,
 )
-from ..protocol import StreamInfo, SubscriptionInfo
+from ..protocol import IdentityInfo, StreamInfo, SubscriptionInfo
 from ..streams import human_bytes
 from ._browse import (
     MAX_LIMIT,
@@ -56,7 +58,7 @@ from ._browse import (
     found_page,
     parse_cut,
 )
-from ._sampler import RateSampler
+from ._sampler import Commit, CommitSampler, RateSampler
 from ._svg import segments_svg
 
 if TYPE_CHECKING:
@@ -91,6 +93,7 @@ class Console:
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
         self.sampler = RateSampler()
+        self.commits = CommitSampler()
 
     def routes(self) -> list[BaseRoute]:
         page = self._page
@@ -104,7 +107,8 @@ class Console:
             Route("/subscription", page(self.subscription)),
             Route("/subscription/reset", page(self.reset_subscription), methods=["POST"]),
             Route("/transactions", page(self.transactions)),
-            Route("/spark", page(self.spark_query)),
+            Route("/spark", page(self.spark_queries)),
+            Route("/spark/rows", page(self.spark_rows)),
             Route("/transactions/abort", page(self.abort_transaction), methods=["POST"]),
             Mount("/static", StaticFiles(directory=HERE / "static"), name="console-static"),
         ]
@@ -311,44 +315,60 @@ class Console:
 
     # --- Spark queries that write through the slipstream sink --------------------------------
 
-    async def spark_query(self, request: Request, caller: Caller) -> Response:
-        """A streaming query writing through the sink commits each batch under the
+    async def spark_queries(self, request: Request, caller: Caller) -> Response:
+        """Every streaming query writing through the sink: it commits each batch under the
         transactional id ``spark:<query id>`` with ``{"query", "batch", "events"}`` as the
-        commit's metadata (spark/_sink.py): its last committed batch, when, and how many
-        events. 404 when the id never committed."""
-        query = request.query_params.get("query", "").strip()
-        if not query:
-            return render("spark.html", request, query="", commit=None)
-        identity = self.service.identity(caller, f"spark:{query}")
-        if identity.producer_id < 0 or not identity.last_metadata:
-            return render(
-                "spark.html",
-                request,
-                status=404,
-                query=query,
-                commit=None,
-                missing=f"no batch of query {query} was committed through the slipstream sink "
-                f"(transactional id spark:{query})",
+        commit's metadata (spark/_sink.py). Per query: its last committed batch, its events,
+        when, and a rate between the last two commits seen; ``?query=`` shows one (404 when
+        it never committed). Below, the subscriptions queries read through, with their lag."""
+        listing = self._spark_listing(request, caller)
+        if listing["query"] and not listing["rows"]:
+            query = listing["query"]
+            listing["missing"] = (
+                f"no batch of query {query} was committed through the slipstream sink "
+                f"(transactional id spark:{query})"
             )
-        try:
-            metadata = msgspec.json.decode(identity.last_metadata)
-        except msgspec.DecodeError:
-            metadata = {}
-        if not isinstance(metadata, dict):
-            metadata = {}
+            return render("spark.html", request, status=404, subscriptions=[], **listing)
         return render(
             "spark.html",
             request,
-            query=query,
-            commit={
-                "batch": metadata.get("batch"),
-                "events": metadata.get("events"),
-                "committed_ms": identity.committed_ms,
-                "age_s": max(0.0, time.time() - identity.committed_ms / 1000),
-                "txn_id": identity.last_txn_id,
-                "epoch": identity.epoch,
-            },
+            subscriptions=await self._spark_subscriptions(caller),
+            **listing,
         )
+
+    async def spark_rows(self, request: Request, caller: Caller) -> Response:
+        return render("_spark_rows.html", request, **self._spark_listing(request, caller))
+
+    def _spark_listing(self, request: Request, caller: Caller) -> dict[str, Any]:
+        query = request.query_params.get("query", "").strip()
+        prefix = f"spark:{query}" if query else "spark:"
+        rows = []
+        for identity in self.service.list_identities(caller, prefix):
+            if query and identity.transactional_id != prefix:
+                continue
+            row = _spark_row(identity)
+            if row is None:
+                continue
+            if isinstance(row["batch"], int) and isinstance(row["events"], int):
+                commit = Commit(row["batch"], row["events"], identity.committed_ms)
+                self.commits.observe(identity.transactional_id, commit)
+            row["rate"] = self.commits.rate(identity.transactional_id)
+            rows.append(row)
+        return {"query": query, "rows": rows}
+
+    async def _spark_subscriptions(self, caller: Caller) -> list[dict[str, Any]]:
+        """Subscriptions with committed positions and no live member: how a query that
+        reads with ``.option("subscription", ...)`` records its progress (a stopped
+        application's subscription looks the same)."""
+        rows = []
+        for info in sorted(self.service.list_streams(caller), key=lambda s: s.name):
+            for summary in self.service.list_subscriptions(caller, info.name):
+                if summary.members or summary.mode != "ordered":
+                    continue
+                detail = await self.service.describe_subscription(caller, info.name, summary.name)
+                if not detail.members:
+                    rows.append(_subscription_row(detail))
+        return rows
 
     # --- transactions ------------------------------------------------------------------------
 
@@ -463,6 +483,30 @@ def _stream_row(info: StreamInfo, rates: Any) -> dict[str, Any]:
         "produce": rates.produce,
         "consume": rates.consume,
         "last_ms": max((s.last_timestamp or 0 for s in info.segments), default=0),
+    }
+
+
+def _spark_row(identity: IdentityInfo) -> dict[str, Any] | None:
+    """What the sink stored with a query's last commit; None for an id that never
+    committed (the sink began a transaction and failed before its first commit)."""
+    if identity.producer_id < 0 or not identity.last_metadata:
+        return None
+    try:
+        metadata = msgspec.json.decode(identity.last_metadata)
+    except msgspec.DecodeError:
+        metadata = {}
+    if not isinstance(metadata, dict):
+        metadata = {}
+    batch, events = metadata.get("batch"), metadata.get("events")
+    return {
+        "query": identity.transactional_id.removeprefix("spark:"),
+        "batch": batch if isinstance(batch, int) else None,
+        "events": events if isinstance(events, int) else None,
+        "committed_ms": identity.committed_ms,
+        "age_s": max(0.0, time.time() - identity.committed_ms / 1000),
+        "txn_id": identity.last_txn_id,
+        "epoch": identity.epoch,
+        "rate": None,
     }
 
 

@@ -126,3 +126,52 @@ class RateSampler:
                 consume = max(0.0, (after.consumed - before.consumed) / seconds)
             points.append((after.wall_ms, produce, consume))
         return points
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """One committed batch of a Spark sink query as a look at its transactional id saw it:
+    the batch id, the events in it and when it committed (the broker's wall clock, ms)."""
+
+    batch: int
+    events: int
+    committed_ms: int
+
+
+class CommitSampler:
+    """The last two distinct commits seen per Spark sink query, for a rate: the events of the
+    newest batch, times the batches between the two (a batch not seen is assumed the newest
+    one's size), over the time between the two commits. The sink stores only each batch's own
+    count (not a running total), so this is the best a look at the last commit can do; it is
+    exact when every batch is seen (a refresh per trigger interval or faster).
+
+    Same ownership as ``RateSampler``: the console's handlers on the broker's loop, no lock;
+    bounded to ``MAX_STREAMS`` queries, the one looked at longest ago forgotten first."""
+
+    def __init__(self) -> None:
+        self._commits: OrderedDict[str, deque[Commit]] = OrderedDict()
+
+    def observe(self, query: str, commit: Commit) -> None:
+        commits = self._commits.get(query)
+        if commits is None:
+            commits = self._commits[query] = deque(maxlen=2)
+            while len(self._commits) > MAX_STREAMS:
+                self._commits.popitem(last=False)
+        else:
+            self._commits.move_to_end(query)
+        if commits and commits[-1] == commit:
+            return
+        if commits and commit.batch <= commits[-1].batch:
+            commits.clear()  # the query restarted from an older checkpoint: start over
+        commits.append(commit)
+
+    def rate(self, query: str) -> float | None:
+        """Events per second between the last two commits seen; None before two."""
+        commits = self._commits.get(query)
+        if not commits or len(commits) < 2:
+            return None
+        older, newer = commits
+        seconds = (newer.committed_ms - older.committed_ms) / 1000
+        if seconds <= 0:
+            return None
+        return newer.events * (newer.batch - older.batch) / seconds

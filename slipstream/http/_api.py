@@ -24,6 +24,7 @@ from starlette.requests import Request
 from .. import __version__
 from .._errors import InvalidArgument
 from ..format import Event
+from ..protocol import IdentityInfo
 from ._schemas import (
     BrokerInfo,
     BrowsedEvent,
@@ -32,6 +33,7 @@ from ._schemas import (
     CreateSubscription,
     DiskUse,
     EventPage,
+    IdentityView,
     ResetSubscription,
     ScaleEventView,
     ScaleStream,
@@ -429,6 +431,38 @@ async def reset_subscription(call: Call) -> Any:
 async def list_transactions(call: Call) -> Any:
     """Open (and committing) transactions: id, producer, state, age, size."""
     return [view(t) for t in call.service.list_txns(call.caller)]
+
+
+@operation(
+    "GET",
+    "/api/transactions/identities",
+    _list_of(IdentityView),
+    query=[Param("prefix", "string", 'only the transactional ids starting with this ("spark:")')],
+    errors=(),
+)
+async def list_identities(call: Call) -> Any:
+    """Transactional ids, sorted, with each one's last committed transaction and its
+    metadata (a Spark sink query's is ``spark:<query id>`` with its last batch)."""
+    prefix = call.request.query_params.get("prefix", "")
+    return [_identity_view(i) for i in call.service.list_identities(call.caller, prefix)]
+
+
+def _identity_view(info: IdentityInfo) -> IdentityView:
+    metadata: Any = None
+    if info.last_metadata:
+        try:
+            metadata = msgspec.json.decode(info.last_metadata)
+        except msgspec.DecodeError:
+            metadata = None
+    return IdentityView(
+        info.transactional_id,
+        info.producer_id,
+        info.epoch,
+        info.last_txn_id,
+        info.committed_ms,
+        metadata,
+        base64.b64encode(info.last_metadata).decode(),
+    )
 
 
 @operation("POST", "/api/transactions/{txn_id}/abort", TxnEndedView, errors=(400, 404, 409))

@@ -160,6 +160,21 @@ class EventPage(msgspec.Struct, frozen=True):
     truncated: bool = False
 
 
+class IdentityView(msgspec.Struct, frozen=True):
+    """A transactional id: its producer id and epoch, its last committed transaction
+    (``last_txn_id`` -1 if none), that commit's ``committed_ms`` and ``metadata`` (the JSON
+    the committer stored, e.g. the Spark sink's ``{"query", "batch", "events"}``; null if
+    none or not JSON, with the raw bytes in ``metadata_base64``)."""
+
+    transactional_id: str
+    producer_id: int
+    epoch: int
+    last_txn_id: int
+    committed_ms: int
+    metadata: Any = None
+    metadata_base64: str = ""
+
+
 class StreamCutBody(msgspec.Struct, frozen=True):
     stream: str
     positions: dict[int, int]

@@ -143,6 +143,45 @@ def test_an_operator_aborts_an_open_transaction(
     error_of(api.post("/api/transactions/abc/abort"), 400, "invalid_argument")
 
 
+def test_transactional_ids_are_listed_by_prefix_with_their_last_commit(
+    broker: BrokerProcess, client: slipstream.Client, api: httpx.Client
+) -> None:
+    client.create_stream("ops/out", segments=1)
+    for tid, batch in (("spark:q-2", 4), ("spark:q-1", 9), ("app-writer", 1)):
+        with client.transaction(tid) as txn:
+            txn.send("ops/out", b"{}", key="k")
+            txn.metadata = {"query": tid, "batch": batch, "events": 1}
+    client.transaction("spark:never-committed").abort()
+
+    every = api.get("/api/transactions/identities")
+    assert every.status_code == 200, every.text
+    assert [i["transactional_id"] for i in every.json()] == [
+        "app-writer",
+        "spark:never-committed",
+        "spark:q-1",
+        "spark:q-2",
+    ]
+    spark = api.get("/api/transactions/identities", params={"prefix": "spark:q-"}).json()
+    assert [(i["transactional_id"], i["metadata"]["batch"]) for i in spark] == [
+        ("spark:q-1", 9),
+        ("spark:q-2", 4),
+    ]
+    assert spark[0]["last_txn_id"] >= 0 and spark[0]["committed_ms"] > 0
+    meta = base64.b64decode(spark[0]["metadata_base64"])
+    assert meta.startswith(b"{") and b'"batch"' in meta
+    never = api.get("/api/transactions/identities", params={"prefix": "spark:never"}).json()
+    assert [(i["last_txn_id"], i["metadata"], i["metadata_base64"]) for i in never] == [
+        (-1, None, "")
+    ]
+    assert api.get("/api/transactions/identities", params={"prefix": "nobody"}).json() == []
+
+    client.close()
+    broker.restart()  # the listing comes from the MetaStore after a restart
+    with httpx.Client(base_url=broker.http_url, timeout=30) as http:
+        again = http.get("/api/transactions/identities", params={"prefix": "spark:q-"}).json()
+    assert again == spark
+
+
 def test_the_broker_reports_version_config_containers_disk_and_recovery(
     broker: BrokerProcess, client: slipstream.Client, api: httpx.Client
 ) -> None:

@@ -364,18 +364,58 @@ def test_a_form_from_another_site_is_refused(console: Any) -> None:
     assert sum(s.backlog_events for s in info.segments) == 1  # not reset
 
 
-def test_spark_sink_query_last_batch(console: Any, page: Any, screenshot: Any) -> None:
-    """What the sink commits per batch (spark/_sink.py), looked up by query id."""
+def sink_commit(client: slipstream.Client, query: str, batch: int, events: int) -> None:
+    """What the sink commits for one batch (spark/_sink.py): its transactional id and
+    metadata."""
+    with client.transaction(f"spark:{query}") as txn:
+        for n in range(events):
+            txn.send("demo/out", json.dumps({"n": n}).encode(), key=f"k{n}")
+        txn.metadata = {"query": query, "batch": batch, "events": events}
+
+
+def test_spark_page_lists_every_sink_query(console: Any, page: Any, screenshot: Any) -> None:
+    """Every query that committed through the sink, with its last batch and a rate; the
+    subscriptions queries read through with their lag; one query by id."""
     with console.client() as client:
         client.create_stream("demo/out")
-        with client.transaction("spark:q-42") as txn:
-            txn.send("demo/out", b'{"n": 1}', key="k1")
-            txn.metadata = {"query": "q-42", "batch": 7, "events": 1}
-    page.goto(console.url + "/spark")
-    page.locator('input[name="query"]').fill("q-42")
-    page.locator("#spark-button").click()
-    expect(page.locator("#spark-batch")).to_have_text("7")
-    screenshot(page, "spark")
-    response = page.goto(console.url + "/spark?query=never-ran")
-    assert response.status == 404
-    expect(page.locator("#error-message")).to_contain_text("spark:never-ran")
+        client.create_stream("demo/clicks")
+        sink_commit(client, "q-42", 6, 3)
+        sink_commit(client, "q-42", 7, 3)
+        sink_commit(client, "q-43", 0, 2)
+        with client.transaction("app-writer") as txn:  # not a Spark query: not listed
+            txn.send("demo/out", b"{}", key="k")
+            txn.metadata = {"batch": 99}
+        client.transaction("spark:never-committed").abort()
+        with client.producer("demo/clicks") as producer:
+            for n in range(5):
+                producer.send(b"{}", key=f"k{n}")
+        client.create_subscription("demo/clicks", "spark-clicks")
+        client.commit_subscription("demo/clicks", "spark-clicks", {0: 2})
+
+        page.goto(console.url + "/spark")
+        rows = page.locator("#spark-rows tr[data-query]")
+        expect(rows).to_have_count(2)
+        q42 = page.locator('tr[data-query="q-42"]')
+        expect(q42.locator("td.batch")).to_have_text("7")
+        expect(q42.locator("td.events")).to_have_text("3")
+        expect(page.locator('tr[data-query="q-43"] td.batch')).to_have_text("0")
+        expect(q42.locator("td.rate")).to_have_text(DASH)  # one commit seen: no rate yet
+        spark_clicks = page.locator('tr[data-subscription="spark-clicks"]')
+        expect(spark_clicks.locator("td.lag-events")).to_have_text("3")
+
+        time.sleep(0.05)  # a later commit time than batch 7's
+        sink_commit(client, "q-42", 9, 40)  # batch 8 was not seen
+        # the rows refresh every 2 s: the rate between the commits of batches 7 and 9
+        expect(q42.locator("td.batch")).to_have_text("9", timeout=10_000)
+        expect(q42.locator("td.events")).to_have_text("40")
+        expect(q42.locator("td.rate")).not_to_have_text(DASH)
+        assert rate_of(q42.locator("td.rate").inner_text()) > 0
+        screenshot(page, "spark")
+
+    page.goto(console.url + "/spark?query=q-43")
+    expect(page.locator("#spark-rows tr[data-query]")).to_have_count(1)
+    expect(page.locator('tr[data-query="q-43"] td.batch')).to_have_text("0")
+    for missing in ("never-ran", "never-committed", "q-4"):
+        response = page.goto(console.url + f"/spark?query={missing}")
+        assert response.status == 404
+        expect(page.locator("#error-message")).to_contain_text(f"spark:{missing}")
