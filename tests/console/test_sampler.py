@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import slipstream.console
-from slipstream.console._sampler import MAX_STREAMS, MIN_INTERVAL_S, RateSampler
+from slipstream.console._sampler import (
+    MAX_STREAMS,
+    MIN_INTERVAL_S,
+    Commit,
+    CommitSampler,
+    RateSampler,
+)
 
 
 class Clock:
@@ -59,6 +65,33 @@ def test_memory_is_bounded_by_streams() -> None:
         sampler.observe(f"demo/s{n}", 1, {0: n})
     assert not sampler.wants("demo/s10", 1)  # kept
     assert sampler.wants("demo/s0", 1)  # the least recently observed were forgotten
+
+
+def test_a_spark_query_rate_is_between_its_last_two_commits_seen() -> None:
+    commits = CommitSampler()
+    commits.observe("spark:q", Commit(batch=3, events=10, committed_ms=1_000))
+    assert commits.rate("spark:q") is None  # one commit: no rate yet
+    commits.observe("spark:q", Commit(batch=3, events=10, committed_ms=1_000))  # seen again
+    assert commits.rate("spark:q") is None
+    commits.observe("spark:q", Commit(batch=4, events=50, committed_ms=3_000))
+    assert commits.rate("spark:q") == 50 / 2
+    # batch 5 not seen: assumed the size of batch 6
+    commits.observe("spark:q", Commit(batch=6, events=40, committed_ms=4_000))
+    assert commits.rate("spark:q") == 2 * 40 / 1
+    # the query restarted from an older checkpoint: no rate until the next commit
+    commits.observe("spark:q", Commit(batch=2, events=5, committed_ms=5_000))
+    assert commits.rate("spark:q") is None
+    commits.observe("spark:q", Commit(batch=3, events=5, committed_ms=5_500))
+    assert commits.rate("spark:q") == 10
+    assert commits.rate("spark:other") is None
+
+
+def test_commit_memory_is_bounded_by_queries() -> None:
+    commits = CommitSampler()
+    for n in range(MAX_STREAMS + 5):
+        commits.observe(f"spark:q{n}", Commit(0, 1, 1))
+    assert len(commits._commits) == MAX_STREAMS
+    assert "spark:q0" not in commits._commits
 
 
 def test_public_names() -> None:
