@@ -1,6 +1,7 @@
 """The broker: asyncio wiring of sessions, the controller and segment containers."""
 
 from ._broker import Broker, BrokerConfig, BrokerFailed
+from ._browse import MAX_PAGE_EVENTS, EventsPage
 from ._container import FSYNC_MODES, ContainerConfig
 from ._embedded import EmbeddedBroker, choose_port
 from ._service import Caller, Service
@@ -8,6 +9,7 @@ from ._session import ConnectionLimits
 
 __all__ = [
     "FSYNC_MODES",
+    "MAX_PAGE_EVENTS",
     "Broker",
     "BrokerConfig",
     "BrokerFailed",
@@ -15,6 +17,7 @@ __all__ = [
     "ConnectionLimits",
     "ContainerConfig",
     "EmbeddedBroker",
+    "EventsPage",
     "Service",
     "choose_port",
 ]

@@ -33,7 +33,7 @@ import itertools
 import logging
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,7 +54,8 @@ from ..protocol import (
     TxnPositions,
 )
 from ..storage import QueueOptions, fsync_dir
-from ..streams import validate_stream_name
+from ..streams import parse_positions, validate_stream_name
+from ._browse import EventsPage, events_after, events_before
 from ._find import Finder, FoundEvents, check_find_arguments
 from ._groups import Subscriptions
 
@@ -305,6 +306,39 @@ class Service:
             limit=limit,
             newest_first=newest_first,
         )
+
+    async def browse_events(
+        self,
+        caller: Caller,
+        stream: str,
+        *,
+        before: Mapping[int, int] | str | None = None,
+        after: Mapping[int, int] | str | None = None,
+        at: str = "latest",
+        timestamp_ms: int | None = None,
+        limit: int = 50,
+    ) -> EventsPage:
+        """A page of ``stream``'s events, oldest first, with the cuts of its neighbours
+        (broker/_browse.py says how pages are cut): the newest ``limit`` below ``before``, the
+        oldest from ``after`` on, or, with neither, the newest page (``at`` "latest") or the
+        page from ``cut(at, timestamp_ms)`` on ("earliest", "time"). A cut is ``{segment:
+        offset}`` or its text form ``0:12,1:40`` (streams.parse_positions). Raises
+        StreamNotFound, InvalidArgument (a bad cut or ``limit``, not 1..500, or both
+        ``before`` and ``after``), CorruptData for damaged bytes it must read."""
+        if before is not None and after is not None:
+            raise InvalidArgument("browse before a cut or after one, not both")
+        info = self.describe_stream(caller, stream)
+        if isinstance(before, str):
+            before = parse_positions(before)
+        if isinstance(after, str):
+            after = parse_positions(after)
+        if before is not None:
+            return await events_before(self, caller, info, before, limit)
+        if after is None:
+            if at == "latest":
+                return await events_before(self, caller, info, None, limit)
+            after = await self.cut(caller, stream, at, timestamp_ms)
+        return await events_after(self, caller, info, after, limit)
 
     # --- producers ---------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ security issue) anyone who reaches the port may use them, as with the binary pro
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -47,17 +48,10 @@ from .._errors import (
     OffsetOutOfRange,
     SlipstreamError,
 )
+from ..broker import MAX_PAGE_EVENTS
 from ..protocol import IdentityInfo, StreamInfo, SubscriptionInfo
-from ..streams import human_bytes
-from ._browse import (
-    MAX_LIMIT,
-    EventPage,
-    events_after,
-    events_before,
-    format_cut,
-    found_page,
-    parse_cut,
-)
+from ..streams import format_positions, human_bytes
+from ._browse import EventPage, found_page, shown_page
 from ._sampler import Commit, CommitSampler, RateSampler
 from ._svg import segments_svg
 
@@ -230,25 +224,22 @@ class Console:
         name = _required(request, "stream")
         info = self.service.describe_stream(caller, name)
         params = request.query_params
-        limit = _int(request, "limit", EVENTS_PER_PAGE, minimum=1, maximum=MAX_LIMIT)
+        limit = _int(request, "limit", EVENTS_PER_PAGE, minimum=1, maximum=MAX_PAGE_EVENTS)
         at_text = params.get("at", "").strip()
         key = params.get("key", "")
         tail = False
+        browse = functools.partial(self.service.browse_events, caller, name, limit=limit)
         if key:
             page = await self._find(caller, info, key, at_text, limit)
         elif at_text:
-            at_ms = parse_time(at_text)
-            start = await self.service.cut(caller, name, "time", at_ms)
-            page = await events_after(self.service, caller, info, start, limit)
+            page = shown_page(await browse(at="time", timestamp_ms=parse_time(at_text)))
         elif params.get("after"):
-            page = await events_after(self.service, caller, info, parse_cut(params["after"]), limit)
+            page = shown_page(await browse(after=params["after"]))
         elif params.get("before"):
-            page = await events_before(
-                self.service, caller, info, parse_cut(params["before"]), limit
-            )
+            page = shown_page(await browse(before=params["before"]))
         else:
             tail = True
-            page = await events_before(self.service, caller, info, None, limit)
+            page = shown_page(await browse())
         template = "_events.html" if request.headers.get("HX-Request") else "events.html"
         return render(
             template,
@@ -521,8 +512,8 @@ def _subscription_row(detail: SubscriptionInfo) -> dict[str, Any]:
 
 def _page_links(page: EventPage) -> dict[str, str | None]:
     return {
-        "older": format_cut(page.older) if page.older is not None else None,
-        "newer": format_cut(page.newer) if page.newer is not None else None,
+        "older": format_positions(page.older) if page.older is not None else None,
+        "newer": format_positions(page.newer) if page.newer is not None else None,
     }
 
 

@@ -25,6 +25,7 @@ from .. import __version__
 from .._errors import InvalidArgument
 from ..format import Event
 from ..protocol import IdentityInfo
+from ..streams import format_positions
 from ._schemas import (
     BrokerInfo,
     BrowsedEvent,
@@ -256,35 +257,34 @@ async def stream_cut(call: Call) -> Any:
 async def events(call: Call) -> Any:
     """Browse a stream's events page by page, or find them by key and time.
 
-    Browsing reads at most ``limit`` events per segment (console/_browse.py); a find (any of
+    Browsing reads at most ``limit`` events per segment (Service.browse_events); a find (any of
     key, start_ms, end_ms) reads only the batches the find index names (Service.find_events)."""
     query = call.request.query_params
     limit = call.query_int("limit", 50, 1, MAX_EVENTS)
     assert limit is not None
     if any(name in query for name in ("key", "start_ms", "end_ms")):
         return await _find_events(call, limit)
-    from ..console._browse import events_after, events_before, format_cut, parse_cut
-
-    info = call.service.describe_stream(call.caller, call.stream)
     if "before" in query:
-        page = await events_before(
-            call.service, call.caller, info, parse_cut(query["before"]), limit
+        page = await call.service.browse_events(
+            call.caller, call.stream, before=query["before"], limit=limit
         )
     elif "after" in query:
-        page = await events_after(call.service, call.caller, info, parse_cut(query["after"]), limit)
+        page = await call.service.browse_events(
+            call.caller, call.stream, after=query["after"], limit=limit
+        )
     else:
         at = query.get("at", "latest")
-        if at == "latest":
-            page = await events_before(call.service, call.caller, info, None, limit)
-        else:
-            timestamp_ms = call.query_int("timestamp_ms", None, 0, 2**63 - 1)
-            cut = await call.service.cut(call.caller, call.stream, at, timestamp_ms)
-            page = await events_after(call.service, call.caller, info, cut, limit)
+        timestamp_ms = (
+            None if at == "latest" else call.query_int("timestamp_ms", None, 0, 2**63 - 1)
+        )
+        page = await call.service.browse_events(
+            call.caller, call.stream, at=at, timestamp_ms=timestamp_ms, limit=limit
+        )
     return EventPage(
         call.stream,
-        [_browsed(shown.event) for shown in page.events],
-        format_cut(page.older) if page.older is not None else None,
-        format_cut(page.newer) if page.newer is not None else None,
+        [_browsed(event) for event in page.events],
+        format_positions(page.older) if page.older is not None else None,
+        format_positions(page.newer) if page.newer is not None else None,
     )
 
 

@@ -1,6 +1,6 @@
 """The stream domain: names, routing, positions, units. Pure decisions, no IO."""
 
-from ._cuts import Position, StreamCut
+from ._cuts import Position, StreamCut, format_positions, parse_positions
 from ._graph import (
     FULL_KEY_RANGE,
     KeyRange,
@@ -67,6 +67,7 @@ __all__ = [
     "assign",
     "assignable",
     "decide",
+    "format_positions",
     "human_bytes",
     "key_hash",
     "manual_merge",
@@ -74,6 +75,7 @@ __all__ = [
     "merge_ranges",
     "next_sequence",
     "parse_duration_ms",
+    "parse_positions",
     "parse_rate",
     "parse_size_bytes",
     "policy_from_options",

@@ -1,4 +1,5 @@
-"""Positions in a stream: one event (Position) and a consistent cut across segments (StreamCut)."""
+"""Positions in a stream: one event (Position) and a consistent cut across segments (StreamCut),
+and the short text form of a cut's positions (``segment:offset,...``) that page links carry."""
 
 from __future__ import annotations
 
@@ -51,3 +52,24 @@ class StreamCut(msgspec.Struct, frozen=True):
                 "a StreamCut needs a stream name and non-negative integer offsets"
             )
         return cls(stream, positions)
+
+
+def parse_positions(text: str) -> dict[int, int]:
+    """``"0:12,1:40"`` (segment:offset, comma separated; blanks ignored) -> ``{0: 12, 1: 40}``;
+    ``""`` -> ``{}``. Raises :class:`InvalidArgument` for anything else, also for a negative
+    segment or offset."""
+    try:
+        pairs = (item.split(":") for item in text.split(",") if item.strip())
+        positions = {int(segment): int(offset) for segment, offset in pairs}
+    except ValueError:
+        raise InvalidArgument(
+            f"a position list is segment:offset pairs like 0:12,1:40, not {text!r}"
+        ) from None
+    if any(offset < 0 or segment < 0 for segment, offset in positions.items()):
+        raise InvalidArgument("segments and offsets are not negative")
+    return positions
+
+
+def format_positions(positions: Mapping[int, int]) -> str:
+    """The text form :func:`parse_positions` reads, segments in ascending order."""
+    return ",".join(f"{segment}:{offset}" for segment, offset in sorted(positions.items()))
