@@ -122,6 +122,15 @@ class BrokerUnavailable(SlipstreamError):
     retriable = True
 
 
+class TlsError(SlipstreamError):
+    """TLS could not be set up between client and broker: one side speaks TLS and the other
+    not, the broker's certificate is not signed by a CA the client trusts or not issued for
+    the address dialled, or the broker requires a client certificate. The message says
+    which, and the fix; not retriable (dialling again meets the same setup)."""
+
+    code = "tls_error"
+
+
 class BrokerShuttingDown(SlipstreamError):
     """The broker is stopping; retry against it after it restarts."""
 

@@ -17,6 +17,7 @@ import asyncio
 import fcntl
 import logging
 import os
+import ssl
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,8 @@ from typing import IO, TYPE_CHECKING
 
 import msgspec
 
-from .._errors import CorruptData, DataDirLocked, InvalidArgument
+from .._errors import CorruptData, DataDirLocked, InvalidArgument, SlipstreamError
+from .._tls import ServerTls
 from ..storage import FileJournal, LocalChunkStore, SqliteMetaStore, ensure_dir, fsync_dir
 from ._container import (
     FSYNC_MODES,
@@ -76,6 +78,8 @@ class BrokerConfig:
     #: the admin HTTP API's port on ``host`` (slipstream/http); 0: any free one; None: none
     #: (``slipstream up`` defaults to 7071)
     http_port: int | None = None
+    #: certificate files: the binary port and the HTTP API speak TLS (docs/security.md)
+    tls: ServerTls | None = None
 
 
 class _Layout(msgspec.Struct):
@@ -98,6 +102,12 @@ class Broker:
         self._lock_file: IO[str] | None = None
         self.address: tuple[str, int] | None = None
         self.http_address: tuple[str, int] | None = None
+        # one context per listener, for the broker's life: reload_tls() refreshes them in place
+        self.tls: ssl.SSLContext | None = None
+        self.http_tls: ssl.SSLContext | None = None
+        if config.tls is not None:
+            self.tls = config.tls.context()
+            self.http_tls = config.tls.context(require_client_cert=False)
         self.recovery: dict[str, int] = {}  # what open() recovered, for the admin API
         self.metrics = Metrics(self)  # served at /metrics by the admin HTTP server
 
@@ -272,7 +282,7 @@ class Broker:
                 background.append(http.task)
             try:
                 server = await loop.create_server(
-                    lambda: self._accept(Session),
+                    self._protocol_factory(Session),
                     self.config.host,
                     self.config.port,
                     reuse_address=True,
@@ -342,6 +352,15 @@ class Broker:
                 f"background task {failed.get_name()!r} failed: {_failure(failed)}"
             ) from _failure(failed)
 
+    def _protocol_factory(self, session: type[Session]) -> Callable[[], asyncio.BaseProtocol]:
+        """Sessions; with TLS each behind a TlsGate (it refuses plaintext clients clearly)."""
+        from ._tls_gate import TlsGate
+
+        tls = self.tls
+        if tls is None:
+            return lambda: self._accept(session)
+        return lambda: TlsGate(tls, lambda: self._accept(session))
+
     def _accept(self, session: type[Session]) -> Session:
         self._accepted.set()
         return session(self)
@@ -366,6 +385,20 @@ class Broker:
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()
+
+    def reload_tls(self) -> None:
+        """Load the certificate files again (SIGHUP): new connections get the new certificate,
+        open ones keep theirs. A file that cannot be loaded is logged and the old one kept."""
+        if self.config.tls is None:
+            return
+        try:
+            for ctx in (self.tls, self.http_tls):
+                if ctx is not None:
+                    self.config.tls.reload(ctx)
+        except SlipstreamError as exc:
+            log.error("TLS certificates not reloaded, the old ones stay in use: %s", exc)
+        else:
+            log.info("TLS certificates reloaded from %s", self.config.tls.cert)
 
     def stop(self) -> None:
         self._stop.set()

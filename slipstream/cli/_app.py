@@ -116,8 +116,22 @@ def up(
         typer.Option(help="Open follows per connection: a reader opens one per segment it reads."),
     ] = 4096,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option(
+            help="PEM certificate (chain): clients and the HTTP API then use TLS only "
+            "(docs/security.md); SIGHUP reloads it."
+        ),
+    ] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="PEM private key of --tls-cert.")] = None,
+    tls_client_ca: Annotated[
+        Path | None,
+        typer.Option(help="Require client certificates signed by this CA (mutual TLS)."),
+    ] = None,
 ) -> None:
-    """Start the broker in the foreground; Ctrl-C (SIGINT) or SIGTERM stops it cleanly."""
+    """Start the broker in the foreground; Ctrl-C (SIGINT) or SIGTERM stops it cleanly,
+    SIGHUP reloads the TLS certificate files."""
+    from .._tls import ServerTls
     from ._up import run_broker, setup_logging
 
     if fsync not in FSYNC_MODES:
@@ -128,6 +142,13 @@ def up(
         raise typer.BadParameter("must be at least 1", param_hint="--max-follows")
     if not -1 <= http_port <= 65535:
         raise typer.BadParameter("use a port 0-65535, or -1 for none", param_hint="--http-port")
+    if (tls_cert is None) != (tls_key is None):
+        raise typer.BadParameter("pass --tls-cert and --tls-key together", param_hint="--tls-cert")
+    if tls_client_ca is not None and tls_cert is None:
+        raise typer.BadParameter("needs --tls-cert and --tls-key", param_hint="--tls-client-ca")
+    tls = None
+    if tls_cert is not None and tls_key is not None:
+        tls = ServerTls(tls_cert, tls_key, tls_client_ca)
     setup_logging(log_level)
     run_broker(
         data_dir,
@@ -141,6 +162,7 @@ def up(
         retention_check_ms=int(retention_check_seconds * 1000),
         connection=ConnectionLimits(idle_timeout=idle_timeout, max_follows=max_follows),
         http_port=None if http_port == -1 else http_port,
+        tls=tls,
     )
 
 

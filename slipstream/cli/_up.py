@@ -1,4 +1,5 @@
-"""``slipstream up``: run the broker in the foreground until SIGINT/SIGTERM.
+"""``slipstream up``: run the broker in the foreground until SIGINT/SIGTERM; SIGHUP reloads
+the TLS certificate files.
 
 Exit status: 0 after a clean stop (a signal); 1 for a bad setup (a locked or damaged data
 directory, a port in use: the message says which); 70 (EX_SOFTWARE) when a background task
@@ -12,6 +13,7 @@ import logging
 import signal
 from pathlib import Path
 
+from .._tls import ServerTls
 from ..broker import Broker, BrokerConfig, BrokerFailed, ConnectionLimits, ContainerConfig
 
 #: exit status when the broker stopped because a background task died (sysexits EX_SOFTWARE)
@@ -37,6 +39,7 @@ def run_broker(
     retention_check_ms: int = 30_000,
     connection: ConnectionLimits | None = None,
     http_port: int | None = None,
+    tls: ServerTls | None = None,
 ) -> None:
     """Run a broker until a signal; raises SlipstreamError for a bad setup (locked dir) and
     SystemExit(70) if a background task died."""
@@ -50,6 +53,7 @@ def run_broker(
         container=ContainerConfig(fsync=fsync, roll_bytes=roll_bytes, roll_ms=roll_ms),
         connection=connection or ConnectionLimits(),
         http_port=http_port,
+        tls=tls,
     )
     broker = Broker(config)
 
@@ -57,6 +61,7 @@ def run_broker(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, broker.stop)
+        loop.add_signal_handler(signal.SIGHUP, broker.reload_tls)
         await broker.serve()
 
     try:

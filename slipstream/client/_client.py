@@ -42,6 +42,7 @@ from .._errors import (
     TransactionAborted,
     TransactionNotFound,
 )
+from .._tls import from_env as tls_from_env
 from ..format import Event, events_of
 from ..protocol import (
     BeginTxn,
@@ -258,9 +259,20 @@ class AsyncClient:
 
     @classmethod
     async def connect(
-        cls, address: str | None = None, *, timeout: float = 10.0, reconnect_timeout: float = 30.0
+        cls,
+        address: str | None = None,
+        *,
+        timeout: float = 10.0,
+        reconnect_timeout: float = 30.0,
+        tls: bool | None = None,
+        ca: str | os.PathLike[str] | None = None,
+        cert: str | os.PathLike[str] | None = None,
+        key: str | os.PathLike[str] | None = None,
     ) -> AsyncClient:
-        connection = await Connection.open(address or default_address(), timeout=timeout)
+        context = tls_from_env(tls, ca, cert, key)
+        connection = await Connection.open(
+            address or default_address(), timeout=timeout, tls=context
+        )
         return cls(connection, timeout=timeout, reconnect_timeout=reconnect_timeout)
 
     async def live_connection(self) -> Connection:
@@ -277,7 +289,9 @@ class AsyncClient:
         delay = 0.05
         while True:
             try:
-                connection = await Connection.open(self.address, timeout=self.timeout)
+                connection = await Connection.open(
+                    self.address, timeout=self.timeout, tls=self.connection.tls
+                )
                 try:
                     await self._claim(connection)
                 except BrokerUnavailable:
@@ -972,14 +986,29 @@ async def _wait_acknowledged(futures: list[concurrent.futures.Future[int]]) -> N
 
 
 def connect_async(
-    address: str | None = None, *, timeout: float = 10.0, reconnect_timeout: float = 30.0
+    address: str | None = None,
+    *,
+    timeout: float = 10.0,
+    reconnect_timeout: float = 30.0,
+    tls: bool | None = None,
+    ca: str | os.PathLike[str] | None = None,
+    cert: str | os.PathLike[str] | None = None,
+    key: str | os.PathLike[str] | None = None,
 ) -> Opening[AsyncClient]:
     """Connect to a broker from asyncio code (``SLIPSTREAM_BROKER`` or 127.0.0.1:7070 by
     default): ``async with slipstream.connect_async() as client`` closes it at the end of the
     block; ``client = await slipstream.connect_async()`` leaves that to you. Raises
-    BrokerUnavailable like :func:`connect`."""
+    BrokerUnavailable or TlsError like :func:`connect`."""
     return Opening(
-        AsyncClient.connect(address, timeout=timeout, reconnect_timeout=reconnect_timeout)
+        AsyncClient.connect(
+            address,
+            timeout=timeout,
+            reconnect_timeout=reconnect_timeout,
+            tls=tls,
+            ca=ca,
+            cert=cert,
+            key=key,
+        )
     )
 
 
@@ -1030,12 +1059,28 @@ class Client:
     """
 
     def __init__(
-        self, address: str | None = None, *, timeout: float = 10.0, reconnect_timeout: float = 30.0
+        self,
+        address: str | None = None,
+        *,
+        timeout: float = 10.0,
+        reconnect_timeout: float = 30.0,
+        tls: bool | None = None,
+        ca: str | os.PathLike[str] | None = None,
+        cert: str | os.PathLike[str] | None = None,
+        key: str | os.PathLike[str] | None = None,
     ) -> None:
         self._loop = _LoopThread()
         try:
             self._async = self._loop.run(
-                AsyncClient.connect(address, timeout=timeout, reconnect_timeout=reconnect_timeout)
+                AsyncClient.connect(
+                    address,
+                    timeout=timeout,
+                    reconnect_timeout=reconnect_timeout,
+                    tls=tls,
+                    ca=ca,
+                    cert=cert,
+                    key=key,
+                )
             )
         except BaseException:
             self._loop.stop()
@@ -1581,9 +1626,32 @@ class Reader:
 
 
 def connect(
-    address: str | None = None, *, timeout: float = 10.0, reconnect_timeout: float = 30.0
+    address: str | None = None,
+    *,
+    timeout: float = 10.0,
+    reconnect_timeout: float = 30.0,
+    tls: bool | None = None,
+    ca: str | os.PathLike[str] | None = None,
+    cert: str | os.PathLike[str] | None = None,
+    key: str | os.PathLike[str] | None = None,
 ) -> Client:
     """Connect to a broker (``SLIPSTREAM_BROKER`` or 127.0.0.1:7070 by default) and handshake.
     Raises BrokerUnavailable if none answers within ``timeout`` seconds. A lost connection is
-    dialled again on the next request for up to ``reconnect_timeout`` seconds."""
-    return Client(address, timeout=timeout, reconnect_timeout=reconnect_timeout)
+    dialled again on the next request for up to ``reconnect_timeout`` seconds.
+
+    TLS: ``tls=True`` verifies the broker's certificate against the system's CAs, or ``ca``
+    (a PEM file; passing it implies ``tls``), and that it is issued for the host dialled;
+    ``cert``/``key`` is a client certificate, for a broker with ``--tls-client-ca``. Each
+    defaults to its environment variable (``SLIPSTREAM_TLS``, ``SLIPSTREAM_TLS_CA``,
+    ``SLIPSTREAM_TLS_CERT``, ``SLIPSTREAM_TLS_KEY``). Raises TlsError, within ``timeout``,
+    when the handshake cannot succeed (a TLS broker dialled without TLS or the reverse, an
+    untrusted CA, a wrong host name, a client certificate missing or refused)."""
+    return Client(
+        address,
+        timeout=timeout,
+        reconnect_timeout=reconnect_timeout,
+        tls=tls,
+        ca=ca,
+        cert=cert,
+        key=key,
+    )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+import ssl
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -20,8 +21,10 @@ from .._errors import (
     InvalidArgument,
     ProtocolError,
     SlipstreamError,
+    TlsError,
     error_from_wire,
 )
+from .._tls import TLS_ALERT_BYTE
 from ..protocol import (
     KIND_OF,
     PROTOCOL_VERSION,
@@ -85,6 +88,55 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _tls_failure(address: str, exc: ssl.SSLError) -> TlsError:
+    """The TlsError, with its fix, for what failed in a TLS handshake with ``address``."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        if exc.verify_code in (62, 64):  # X509_V_ERR_HOSTNAME_MISMATCH, _IP_ADDRESS_MISMATCH
+            why = (
+                "the broker's certificate is not issued for the host dialled "
+                f"({exc.verify_message}); connect by a name or address in its "
+                "subjectAltName, or reissue it"
+            )
+        elif exc.verify_code == 10:  # X509_V_ERR_CERT_HAS_EXPIRED
+            why = "the broker's certificate has expired; renew it and send the broker SIGHUP"
+        else:
+            why = (
+                f"the broker's certificate is not signed by a CA this client trusts "
+                f"({exc.verify_message}); pass the CA that signed it with ca=..., --tls-ca or "
+                "SLIPSTREAM_TLS_CA"
+            )
+    elif exc.reason in ("TLSV13_ALERT_CERTIFICATE_REQUIRED", "SSLV3_ALERT_HANDSHAKE_FAILURE"):
+        why = (
+            "the broker requires a client certificate signed by its --tls-client-ca; pass "
+            "cert= and key= (--tls-cert/--tls-key, SLIPSTREAM_TLS_CERT/SLIPSTREAM_TLS_KEY)"
+        )
+    elif exc.reason in ("SSLV3_ALERT_BAD_CERTIFICATE", "TLSV1_ALERT_UNKNOWN_CA"):
+        why = (
+            "the broker refused this client's certificate: it is not signed by the broker's "
+            "--tls-client-ca"
+        )
+    elif exc.reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"):
+        why = (
+            "the broker answered without TLS (started without --tls-cert); connect without "
+            "--tls / SLIPSTREAM_TLS_CA"
+        )
+    else:
+        why = f"{exc}; check the broker's --tls-* options against this client's"
+    return TlsError(f"TLS handshake with {address} failed: {why}", address=address)
+
+
+async def _answers_tcp(host: str, port: int, loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether something accepts a plain TCP connection there (to tell a broker without TLS
+    from nobody, after a TLS handshake timed out)."""
+    try:
+        async with asyncio.timeout(1.0):
+            transport, _ = await loop.create_connection(asyncio.Protocol, host, port)
+    except (OSError, TimeoutError):
+        return False
+    transport.abort()
+    return True
+
+
 class Connection(asyncio.BufferedProtocol):
     def __init__(self) -> None:
         self.decoder = FrameDecoder(1 << 30, allocate=_pooled)
@@ -95,6 +147,7 @@ class Connection(asyncio.BufferedProtocol):
         self.writable.set()
         self.closed: SlipstreamError | None = None
         self.address = "?"
+        self.tls: ssl.SSLContext | None = None  # what it was opened with: a redial uses it
         # Until the broker's Welcome: the first bytes received, to tell another service
         # (an HTTP server, a database) from a broker and name it in the error.
         self._greeting: bytearray | None = bytearray()
@@ -106,7 +159,12 @@ class Connection(asyncio.BufferedProtocol):
 
     @classmethod
     async def open(
-        cls, address: str, *, client_name: str = "slipstream-python", timeout: float = 10.0
+        cls,
+        address: str,
+        *,
+        client_name: str = "slipstream-python",
+        timeout: float = 10.0,
+        tls: ssl.SSLContext | None = None,
     ) -> Connection:
         """Connect and handshake within ``timeout`` seconds in all.
 
@@ -116,20 +174,52 @@ class Connection(asyncio.BufferedProtocol):
         answer the handshake within ``HANDSHAKE_TIMEOUT`` seconds (a broker answers in
         milliseconds). In that last case the client half-closes the connection and waits a
         moment more, because a server that waits for a line end (HTTP) answers only then.
+
+        With ``tls`` (a context from ``slipstream._tls.client_context``) the connection is TLS,
+        verified as the context says; raises TlsError, within ``timeout``, for a broker whose
+        certificate is not trusted or not issued for ``address``'s host, one that requires a
+        client certificate this client lacks, and a broker that does not speak TLS. Without
+        it, a broker that speaks TLS fails the handshake with TlsError too.
         """
         host, port = parse_address(address)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         try:
             async with asyncio.timeout_at(deadline):  # no inner task to orphan if cancelled
-                _, connection = await loop.create_connection(cls, host, port)
-        except (OSError, TimeoutError) as exc:
+                if tls is None:
+                    _, connection = await loop.create_connection(cls, host, port)
+                else:
+                    _, connection = await loop.create_connection(
+                        cls,
+                        host,
+                        port,
+                        ssl=tls,
+                        server_hostname=host,
+                        ssl_handshake_timeout=max(0.1, deadline - loop.time()),
+                    )
+        except ssl.SSLError as exc:
+            raise _tls_failure(address, exc) from exc
+        except TimeoutError as exc:
+            if tls is not None and await _answers_tcp(host, port, loop):
+                raise TlsError(
+                    f"{address} accepted the connection but did not complete a TLS handshake "
+                    f"in {timeout:g} s: the broker does not use TLS (started without "
+                    "--tls-cert); connect without --tls / SLIPSTREAM_TLS_CA",
+                    address=address,
+                ) from exc
+            raise BrokerUnavailable(
+                f"no broker at {address} (no answer in {timeout:g} s); start "
+                "one with 'slipstream up' or pass --broker / SLIPSTREAM_BROKER",
+                address=address,
+            ) from exc
+        except OSError as exc:
             raise BrokerUnavailable(
                 f"no broker at {address} ({str(exc) or f'no answer in {timeout:g} s'}); start "
                 "one with 'slipstream up' or pass --broker / SLIPSTREAM_BROKER",
                 address=address,
             ) from exc
         connection.address = address
+        connection.tls = tls
         try:
             welcome = await connection._handshake(client_name, deadline - loop.time())
         except BaseException:
@@ -181,6 +271,22 @@ class Connection(asyncio.BufferedProtocol):
         transport.set_write_buffer_limits(high=16 * 1024 * 1024)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if isinstance(exc, ssl.SSLError) and self._greeting is not None:
+            self._shutdown(_tls_failure(self.address, exc))
+            return
+        if self.tls is not None and self._greeting is not None and not self._greeting:
+            # TLS 1.3: the broker checks a client certificate after the client's handshake
+            # is done, and its alert is not always surfaced: a bare close before any answer
+            self._shutdown(
+                TlsError(
+                    f"{self.address} closed the TLS connection before answering: the broker "
+                    "requires a client certificate signed by its --tls-client-ca, and this "
+                    "client passed none or one it refused; pass cert= and key= (--tls-cert/"
+                    "--tls-key, SLIPSTREAM_TLS_CERT/SLIPSTREAM_TLS_KEY)",
+                    address=self.address,
+                )
+            )
+            return
         if self._greeting is not None:
             answered = f" after sending {_preview(self._greeting)}" if self._greeting else ""
             self._shutdown(
@@ -235,6 +341,18 @@ class Connection(asyncio.BufferedProtocol):
         if kind in _GREETING_KINDS and length <= _GREETING_MAX_BYTES:
             self._greeting = self._receiving = None  # a broker: the rest is the decoder's
             return True
+        if self._greeting[0] == TLS_ALERT_BYTE and self._greeting[1] == 3:  # a TLS alert
+            self._shutdown(
+                TlsError(
+                    f"{self.address} speaks TLS and this client connected without it; connect "
+                    "with tls=True and ca=..., --tls-ca or SLIPSTREAM_TLS_CA (the CA that "
+                    "signed the broker's certificate)",
+                    address=self.address,
+                )
+            )
+            if self.transport is not None:
+                self.transport.abort()
+            return False
         self._shutdown(
             BrokerUnavailable(
                 f"{self.address} answered with {_preview(self._greeting)}, not a slipstream "

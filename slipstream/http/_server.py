@@ -94,6 +94,11 @@ async def start_http(broker: Broker) -> HttpServer | None:
             server_header=False,
         )
     )
+    if broker.http_tls is not None:
+        # the broker's context, not uvicorn's own from file names: SIGHUP reloads it in place
+        server.config.load()
+        server.config.ssl = broker.http_tls
     http = HttpServer(server, listener)
-    log.info("admin HTTP API on http://%s:%d/api (console at /)", *http.address)
+    scheme = "https" if broker.http_tls is not None else "http"
+    log.info("admin HTTP API on %s://%s:%d/api (console at /)", scheme, *http.address)
     return http

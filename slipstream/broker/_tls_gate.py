@@ -1,0 +1,79 @@
+"""The binary port's first look at a connection when TLS is on: TLS, or a plaintext client?
+
+A TLS client's first byte is 0x16 (a handshake record: its ClientHello); a slipstream client's
+first bytes are a Hello frame (frame length, kind). Letting asyncio's TLS layer meet a
+plaintext Hello ends in a handshake failure that asyncio drops silently and a bare close the
+client can only call "not a broker". The gate instead answers a plaintext client with an Error
+frame (code ``tls_error``, saying to connect with TLS), logs it once with the peer address at
+warning level, and closes; a TLS client's bytes go, first chunk included, to asyncio's TLS
+protocol wrapping the Session, exactly as ``create_server(ssl=...)`` would have done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from asyncio.sslproto import SSLProtocol
+from collections.abc import Callable
+
+from .._tls import TLS_HANDSHAKE_BYTE
+from ..protocol import Error, encode_frame
+
+log = logging.getLogger("slipstream.broker")
+
+#: seconds a TLS client has to finish its handshake (asyncio's default is 60)
+HANDSHAKE_TIMEOUT_S = 10
+
+
+class TlsGate(asyncio.Protocol):
+    """One accepted connection until its first bytes tell TLS from plaintext."""
+
+    def __init__(self, context: ssl.SSLContext, accept: Callable[[], asyncio.BaseProtocol]) -> None:
+        self._context = context
+        self._accept = accept
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's: no subclass
+
+    def data_received(self, data: bytes) -> None:
+        transport = self._transport
+        assert transport is not None
+        if data[0] != TLS_HANDSHAKE_BYTE:
+            self._refuse_plaintext(transport)
+            return
+        tls = SSLProtocol(
+            asyncio.get_running_loop(),
+            self._accept(),
+            self._context,
+            None,  # type: ignore[arg-type]  # no waiter: the Session's connection_made is one
+            server_side=True,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S,
+        )
+        transport.set_protocol(tls)
+        tls.connection_made(transport)
+        view = memoryview(data)
+        while view:  # the bytes the gate read are the start of the ClientHello: hand them on
+            buffer = tls.get_buffer(len(view))
+            n = min(len(buffer), len(view))
+            buffer[:n] = view[:n]
+            tls.buffer_updated(n)
+            view = view[n:]
+
+    def _refuse_plaintext(self, transport: asyncio.Transport) -> None:
+        peer = transport.get_extra_info("peername")
+        where = f"{peer[0]}:{peer[1]}" if peer else "?"
+        log.warning(
+            "refused a plaintext connection from %s: this broker requires TLS (--tls-cert)", where
+        )
+        error = Error(
+            "tls_error",
+            "this broker requires TLS; connect with tls=True and ca=..., --tls --tls-ca FILE, "
+            "or SLIPSTREAM_TLS_CA=FILE (the CA that signed the broker's certificate)",
+        )
+        transport.write(encode_frame(error, 0))
+        transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None

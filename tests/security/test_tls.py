@@ -1,0 +1,304 @@
+"""TLS on the broker's binary port and HTTP API: a real broker process, certificates made here.
+
+Every mismatch (plaintext against TLS and the reverse, an unknown CA, a wrong host name, a
+missing client certificate) must fail connect with TlsError within the connect timeout.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import signal
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import BrokerProcess
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+import slipstream
+from slipstream import TlsError
+
+pytestmark = pytest.mark.timeout(120)
+
+#: connect's budget in these tests: every failure must come back within it
+TIMEOUT = 5.0
+
+
+@dataclass
+class Issued:
+    cert: Path
+    key: Path
+    serial: int
+
+
+class Authority:
+    """A CA that signs certificates into files under ``folder``."""
+
+    def __init__(self, folder: Path, name: str) -> None:
+        self.folder = folder
+        self.name = name
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} test CA")])
+        self.certificate = (
+            _builder(subject, subject, self.key.public_key())
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .sign(self.key, hashes.SHA256())
+        )
+        self.path = folder / f"{name}-ca.pem"
+        self.path.write_bytes(self.certificate.public_bytes(serialization.Encoding.PEM))
+
+    def issue(
+        self, name: str, *, hosts: tuple[str, ...] = (), client: bool = False, into: str = ""
+    ) -> Issued:
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        builder = _builder(subject, self.certificate.subject, key.public_key())
+        if hosts:
+            import ipaddress
+
+            names: list[x509.GeneralName] = []
+            for host in hosts:
+                try:
+                    names.append(x509.IPAddress(ipaddress.ip_address(host)))
+                except ValueError:
+                    names.append(x509.DNSName(host))
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        usage = ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH
+        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        cert = builder.sign(self.key, hashes.SHA256())
+        stem = into or name
+        cert_path, key_path = self.folder / f"{stem}.pem", self.folder / f"{stem}-key.pem"
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        key_path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        return Issued(cert_path, key_path, cert.serial_number)
+
+
+def _builder(subject: x509.Name, issuer: x509.Name, public_key: object) -> x509.CertificateBuilder:
+    now = dt.datetime.now(dt.UTC)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)  # type: ignore[arg-type]
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=1))
+    )
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> dict[str, object]:
+    folder = tmp_path / "pki"
+    folder.mkdir()
+    ca = Authority(folder, "good")
+    rogue = Authority(folder, "rogue")
+    return {
+        "ca": ca,
+        "rogue": rogue,
+        "server": ca.issue("broker", hosts=("127.0.0.1", "localhost"), into="server"),
+        "client": ca.issue("alice", client=True),
+        "rogue_client": rogue.issue("mallory", client=True),
+    }
+
+
+BrokerFactory = Callable[..., BrokerProcess]
+
+
+def _tls_broker(
+    broker_factory: BrokerFactory, pki: dict[str, object], *extra: str
+) -> BrokerProcess:
+    server = pki["server"]
+    assert isinstance(server, Issued)
+    return broker_factory("--tls-cert", str(server.cert), "--tls-key", str(server.key), *extra)
+
+
+def _ca(pki: dict[str, object], name: str = "ca") -> Path:
+    authority = pki[name]
+    assert isinstance(authority, Authority)
+    return authority.path
+
+
+def _fails_fast(connect: Callable[[], object], match: str) -> TlsError:
+    started = time.monotonic()
+    with pytest.raises(TlsError, match=match) as info:
+        connect()
+    assert time.monotonic() - started < TIMEOUT + 1, "TLS failure must come within the timeout"
+    return info.value
+
+
+def test_produce_and_consume_over_tls(
+    broker_factory: BrokerFactory, pki: dict[str, object]
+) -> None:
+    broker = _tls_broker(broker_factory, pki).start()
+    with slipstream.connect(broker.address, tls=True, ca=_ca(pki), timeout=TIMEOUT) as client:
+        client.create_stream("demo/tls")
+        with client.producer("demo/tls") as producer:
+            for i in range(100):
+                producer.send(f"event {i}".encode(), key=f"k{i % 5}")
+        events = list(client.reader("demo/tls", start="earliest", end=client.tail("demo/tls")))
+    assert sorted(e.value for e in events) == sorted(f"event {i}".encode() for i in range(100))
+
+
+def test_env_ca_implies_tls(
+    broker_factory: BrokerFactory, pki: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broker = _tls_broker(broker_factory, pki).start()
+    monkeypatch.setenv("SLIPSTREAM_TLS_CA", str(_ca(pki)))
+    with slipstream.connect(broker.address, timeout=TIMEOUT) as client:
+        assert client.list_streams() == []
+
+
+def test_plaintext_client_against_tls_broker(
+    broker_factory: BrokerFactory, pki: dict[str, object]
+) -> None:
+    broker = _tls_broker(broker_factory, pki).start()
+    _fails_fast(lambda: slipstream.connect(broker.address, timeout=TIMEOUT), "requires TLS")
+    deadline = time.monotonic() + 10
+    while "refused a plaintext connection from 127.0.0.1:" not in broker.log():
+        assert time.monotonic() < deadline, broker.log()
+        time.sleep(0.05)
+    assert "WARNING" in next(
+        line for line in broker.log().splitlines() if "refused a plaintext" in line
+    )
+
+
+def test_tls_client_against_plaintext_broker(
+    broker_factory: BrokerFactory, pki: dict[str, object]
+) -> None:
+    broker = broker_factory().start()
+    _fails_fast(
+        lambda: slipstream.connect(broker.address, ca=_ca(pki), timeout=TIMEOUT),
+        "does not use TLS|without TLS",
+    )
+
+
+def test_unknown_ca_is_refused(broker_factory: BrokerFactory, pki: dict[str, object]) -> None:
+    broker = _tls_broker(broker_factory, pki).start()
+    _fails_fast(
+        lambda: slipstream.connect(broker.address, ca=_ca(pki, "rogue"), timeout=TIMEOUT),
+        "not signed by a CA this client trusts",
+    )
+    # the system's CAs do not know a private CA either
+    _fails_fast(
+        lambda: slipstream.connect(broker.address, tls=True, timeout=TIMEOUT),
+        "not signed by a CA this client trusts",
+    )
+
+
+def test_wrong_host_name_is_refused(broker_factory: BrokerFactory, pki: dict[str, object]) -> None:
+    broker = _tls_broker(broker_factory, pki).start()
+    ca = pki["ca"]
+    assert isinstance(ca, Authority)
+    other = ca.issue("elsewhere", hosts=("broker.example.com",), into="other")
+    broker2 = broker_factory("--tls-cert", str(other.cert), "--tls-key", str(other.key)).start()
+    _fails_fast(
+        lambda: slipstream.connect(broker2.address, ca=_ca(pki), timeout=TIMEOUT),
+        "not issued for the host dialled",
+    )
+    # the right name works, by name as by address
+    with slipstream.connect(f"localhost:{broker.port}", ca=_ca(pki), timeout=TIMEOUT) as client:
+        assert client.list_streams() == []
+
+
+def test_mutual_tls(broker_factory: BrokerFactory, pki: dict[str, object]) -> None:
+    broker = _tls_broker(broker_factory, pki, "--tls-client-ca", str(_ca(pki))).start()
+    _fails_fast(
+        lambda: slipstream.connect(broker.address, ca=_ca(pki), timeout=TIMEOUT),
+        "requires a client certificate",
+    )
+    rogue = pki["rogue_client"]
+    assert isinstance(rogue, Issued)
+    _fails_fast(
+        lambda: slipstream.connect(
+            broker.address, ca=_ca(pki), cert=rogue.cert, key=rogue.key, timeout=TIMEOUT
+        ),
+        "client certificate|refused",
+    )
+    alice = pki["client"]
+    assert isinstance(alice, Issued)
+    with slipstream.connect(
+        broker.address, ca=_ca(pki), cert=alice.cert, key=alice.key, timeout=TIMEOUT
+    ) as client:
+        client.create_stream("demo/mtls")
+        assert [s.name for s in client.list_streams()] == ["demo/mtls"]
+
+
+def test_https_admin_api(broker_factory: BrokerFactory, pki: dict[str, object]) -> None:
+    broker = _tls_broker(broker_factory, pki).start()
+    url = f"https://127.0.0.1:{broker.http_port}/api/streams"
+    response = httpx.get(url, verify=ssl.create_default_context(cafile=_ca(pki)), timeout=TIMEOUT)
+    assert response.status_code == 200
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url, verify=ssl.create_default_context(cafile=_ca(pki, "rogue")), timeout=TIMEOUT)
+
+
+def _peer_serial(address: str, ca: Path) -> int:
+    host, port = address.rsplit(":", 1)
+    import socket
+
+    ctx = ssl.create_default_context(cafile=ca)
+    with (
+        socket.create_connection((host, int(port)), timeout=TIMEOUT) as raw,
+        ctx.wrap_socket(raw, server_hostname=host) as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+def test_sighup_reloads_certificates_and_keeps_connections(
+    broker_factory: BrokerFactory, pki: dict[str, object]
+) -> None:
+    broker = _tls_broker(broker_factory, pki).start()
+    old = pki["server"]
+    assert isinstance(old, Issued)
+    ca = pki["ca"]
+    assert isinstance(ca, Authority)
+    with slipstream.connect(broker.address, ca=_ca(pki), timeout=TIMEOUT) as kept:
+        kept.create_stream("demo/reload")
+        assert _peer_serial(broker.address, _ca(pki)) == old.serial
+        new = ca.issue("broker", hosts=("127.0.0.1",), into="server")  # same files, replaced
+        assert new.serial != old.serial
+        assert broker.proc is not None
+        broker.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "TLS certificates reloaded" not in broker.log():
+            assert time.monotonic() < deadline, broker.log()
+            time.sleep(0.05)
+        assert _peer_serial(broker.address, _ca(pki)) == new.serial
+        # the connection opened before the reload still works
+        with kept.producer("demo/reload") as producer:
+            producer.send(b"after reload")
+        assert [
+            e.value
+            for e in kept.reader("demo/reload", start="earliest", end=kept.tail("demo/reload"))
+        ] == [b"after reload"]
+        with slipstream.connect(broker.address, ca=_ca(pki), timeout=TIMEOUT) as fresh:
+            assert [s.name for s in fresh.list_streams()] == ["demo/reload"]
