@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 import time
 from enum import StrEnum
@@ -68,8 +69,37 @@ app.add_typer(subscription_app, name="subscription")
 
 
 @app.callback()
-def _root() -> None:
+def _root(
+    tls: Annotated[
+        bool,
+        typer.Option(
+            "--tls",
+            help="Connect to the broker with TLS, verifying its certificate (implied by "
+            "--tls-ca; $SLIPSTREAM_TLS).",
+        ),
+    ] = False,
+    tls_ca: Annotated[
+        Path | None,
+        typer.Option(help="CA that signed the broker's certificate ($SLIPSTREAM_TLS_CA)."),
+    ] = None,
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option(help="Client certificate, for mutual TLS ($SLIPSTREAM_TLS_CERT)."),
+    ] = None,
+    tls_key: Annotated[
+        Path | None, typer.Option(help="Key of --tls-cert ($SLIPSTREAM_TLS_KEY).")
+    ] = None,
+) -> None:
     """slipstream: durable streams, replayable history, exactly-once pipelines."""
+    # every command connects through slipstream.connect, which reads these (docs/security.md)
+    for name, value in (
+        ("SLIPSTREAM_TLS", "1" if tls else None),
+        ("SLIPSTREAM_TLS_CA", tls_ca),
+        ("SLIPSTREAM_TLS_CERT", tls_cert),
+        ("SLIPSTREAM_TLS_KEY", tls_key),
+    ):
+        if value is not None:
+            os.environ[name] = str(value)
 
 
 @app.command(epilog="Example: slipstream up --data-dir ./.slipstream --fsync always")

@@ -302,3 +302,35 @@ def test_sighup_reloads_certificates_and_keeps_connections(
         ] == [b"after reload"]
         with slipstream.connect(broker.address, ca=_ca(pki), timeout=TIMEOUT) as fresh:
             assert [s.name for s in fresh.list_streams()] == ["demo/reload"]
+
+
+def test_cli_global_tls_options(broker_factory: BrokerFactory, pki: dict[str, object]) -> None:
+    import os
+    import subprocess
+    import sys
+
+    broker = _tls_broker(broker_factory, pki).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM_")}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "slipstream", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+
+    created = cli(
+        "--tls-ca", str(_ca(pki)), "stream", "create", "demo/cli", "--broker", broker.address
+    )
+    assert created.returncode == 0, created.stderr
+    listed = cli("--tls-ca", str(_ca(pki)), "stream", "list", "--json", "--broker", broker.address)
+    assert listed.returncode == 0, listed.stderr
+    assert "demo/cli" in listed.stdout
+    plain = cli("stream", "list", "--broker", broker.address)
+    assert plain.returncode != 0
+    assert "requires TLS" in " ".join(plain.stderr.split())
+    rogue = cli("--tls-ca", str(_ca(pki, "rogue")), "stream", "list", "--broker", broker.address)
+    assert rogue.returncode != 0
+    assert "not signed by a CA this client trusts" in " ".join(rogue.stderr.split())
