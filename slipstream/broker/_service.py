@@ -425,6 +425,14 @@ class Service:
     def identity(self, caller: Caller, transactional_id: str) -> IdentityInfo:
         return self.coordinator.identity(transactional_id)
 
+    def list_identities(self, caller: Caller, prefix: str = "") -> list[IdentityInfo]:
+        """Every transactional id that starts with ``prefix`` ("" for all), sorted: its
+        producer id, epoch, last committed transaction, that commit's metadata and time
+        (``last_txn_id`` -1 and ``last_metadata`` b"" for an id that began but never
+        committed). The Spark sink's queries are the ids under ``spark:``. A snapshot: a
+        commit that ends while this runs is in it or not, never half."""
+        return self.coordinator.list_identities(prefix)
+
     # --- subscriptions and groups ------------------------------------------------------------
 
     async def create_subscription(
@@ -458,14 +466,6 @@ class Service:
 
     async def delete_subscription(self, caller: Caller, stream: str, name: str) -> None:
         await self.subscriptions.delete(stream, name)
-
-    def list_identities(self, caller: Caller, prefix: str = "") -> list[IdentityInfo]:
-        """Every transactional id that starts with ``prefix`` ("" for all), sorted: its
-        producer id, epoch, last committed transaction, that commit's metadata and time
-        (``last_txn_id`` -1 and ``last_metadata`` b"" for an id that began but never
-        committed). The Spark sink's queries are the ids under ``spark:``. A snapshot: a
-        commit that ends while this runs is in it or not, never half."""
-        return self.coordinator.list_identities(prefix)
 
     async def reset_subscription(
         self,
