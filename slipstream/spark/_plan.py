@@ -33,6 +33,7 @@ class SourceOptions:
     start: str  # batch reads: "from"
     end: str  # batch reads: "to"
     subscription: str | None = None  # streaming: record committed progress in it
+    tls: TlsOptions | None = None
 
 
 def _positive(options: Mapping[str, str], key: str) -> int | None:
@@ -46,6 +47,28 @@ def _positive(options: Mapping[str, str], key: str) -> int | None:
     if value <= 0:
         raise InvalidArgument(f"option {key} must be a positive integer, not {raw!r}")
     return value
+
+
+@dataclass(frozen=True)
+class TlsOptions:
+    """``.option("tls", "true")``, ``tls_ca``, ``tls_cert``, ``tls_key``: what
+    ``slipstream.connect`` takes (docs/security.md); a CA or certificate implies TLS."""
+
+    tls: bool
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+
+def tls_option(options: Mapping[str, str]) -> TlsOptions | None:
+    """None when no TLS option is given: the workers' SLIPSTREAM_TLS_* variables apply."""
+    ca, cert, key = (options.get(k) or None for k in ("tls_ca", "tls_cert", "tls_key"))
+    flag = options.get("tls")
+    if flag is None and not (ca or cert or key):
+        return None
+    if flag is not None and flag.lower() not in ("true", "false"):
+        raise InvalidArgument(f'option tls must be "true" or "false", not {flag!r}')
+    return TlsOptions(flag.lower() == "true" if flag else True, ca, cert, key)
 
 
 def broker_option(options: Mapping[str, str]) -> str:
@@ -80,6 +103,7 @@ def source_options(options: Mapping[str, str]) -> SourceOptions:
         start=options.get("from", "earliest"),
         end=options.get("to", "latest"),
         subscription=subscription_option(options),
+        tls=tls_option(options),
     )
 
 

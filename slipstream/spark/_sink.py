@@ -51,7 +51,7 @@ from .._errors import (
 from ..client import Client
 from ..streams import parse_duration_ms
 from ._convert import check_sink_schema, from_spark_batch
-from ._plan import broker_option, stream_option
+from ._plan import TlsOptions, broker_option, stream_option, tls_option
 from ._source import connect_patiently, shared_client
 
 DEFAULT_TRANSACTION_TIMEOUT = "10m"
@@ -72,6 +72,7 @@ class SinkOptions:
     stream: str
     transactional_id: str | None
     timeout_s: float
+    tls: TlsOptions | None = None
 
 
 def sink_options(options: Mapping[str, str]) -> SinkOptions:
@@ -81,6 +82,7 @@ def sink_options(options: Mapping[str, str]) -> SinkOptions:
         stream=stream_option(options),
         transactional_id=options.get("transactionalid") or None,
         timeout_s=parse_duration_ms(timeout) / 1000,
+        tls=tls_option(options),
     )
 
 
@@ -114,7 +116,7 @@ class _Writing:
         self, batches: Iterator[pa.RecordBatch], query_id: str, label: str
     ) -> StagedPartition:
         """Stage every row of this task in one anonymous transaction."""
-        client = shared_client(self.options.broker)
+        client = shared_client(self.options.broker, self.options.tls)
         txn = None
         events = 0
         try:
@@ -136,7 +138,7 @@ class _Writing:
     def abort_staged(self, messages: list[WriterCommitMessage | None]) -> None:
         staged = [m.txn_id for m in _staged(messages) if m.txn_id is not None]
         if staged:
-            with connect_patiently(self.options.broker) as client:
+            with connect_patiently(self.options.broker, self.options.tls) as client:
                 _abort_quietly(client, staged)
 
 
@@ -162,7 +164,7 @@ class StreamWriter(_Writing, DataSourceStreamArrowWriter):
         query_id = present[0].query_id
         staged = [m.txn_id for m in present if m.txn_id is not None]
         transactional_id = self.options.transactional_id or f"spark:{query_id}"
-        with connect_patiently(self.options.broker) as client:
+        with connect_patiently(self.options.broker, self.options.tls) as client:
             last = client.last_commit(transactional_id)
             done = last.metadata if last is not None and isinstance(last.metadata, dict) else {}
             open_ids = {t.txn_id: t.label for t in client.transactions()}
@@ -216,7 +218,7 @@ class BatchWriter(_Writing, DataSourceArrowWriter):
         # One id per stream keeps the broker's identity table small; two writes committing at
         # the same instant fence each other, so a fenced commit is tried again.
         transactional_id = self.options.transactional_id or f"spark-write:{self.options.stream}"
-        with connect_patiently(self.options.broker) as client:
+        with connect_patiently(self.options.broker, self.options.tls) as client:
             for attempt in range(3):
                 try:
                     owner = client.transaction(transactional_id, timeout=self.options.timeout_s)

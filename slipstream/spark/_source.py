@@ -42,6 +42,7 @@ from ._convert import SOURCE_COLUMNS, SOURCE_DDL, to_spark_batch
 from ._plan import (
     SegmentSpan,
     SourceOptions,
+    TlsOptions,
     cut_to_offset,
     offset_to_cut,
     plan_end,
@@ -65,11 +66,11 @@ RECORD_RETRY_S = 5.0
 
 log = logging.getLogger(__name__)
 
-_clients: dict[str, Client] = {}
+_clients: dict[tuple[str, TlsOptions | None], Client] = {}
 _clients_lock = threading.Lock()
 
 
-def connect_patiently(broker: str) -> Client:
+def connect_patiently(broker: str, tls: TlsOptions | None = None) -> Client:
     """Connect, dialling again for up to BROKER_PATIENCE_S while nothing answers: a broker
     restart should cost a query a pause, not a failure (a lost connection is redialled by
     the client itself for as long)."""
@@ -77,7 +78,16 @@ def connect_patiently(broker: str) -> Client:
     delay = 0.1
     while True:
         try:
-            return connect(broker, reconnect_timeout=BROKER_PATIENCE_S)
+            if tls is None:  # the SLIPSTREAM_TLS_* variables apply
+                return connect(broker, reconnect_timeout=BROKER_PATIENCE_S)
+            return connect(
+                broker,
+                reconnect_timeout=BROKER_PATIENCE_S,
+                tls=tls.tls,
+                ca=tls.ca,
+                cert=tls.cert,
+                key=tls.key,
+            )
         except BrokerUnavailable as exc:
             if time.monotonic() + delay > deadline:
                 raise BrokerUnavailable(
@@ -88,13 +98,13 @@ def connect_patiently(broker: str) -> Client:
             delay = min(delay * 2, 2.0)
 
 
-def shared_client(broker: str) -> Client:
+def shared_client(broker: str, tls: TlsOptions | None = None) -> Client:
     """One connection per broker per Python process, reused by every task that runs in it
     (Spark reuses its Python workers) and closed when the process exits."""
     with _clients_lock:
-        client = _clients.get(broker)
+        client = _clients.get((broker, tls))
         if client is None:
-            client = _clients[broker] = connect_patiently(broker)
+            client = _clients[broker, tls] = connect_patiently(broker, tls)
         return client
 
 
@@ -182,7 +192,7 @@ class _Reading:
     @property
     def client(self) -> Client:
         if self._client is None:
-            self._client = connect_patiently(self.options.broker)
+            self._client = connect_patiently(self.options.broker, self.options.tls)
         return self._client
 
     def describe(self) -> StreamInfo:
@@ -212,7 +222,9 @@ class _Reading:
         end = StreamCut(stream, {partition.segment: partition.end})
         pending: list[pa.RecordBatch] = []
         rows = 0
-        with shared_client(self.options.broker).reader(stream, start, end) as reader:
+        with shared_client(self.options.broker, self.options.tls).reader(
+            stream, start, end
+        ) as reader:
             for record in reader.batches():
                 pending.append(record)
                 rows += record.num_rows
