@@ -16,13 +16,14 @@ import logging
 import ssl
 from asyncio.sslproto import SSLProtocol
 from collections.abc import Callable
+from typing import cast
 
 from .._tls import TLS_HANDSHAKE_BYTE
 from ..protocol import Error, encode_frame
 
 log = logging.getLogger("slipstream.broker")
 
-#: seconds a TLS client has to finish its handshake (asyncio's default is 60)
+#: seconds a client has to send its first bytes, and then to finish its TLS handshake
 HANDSHAKE_TIMEOUT_S = 10
 
 
@@ -35,9 +36,12 @@ class TlsGate(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]  # uvloop's: no subclass
+        self._transport = tcp = cast(asyncio.Transport, transport)  # uvloop's: no subclass
+        # a connection that never says anything holds no Session, so no idle timeout: this one
+        self._silent = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, tcp.abort)
 
     def data_received(self, data: bytes) -> None:
+        self._silent.cancel()
         transport = self._transport
         assert transport is not None
         if data[0] != TLS_HANDSHAKE_BYTE:
@@ -76,4 +80,5 @@ class TlsGate(asyncio.Protocol):
         transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._silent.cancel()
         self._transport = None

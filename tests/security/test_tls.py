@@ -248,3 +248,15 @@ def test_cli_global_tls_options(broker_factory: BrokerFactory, pki: dict[str, ob
     rogue = cli("--tls-ca", str(_ca(pki, "rogue")), "stream", "list", "--broker", broker.address)
     assert rogue.returncode != 0
     assert "not signed by a CA this client trusts" in " ".join(rogue.stderr.split())
+
+
+def test_a_silent_connection_to_the_tls_port_is_closed(
+    broker_factory: BrokerFactory, pki: dict[str, object]
+) -> None:
+    """No Session (and so no idle timeout) exists before the first bytes: the gate's timer
+    must close a connection that never sends any."""
+    import socket
+
+    broker = _tls_broker(broker_factory, pki).start()
+    with socket.create_connection(("127.0.0.1", broker.port), timeout=60) as silent:
+        assert silent.recv(1) == b""  # closed by the broker (a timeout here raises)
