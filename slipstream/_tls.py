@@ -69,6 +69,9 @@ class ServerTls:
     def reload(self, ctx: ssl.SSLContext) -> None:
         """Load the files again into ``ctx``: new handshakes use them, open connections are
         untouched. On an error (raised) ctx keeps what it had."""
+        # a certificate whose key does not match would replace the live one before the key
+        # check fails: try the files in a scratch context first
+        _load_chain(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), self.cert, self.key)
         _load_chain(ctx, self.cert, self.key)
         if self.client_ca is not None:
             _load_ca(ctx, self.client_ca)

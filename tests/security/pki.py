@@ -52,11 +52,17 @@ class Authority:
         self.path.write_bytes(self.certificate.public_bytes(serialization.Encoding.PEM))
 
     def issue(
-        self, name: str, *, hosts: tuple[str, ...] = (), client: bool = False, into: str = ""
+        self,
+        name: str,
+        *,
+        hosts: tuple[str, ...] = (),
+        client: bool = False,
+        into: str = "",
+        expired: bool = False,
     ) -> Issued:
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        builder = _builder(subject, self.certificate.subject, key.public_key())
+        builder = _builder(subject, self.certificate.subject, key.public_key(), expired)
         if hosts:
             names: list[x509.GeneralName] = []
             for host in hosts:
@@ -81,8 +87,10 @@ class Authority:
         return Issued(cert_path, key_path, cert.serial_number)
 
 
-def _builder(subject: x509.Name, issuer: x509.Name, public_key: object) -> x509.CertificateBuilder:
-    now = dt.datetime.now(dt.UTC)
+def _builder(
+    subject: x509.Name, issuer: x509.Name, public_key: object, expired: bool = False
+) -> x509.CertificateBuilder:
+    now = dt.datetime.now(dt.UTC) - dt.timedelta(days=2 if expired else 0)
     return (
         x509.CertificateBuilder()
         .subject_name(subject)

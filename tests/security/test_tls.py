@@ -260,3 +260,40 @@ def test_a_silent_connection_to_the_tls_port_is_closed(
     broker = _tls_broker(broker_factory, pki).start()
     with socket.create_connection(("127.0.0.1", broker.port), timeout=60) as silent:
         assert silent.recv(1) == b""  # closed by the broker (a timeout here raises)
+
+
+def test_expired_certificate_is_refused(
+    broker_factory: BrokerFactory, pki: dict[str, object]
+) -> None:
+    ca = pki["ca"]
+    assert isinstance(ca, Authority)
+    old = ca.issue("broker", hosts=("127.0.0.1",), into="expired", expired=True)
+    broker = broker_factory("--tls-cert", str(old.cert), "--tls-key", str(old.key)).start()
+    _fails_fast(
+        lambda: slipstream.connect(broker.address, ca=_ca(pki), timeout=TIMEOUT), "has expired"
+    )
+
+
+@pytest.mark.parametrize("broken", ["garbage", "key_mismatch"])
+def test_sighup_with_a_broken_file_keeps_the_old_certificate(
+    broker_factory: BrokerFactory, pki: dict[str, object], broken: str
+) -> None:
+    broker = _tls_broker(broker_factory, pki).start()
+    server = pki["server"]
+    assert isinstance(server, Issued)
+    if broken == "garbage":
+        server.cert.write_text("not a certificate\n")
+    else:  # a valid certificate, but the key file still holds the old key
+        ca = pki["ca"]
+        assert isinstance(ca, Authority)
+        other = ca.issue("broker", hosts=("127.0.0.1",), into="other")
+        server.cert.write_bytes(other.cert.read_bytes())
+    assert broker.proc is not None
+    broker.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while "TLS certificates not reloaded" not in broker.log():
+        assert time.monotonic() < deadline, broker.log()
+        time.sleep(0.05)
+    assert _peer_serial(broker.address, _ca(pki)) == server.serial
+    with slipstream.connect(broker.address, ca=_ca(pki), timeout=TIMEOUT) as client:
+        assert client.list_streams() == []
