@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,11 +19,26 @@ import pytest
 import slipstream
 from slipstream.torture._powerfs import PowerFS, fuse_unusable
 
+_handed_out: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, below the kernel's ephemeral range (32768-60999 on Linux), so the
+    client connections a test opens cannot take it before its broker binds it, and never
+    one handed out before in this process (a broker restarted on its port keeps it)."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20_000, 32_000)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError("no free port in 20000-31999")
 
 
 class BrokerProcess:
