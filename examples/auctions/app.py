@@ -63,16 +63,19 @@ AsJson = Annotated[bool, typer.Option("--json", help="No live view; a JSON summa
 
 
 @contextlib.contextmanager
-def platform(broker: str | None, data_dir: Path) -> Iterator[tuple[str, slipstream.Client]]:
-    """The broker's address and a client: a running broker, or an embedded one stopped last."""
+def platform(broker: str | None, data_dir: Path) -> Iterator[tuple[str, slipstream.Client, str]]:
+    """The broker's address, a client and the address of the broker's web console: a running
+    broker (its console on the default --http-port), or an embedded one stopped last."""
     embedded = None
     if broker is None:
         embedded = EmbeddedBroker(data_dir, choose_port(), fsync="always")
         embedded.start()
         broker = embedded.address
+    host = broker.rsplit(":", 1)[0]
+    web = f"http://{host}:{embedded.http_port if embedded is not None else 7071}/"
     try:
         with slipstream.connect(broker) as client:
-            yield broker, client
+            yield broker, client, web
     finally:
         if embedded is not None:
             embedded.stop()
@@ -384,6 +387,7 @@ def render(
     jobs: dict[str, dict[str, Any]],
     consumers: dict[str, dict[str, Any]],
     watch: BidsWatch,
+    web: str,
 ) -> Group:
     windows = Table(title="windows as they close (auctions/windows)", expand=True)
     for name in ("auction", "window (UTC)", "bids", "max", "mean", "closed after"):
@@ -425,6 +429,7 @@ def render(
     delays = sorted(board.close_delays)
     phase, rate = phase_of(board, cycle)
     stats = Table.grid(padding=(0, 2))
+    stats.add_row(f"[bold]console {web}[/] (streams, segments over time, messages, lag)")
     stats.add_row(
         f"bids {sent1:,} ({(sent1 - sent0) / max(t1 - t0, 1e-9):,.0f}/s, target {rate:,.0f})",
         f"windows {board.counts['windows']:,}",
@@ -495,14 +500,16 @@ def live(
     group, a live view."""
     chosen = choose_cycle(rate, cycle, target)
     checkpoints = checkpoints_of(data_dir)
-    with platform(broker, data_dir) as (address, client):
+    with platform(broker, data_dir) as (address, client, web):
         reset_checkpoints_if_new(client, checkpoints, target)
         board, stop, watch = Board(), threading.Event(), BidsWatch()
         threading.Thread(
             target=follow, args=(address, pipeline.WINDOWS, board.on_window), daemon=True
         ).start()
         notifier = Notifier(address, board.on_move).start()
-        console.print(f"[dim]broker {address}; starting Spark (Java 17, about 10 s) ...")
+        console.print(
+            f"[dim]broker {address}, console {web}; starting Spark (Java 17, about 10 s) ..."
+        )
         # pandas in Spark's Python workers warns about NaN columns (a first window has no
         # previous price): noise in a live view. The workers inherit this process's environment.
         os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
@@ -538,7 +545,7 @@ def live(
                     consumers = {n: consumer_status(client, *c) for n, c in CONSUMERS.items()}
                     watch.update(client)
                     if not as_json:
-                        view.update(render(board, chosen, jobs, consumers, watch))
+                        view.update(render(board, chosen, jobs, consumers, watch, web))
                     time.sleep(0.5)
         except KeyboardInterrupt:
             console.print("[dim]stopping: generator, queries, Spark, broker ...")
@@ -571,6 +578,7 @@ def live(
         "cycle": chosen.name,
         "bids_stream": watch.summary(),
         "checkpoints": str(checkpoints),
+        "console": web,
     }
     if as_json:
         print(json.dumps(summary))
@@ -659,7 +667,7 @@ def replay(
     """Replay the bids history through version 2 of job 1 and compare with version 1."""
     job = pipeline.WindowJob(window=window, watermark=watermark, output=output)
     checkpoint = checkpoints_of(data_dir) / output.replace("/", "-")
-    with platform(broker, data_dir) as (address, client):
+    with platform(broker, data_dir) as (address, client, _):
         console.print(f"[dim]replaying {pipeline.BIDS} from earliest through {job} ...")
         spark = session("auctions-replay", log_level="ERROR")
         try:

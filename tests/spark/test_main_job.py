@@ -10,6 +10,7 @@ import datetime as dt
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -53,6 +54,8 @@ def test_live_pipeline_runs_stops_cleanly_and_replays(tmp_path: Path) -> None:
     )
     # the first micro-batch of a cold Spark takes 10-40 s; windows close 15 s into the data
     assert live["bids"] >= 45 * 300 + 20 * 3000
+    # the live view names the embedded broker's web console (7071, or any free port)
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/", live["console"]), live["console"]
     # the bids stream split by itself in the rush (above 2 x the target over 10 s); it
     # cannot merge yet (that takes five quiet minutes)
     bids_stream = live["bids_stream"]
