@@ -115,6 +115,13 @@ class AuthenticationFailed(SlipstreamError):
     code = "authentication_failed"
 
 
+class PermissionDenied(SlipstreamError):
+    """The caller is authenticated but no access rule allows what it asked; the message
+    names the action and the stream, and how an administrator grants it."""
+
+    code = "permission_denied"
+
+
 class BrokerUnavailable(SlipstreamError):
     """No broker answered at the address, or the connection was lost."""
 

@@ -399,6 +399,20 @@ class MetaStore(ABC):
         """Replace every position (and forget queue state), count one more generation, and
         return the subscription as stored. Raises SubscriptionNotFound."""
 
+    @abstractmethod
+    def put_setting(self, kind: str, key: str, value: bytes) -> None:
+        """Store (or replace) one setting: small records the broker keeps besides streams,
+        grouped by ``kind`` (access rules, revoked tokens, quotas); the value is opaque here.
+        Durable when this returns."""
+
+    @abstractmethod
+    def delete_setting(self, kind: str, key: str) -> bool:
+        """Remove one setting; False if there was none."""
+
+    @abstractmethod
+    def settings(self, kind: str) -> dict[str, bytes]:
+        """Every setting of ``kind``, by key, in key order."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the store."""
 
@@ -973,6 +987,26 @@ class SqliteMetaStore(MetaStore):
             raise _no_subscription(name)
         return msgspec.msgpack.decode(row[0], type=SubscriptionRecord)
 
+    def put_setting(self, kind: str, key: str, value: bytes) -> None:
+        with self._transaction() as cur:
+            cur.execute(
+                "INSERT INTO settings (kind, key, value) VALUES (?, ?, ?) "
+                "ON CONFLICT (kind, key) DO UPDATE SET value = excluded.value",
+                (kind, key, value),
+            )
+
+    def delete_setting(self, kind: str, key: str) -> bool:
+        with self._transaction() as cur:
+            cur.execute("DELETE FROM settings WHERE kind = ? AND key = ?", (kind, key))
+            return cur.rowcount > 0
+
+    def settings(self, kind: str) -> dict[str, bytes]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT key, value FROM settings WHERE kind = ? ORDER BY key", (kind,)
+            ).fetchall()
+        return {key: bytes(value) for key, value in rows}
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
@@ -1034,6 +1068,12 @@ _ELASTIC_COLUMNS = (
 _LIGHT_COLUMNS = "x'', x''"
 
 _SCHEMA = """
+CREATE TABLE IF NOT EXISTS settings (
+    kind TEXT NOT NULL,
+    key TEXT NOT NULL,
+    value BLOB NOT NULL,
+    PRIMARY KEY (kind, key)
+);
 CREATE TABLE IF NOT EXISTS streams (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     name TEXT NOT NULL UNIQUE,

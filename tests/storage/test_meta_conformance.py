@@ -1149,3 +1149,26 @@ def test_a_catalog_from_before_elastic_streams_opens_with_everything(tmp_path: P
         assert [r.created for r in meta.scalings(1)] == [[2, 3]]
     finally:
         meta.close()
+
+
+def test_settings_round_trip_by_kind_in_key_order(meta: MetaStore) -> None:
+    assert meta.settings("rules") == {}
+    meta.put_setting("rules", "b", b"\x00two")
+    meta.put_setting("rules", "a", b"one")
+    meta.put_setting("quotas", "a", b"other kind")
+    assert list(meta.settings("rules").items()) == [("a", b"one"), ("b", b"\x00two")]
+    assert meta.settings("quotas") == {"a": b"other kind"}
+
+
+def test_put_setting_replaces_and_delete_says_whether_there_was_one(meta: MetaStore) -> None:
+    meta.put_setting("rules", "a", b"one")
+    meta.put_setting("rules", "a", b"two")
+    assert meta.settings("rules") == {"a": b"two"}
+    assert meta.delete_setting("rules", "a") is True
+    assert meta.delete_setting("rules", "a") is False
+    assert meta.settings("rules") == {}
+
+
+def test_settings_survive_a_reopen(file_kit: Kit) -> None:
+    file_kit.meta.put_setting("revoked", "t1", b"123")
+    assert file_kit.reopen().settings("revoked") == {"t1": b"123"}

@@ -1,0 +1,7 @@
+"""Security: who a request runs for (Principal), what it may do (access rules), and the
+audit trail of what was refused or changed. See docs/security.md."""
+
+from ._audit import AuditLog
+from ._principal import Action, Principal, Role
+
+__all__ = ["Action", "AuditLog", "Principal", "Role"]
