@@ -143,7 +143,8 @@ class Controller:
         self.meta = meta
         self.long_term = long_term
         self.containers = list(containers)
-        self._read_pool = read_pool
+        #: the broker's pool for blocking reads (chunks, journal parts, time lookups, finds)
+        self.read_pool = read_pool
         self._catalog = ThreadPoolExecutor(1, thread_name_prefix="catalog")
         self.streams: dict[str, Stream] = {}
 
@@ -556,7 +557,7 @@ class Controller:
                 header = decode_header(batch)
                 if header.max_timestamp >= timestamp_ms:
                     hit = await loop.run_in_executor(
-                        self._read_pool, _first_event_at_or_after, batch, timestamp_ms
+                        self.read_pool, _first_event_at_or_after, batch, timestamp_ms
                     )
                     if hit is not None:
                         return header.base_offset + hit
@@ -571,7 +572,7 @@ class Controller:
         if segment.last_chunk is not None:
             end = segment.chunk_end
             found = await asyncio.get_running_loop().run_in_executor(
-                self._read_pool,
+                self.read_pool,
                 self.meta.chunk_at_time,
                 segment.stream_id,
                 segment.number,

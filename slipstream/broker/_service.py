@@ -297,7 +297,7 @@ class Service:
         check_find_arguments(start_ms, end_ms, limit)
         segments = list(self.controller.stream(stream).segments.values())
         if self._finder is None:
-            self._finder = Finder(self.controller.meta, self.containers, self.controller._read_pool)
+            self._finder = Finder(self.controller.meta, self.containers, self.controller.read_pool)
         return await self._finder.find(
             segments,
             key=key,
