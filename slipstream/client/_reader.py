@@ -35,7 +35,7 @@ from ..protocol import (
     StreamInfo,
     Unfollow,
 )
-from ..streams import StreamCut, relative_time_ms
+from ..streams import StreamCut, preceding, relative_time_ms
 from ._connection import Connection
 
 Start = str | int | dt.datetime | StreamCut
@@ -144,14 +144,7 @@ class ReaderCore:
         self.segments = {s.number: s for s in reply.segments}
 
     def _ancestors(self, numbers: Collection[int]) -> set[int]:
-        seen: set[int] = set()
-        stack = [p for n in numbers if n in self.segments for p in self.segments[n].predecessors]
-        while stack:
-            number = stack.pop()
-            if number not in seen and number in self.segments:
-                seen.add(number)
-                stack.extend(self.segments[number].predecessors)
-        return seen
+        return preceding({n: s.predecessors for n, s in self.segments.items()}, numbers)
 
     async def open(self) -> list[int]:
         """Resolve the start and end, open a follow per readable segment; returns them.

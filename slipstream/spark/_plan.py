@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 from .._errors import InvalidArgument
 from ..client import DEFAULT_ADDRESS, parse_address
-from ..streams import StreamCut, validate_stream_name, validate_subscription_name
+from ..streams import (
+    StreamCut,
+    preceding,
+    read_order,
+    validate_stream_name,
+    validate_subscription_name,
+)
 
 #: a partition reads at most this many events of one segment (more: the range is split)
 DEFAULT_EVENTS_PER_PARTITION = 1_000_000
@@ -189,14 +195,7 @@ class SegmentSpan:
 
 def ancestors(segments: Mapping[int, SegmentSpan], numbers: Iterable[int]) -> set[int]:
     """Every described segment that precedes one of ``numbers``, transitively."""
-    seen: set[int] = set()
-    stack = [p for n in numbers if n in segments for p in segments[n].predecessors]
-    while stack:
-        number = stack.pop()
-        if number not in seen and number in segments:
-            seen.add(number)
-            stack.extend(segments[number].predecessors)
-    return seen
+    return preceding({n: span.predecessors for n, span in segments.items()}, numbers)
 
 
 def resolve_start(start: Mapping[int, int], segments: Mapping[int, SegmentSpan]) -> dict[int, int]:
@@ -233,33 +232,31 @@ def resolve_end(
     return resolved
 
 
+def _read_order(
+    cut: Mapping[int, int], segments: Mapping[int, SegmentSpan]
+) -> tuple[set[int], list[int]]:
+    """The read-order rule (``streams.read_order``) at ``cut``: a segment ended there is
+    sealed with ``cut`` at its end. A segment the stream no longer lists (deleted with its
+    data) counts as finished: it holds nothing back."""
+
+    def ended(number: int) -> bool:
+        span = segments[number]
+        return span.sealed_end is not None and cut.get(number, span.first) >= span.sealed_end
+
+    return read_order({n: span.predecessors for n, span in segments.items()}, ended)
+
+
 def finished_at(cut: Mapping[int, int], segments: Mapping[int, SegmentSpan]) -> set[int]:
     """The segments read to their ends at ``cut``: sealed, ``cut`` at the end, and every
     predecessor finished too (an empty sealed segment must not let its successors overtake
-    what its own predecessors still hold). A segment the stream no longer lists (deleted with
-    its data) counts as finished: it holds nothing back."""
-    done: set[int] = set()
-    for number in sorted(segments):  # predecessors have lower numbers than their successors
-        span = segments[number]
-        if (
-            span.sealed_end is not None
-            and cut.get(number, span.first) >= span.sealed_end
-            and all(p in done or p not in segments for p in span.predecessors)
-        ):
-            done.add(number)
-    return done
+    what its own predecessors still hold)."""
+    return _read_order(cut, segments)[0]
 
 
 def readable_at(cut: Mapping[int, int], segments: Mapping[int, SegmentSpan]) -> list[int]:
     """The segments a batch ending at ``cut`` may read into: not finished there, and every
     predecessor finished there (``SegmentGraph.readable`` for positions)."""
-    done = finished_at(cut, segments)
-    return [
-        number
-        for number in sorted(segments)
-        if number not in done
-        and all(p in done or p not in segments for p in segments[number].predecessors)
-    ]
+    return _read_order(cut, segments)[1]
 
 
 def plan_end(

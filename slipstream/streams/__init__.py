@@ -8,6 +8,8 @@ from ._graph import (
     SegmentGraph,
     SegmentNode,
     merge_ranges,
+    preceding,
+    read_order,
     split_range,
 )
 from ._groups import SegmentProgress, assign, assignable
@@ -79,6 +81,8 @@ __all__ = [
     "parse_rate",
     "parse_size_bytes",
     "policy_from_options",
+    "preceding",
+    "read_order",
     "relative_time_ms",
     "split_key_space",
     "split_range",

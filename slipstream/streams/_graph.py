@@ -16,13 +16,50 @@ are parameters.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from itertools import pairwise
 
 import msgspec
 
 from .._errors import InvalidArgument, SegmentNotFound
 from ._routing import MAX_KEY_HASH, MAX_SEGMENTS, split_key_space
+
+
+def preceding(predecessors: Mapping[int, Sequence[int]], numbers: Iterable[int]) -> set[int]:
+    """Every segment of ``predecessors`` (number -> its predecessors) that precedes one of
+    ``numbers``, transitively (not the numbers themselves). Segments not listed (deleted with
+    their data, or unknown) are skipped, with what precedes only them."""
+    seen: set[int] = set()
+    stack = [p for n in numbers if n in predecessors for p in predecessors[n]]
+    while stack:
+        number = stack.pop()
+        if number not in seen and number in predecessors:
+            seen.add(number)
+            stack.extend(predecessors[number])
+    return seen
+
+
+def read_order(
+    predecessors: Mapping[int, Sequence[int]], ended: Callable[[int], bool]
+) -> tuple[set[int], list[int]]:
+    """The per-key read-order rule, for any reader's progress: ``(finished, readable)``.
+
+    A segment is *finished* when ``ended(number)`` (sealed and read, consumed or committed to
+    its end, or its data gone) and every predecessor is finished: an empty sealed segment must
+    not let its successors overtake what its own predecessors still hold. A segment is
+    *readable* when it is not finished and every predecessor is. A predecessor not listed in
+    ``predecessors`` (deleted with its data) counts as finished. Predecessors have lower
+    numbers than their successors (a scale numbers successors after the highest so far), so
+    one pass in number order decides. Readable numbers are in ascending order."""
+    finished: set[int] = set()
+    readable: list[int] = []
+    for number in sorted(predecessors):
+        if all(p in finished or p not in predecessors for p in predecessors[number]):
+            if ended(number):
+                finished.add(number)
+            else:
+                readable.append(number)
+    return finished, readable
 
 
 class KeyRange(msgspec.Struct, frozen=True):
@@ -155,6 +192,7 @@ class SegmentGraph:
             for predecessor in node.predecessors:
                 successors[predecessor].append(node.number)
         self._successors = {n: tuple(sorted(s)) for n, s in successors.items()}
+        self._predecessors = {n: node.predecessors for n, node in self._nodes.items()}
         self._by_epoch: dict[int, tuple[SegmentNode, ...]] = {}
 
     # --- building -------------------------------------------------------------------------
@@ -320,14 +358,10 @@ class SegmentGraph:
     def ancestors(self, numbers: Iterable[int]) -> frozenset[int]:
         """Every segment that precedes one of ``numbers``, transitively (not the numbers
         themselves). A reader starting at a StreamCut has finished these."""
-        seen: set[int] = set()
-        stack = [p for n in numbers for p in self.node(n).predecessors]
-        while stack:
-            number = stack.pop()
-            if number not in seen:
-                seen.add(number)
-                stack.extend(self._nodes[number].predecessors)
-        return frozenset(seen)
+        numbers = tuple(numbers)
+        for number in numbers:
+            self.node(number)  # SegmentNotFound for an unknown one
+        return frozenset(preceding(self._predecessors, numbers))
 
     def readable(self, finished: Collection[int]) -> tuple[int, ...]:
         """The segments a reader that has read ``finished`` to their ends may read now, by
@@ -343,11 +377,7 @@ class SegmentGraph:
                     f"segment {number} is open and cannot have been read to its end",
                     segment=number,
                 )
-        return tuple(
-            number
-            for number in sorted(self._nodes)
-            if number not in done and all(p in done for p in self._nodes[number].predecessors)
-        )
+        return tuple(read_order(self._predecessors, done.__contains__)[1])
 
 
 def _check_tiles(ranges: Sequence[KeyRange], whole: KeyRange) -> None:

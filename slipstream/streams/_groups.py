@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
+from ._graph import read_order
+
 
 def assign(
     segments: Iterable[int], members: Iterable[str], current: Mapping[int, str]
@@ -76,18 +78,9 @@ def assignable(progress: Mapping[int, SegmentProgress]) -> list[int]:
     may read a successor only once every predecessor has been committed to its end, whoever
     read it. A complete segment is no longer assigned (its holder is told to revoke it).
     """
-    complete: set[int] = set()
-    for number in sorted(progress):
+
+    def complete(number: int) -> bool:
         one = progress[number]
-        if (
-            one.sealed
-            and one.position >= one.end
-            and all(p in complete or p not in progress for p in one.predecessors)
-        ):
-            complete.add(number)
-    return sorted(
-        number
-        for number, one in progress.items()
-        if number not in complete
-        and all(p in complete or p not in progress for p in one.predecessors)
-    )
+        return one.sealed and one.position >= one.end
+
+    return read_order({n: one.predecessors for n, one in progress.items()}, complete)[1]
