@@ -19,6 +19,9 @@ import pytest
 import slipstream
 from slipstream.torture._powerfs import PowerFS, fuse_unusable
 
+# real S3-compatible servers (SeaweedFS, moto) for the object-storage tests
+pytest_plugins = ["objectstores"]
+
 _handed_out: set[int] = set()
 
 

@@ -36,6 +36,7 @@ from ._meta import (
     SubscriptionRecord,
     TxnCommit,
 )
+from ._objects import ObjectChunkStore
 
 __all__ = [
     "BLOCK",
@@ -52,6 +53,7 @@ __all__ = [
     "MemoryChunkStore",
     "MemoryJournal",
     "MetaStore",
+    "ObjectChunkStore",
     "PositionCommit",
     "QueueOptions",
     "QueueSegment",

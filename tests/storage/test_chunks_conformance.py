@@ -1,4 +1,5 @@
-"""One suite for every LongTermStore: LocalChunkStore on a temporary directory, MemoryChunkStore.
+"""One suite for every LongTermStore: LocalChunkStore on a temporary directory, MemoryChunkStore,
+ObjectChunkStore on SeaweedFS (with and without its read cache) and on moto's S3 server.
 
 The contract (slipstream/storage/_chunks.py): a chunk is written whole and atomically, read by
 byte ranges, listed by name prefix and deleted whole; a missing chunk or a range past its end is
@@ -10,26 +11,52 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from objectstores import S3Server
 
 from slipstream import CorruptData, StorageError, StorageFull
 from slipstream.storage import LocalChunkStore, LongTermStore, MemoryChunkStore, chunk_name
 from slipstream.storage import _chunks as chunks_module
+from slipstream.storage._objects import CACHE_PAGE
 
 
-@pytest.fixture(params=["local", "local-pread", "memory"])
+@pytest.fixture(params=["local", "local-pread", "memory", "seaweedfs", "seaweedfs-cached", "moto"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LongTermStore]:
     if request.param == "local":
         yield LocalChunkStore(tmp_path / "chunks")
     elif request.param == "local-pread":  # what a kernel before 5.14 gets
         yield LocalChunkStore(tmp_path / "chunks", map_reads=False)
-    else:
+    elif request.param == "memory":
         yield MemoryChunkStore()
+    else:
+        # ObjectChunkStore on a real server, a prefix of its own per test; "-cached": through
+        # its block cache, with blocks small enough that ranges span several of them
+        kind = request.param.removesuffix("-cached")
+        server: S3Server = request.getfixturevalue({"moto": "moto_s3"}.get(kind, kind))
+        bucket = request.getfixturevalue(f"{server.name}_bucket")
+        url = f"s3://{bucket}/{uuid.uuid4().hex}"
+        if request.param.endswith("-cached"):
+            yield server.store(
+                url, cache_dir=tmp_path / "cache", cache_bytes=1 << 20, block_bytes=CACHE_PAGE
+            )
+        else:
+            yield server.store(url)
+
+
+@pytest.fixture(scope="module")
+def seaweedfs_bucket(seaweedfs: S3Server) -> str:
+    return seaweedfs.create_bucket()
+
+
+@pytest.fixture(scope="module")
+def moto_bucket(moto_s3: S3Server) -> str:
+    return moto_s3.create_bucket()
 
 
 DATA = bytes(range(256)) * 3
