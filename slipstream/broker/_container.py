@@ -48,6 +48,7 @@ from ..storage import (
     LongTermStore,
     MetaStore,
     batch_key_hashes,
+    batches_key_hashes,
     build_find_index,
     chunk_name,
     payload_alignment,
@@ -147,6 +148,8 @@ class Container:
         self._read_pool = read_pool
         self._io = ThreadPoolExecutor(1, thread_name_prefix=f"journal-{container_id}")
         self._mover = ThreadPoolExecutor(1, thread_name_prefix=f"mover-{container_id}")
+        #: hashes each group's keys for finds while the journal thread writes it
+        self._indexer = ThreadPoolExecutor(1, thread_name_prefix=f"keys-{container_id}")
         self._queue: list[_Append] = []
         self._wakeup = asyncio.Event()
         self._cached: deque[JournalBatch] = deque()
@@ -178,6 +181,8 @@ class Container:
         segments = self.segments
         moved = self.meta.moved_file(self.id)
         kept = skipped = 0
+        # the surviving batches' key hashes for finds, hashed a group at a time
+        unhashed: list[tuple[JournalBatch, memoryview]] = []
         for address, payload in self.journal.recover(moved):
             (global_id,) = _SEGMENT_ID.unpack_from(payload)
             segment = segments.get(global_id)
@@ -194,20 +199,24 @@ class Container:
                 continue
             if header.base_offset > segment.next_offset:
                 self._lose(segment, header.base_offset, address.file_id, header.min_timestamp)
-            segment.journal.append(
-                JournalBatch(
-                    header.base_offset,
-                    header.next_offset,
-                    address,
-                    header.min_timestamp,
-                    header.max_timestamp,
-                    None,
-                )
+            recovered = JournalBatch(
+                header.base_offset,
+                header.next_offset,
+                address,
+                header.min_timestamp,
+                header.max_timestamp,
+                None,
             )
+            segment.journal.append(recovered)
+            if self.config.find_index:
+                unhashed.append((recovered, payload[_SEGMENT_ID.size :]))
+                if len(unhashed) >= _RECOVERY_HASH_GROUP:
+                    _set_keys(unhashed)
             _remember(segment.producers, header)
             segment.next_offset = segment.pending_offset = header.next_offset
             segment.note_batch(header.batch_length, header.min_timestamp, header.max_timestamp)
             kept += 1
+        _set_keys(unhashed)
         unnamed = 0
         for damage in self.journal.report.damaged:
             for head in damage.heads:
@@ -341,11 +350,21 @@ class Container:
             if not live:
                 continue
             entries = [(_SEGMENT_ID.pack(i.segment.global_id), i.batch) for i in live]
+            # The finds' key hashes of the group, made by their own thread while the journal
+            # thread writes and syncs (IO, without the GIL): ready before the sync, so an
+            # acknowledged batch is already indexed (bench/find.py measures the cost).
+            hashing = (
+                loop.run_in_executor(self._indexer, _group_keys, [i.batch for i in live])
+                if self.config.find_index
+                else None
+            )
             try:
                 addresses, sealed = await loop.run_in_executor(
                     self._io, self._write_group, entries, sync
                 )
             except Exception as exc:  # the loop must outlive any failure, typed or not
+                if hashing is not None:
+                    await hashing  # never raises; its batches are not stored
                 if not isinstance(exc, SlipstreamError):
                     log.exception("container %d: unexpected journal failure", self.id)
                     exc = StorageError(f"journal write failed: {exc}")
@@ -370,7 +389,8 @@ class Container:
                     else:
                         self._queue.append(item)
                 continue
-            self._publish(live, addresses)
+            keys = await hashing if hashing is not None else [None] * len(live)
+            self._publish(live, addresses, keys)
             if sealed is not None:
                 self._rolled(sealed)
 
@@ -409,10 +429,15 @@ class Container:
         if sealed is not None:
             self._sealed.set()
 
-    def _publish(self, group: list[_Append], addresses: list[JournalAddress]) -> None:
+    def _publish(
+        self,
+        group: list[_Append],
+        addresses: list[JournalAddress],
+        keys: Sequence[bytes | None],
+    ) -> None:
         touched: set[Segment] = set()
         now_ms = scaling_now_ms()  # monotonic: rates for scaling
-        for item, address in zip(group, addresses, strict=True):
+        for item, address, hashes in zip(group, addresses, keys, strict=True):
             segment, header = item.segment, item.header
             base = segment.next_offset
             cached = JournalBatch(
@@ -422,6 +447,7 @@ class Container:
                 header.min_timestamp,
                 header.max_timestamp,
                 item.batch,
+                hashes,
             )
             segment.journal.append(cached)
             segment.next_offset = cached.next_offset
@@ -653,9 +679,11 @@ class Container:
         # Everything the mover's thread needs of the segments, taken now, on the loop: the
         # loop goes on changing them (appends, retention, deletion) while the mover runs.
         targets: dict[int, _MoveTarget] = {}
-        # The find indexes need the batches' keys: those still in the tail cache (most of a
-        # file just sealed) are handed over as they are (a published batch's bytes never
-        # change), by their position in the file; the mover reads only the others back.
+        # The find indexes need the batches' key hashes: made at append (or by recovery) and
+        # handed over by position in the file; a batch without them (indexing was off, or its
+        # body did not decode) is decoded from the tail cache's bytes (a published batch's
+        # bytes never change) or, evicted, read back from the file.
+        known: dict[int, bytes] = {}
         cached: dict[int, Payload | bytes] = {}
         for global_id, segment in self.segments.items():
             # the offsets the segment lost in this file: its chunk covers them, as a gap in
@@ -664,8 +692,11 @@ class Container:
             lost = [batch for batch in in_file if batch.lost]  # in offset order
             if self.config.find_index:
                 for batch in in_file:
-                    if batch.data is not None:
-                        cached[batch.address.position + _SEGMENT_ID.size] = batch.data
+                    at = batch.address.position + _SEGMENT_ID.size
+                    if batch.keys is not None:
+                        known[at] = batch.keys
+                    elif batch.data is not None:
+                        cached[at] = batch.data
             targets[global_id] = _MoveTarget(
                 segment.stream_id,
                 segment.number,
@@ -738,7 +769,9 @@ class Container:
                     finds = build_find_index(
                         headers,
                         [
-                            _key_hashes(_batch_bytes(source, at, h, b, cached))
+                            known[at]
+                            if at in known
+                            else _key_hashes(_batch_bytes(source, at, h, b, cached))
                             for at, h, b in batches
                         ],
                     )
@@ -797,6 +830,7 @@ class Container:
         await loop.run_in_executor(self._io, self.journal.close)
         self._io.shutdown(wait=True)
         self._mover.shutdown(wait=True)
+        self._indexer.shutdown(wait=True)
 
 
 def _lost(segment: Segment, offset: int, resume: int) -> CorruptData:
@@ -858,6 +892,31 @@ def _batch_bytes(
         return data
     with open(source, "rb") as f:
         return os.pread(f.fileno(), header.batch_length, at)
+
+
+#: batches whose key hashes recovery makes with one vectorised call
+_RECOVERY_HASH_GROUP = 1024
+
+
+def _group_keys(batches: list[Payload]) -> list[bytes | None]:
+    """The key hashes of a group being appended (the indexer thread's work): a batch whose
+    body does not decode gets None (finds read it; the mover indexes no keys for it). Never
+    raises: the hashes are an optimisation, never a reason to fail an append."""
+    try:
+        return batches_key_hashes(batches)
+    except Exception:
+        log.exception("find index: hashing a group's keys failed; finds will read its batches")
+        return [None] * len(batches)
+
+
+def _set_keys(unhashed: list[tuple[JournalBatch, memoryview]]) -> None:
+    """Recovery: give recovered journal batches their key hashes, then forget them."""
+    if unhashed:
+        for (batch, _), hashes in zip(
+            unhashed, _group_keys([payload for _, payload in unhashed]), strict=True
+        ):
+            batch.keys = hashes
+        unhashed.clear()
 
 
 def _key_hashes(batch: Payload | bytes) -> np.ndarray:

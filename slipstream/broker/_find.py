@@ -7,11 +7,13 @@ Where the candidates come from, per segment:
   range. A chunk whose time range misses the window is skipped from its catalog row alone; a
   chunk without a usable index (moved before find indexes existed, indexing switched off, or
   its index damaged) has every batch as a candidate: it is scanned.
-* **The journal** (the segment's newest batches, not yet in chunks): its batches' times are in
-  memory (``JournalBatch``). Their keys are indexed lazily, in memory: the first find that reads
-  a journal batch keeps its key hashes (``JournalKeys``, bounded), so later finds skip it. After
-  a restart that memory is empty and is rebuilt by the next finds; nothing of it is persisted,
-  because the mover indexes the same batches for good when they become chunks.
+* **The journal** (the segment's newest batches, not yet in chunks): its batches' times and
+  key hashes are in memory (``JournalBatch.keys``): hashed at append, while the journal writes
+  the group, and again by recovery for the batches that survive a restart, so a find on a
+  fresh tail or right after a restart reads only the batches holding the key. They are not
+  persisted: the mover writes the same hashes into the chunks' indexes. A batch without them
+  (indexing off, or a body that did not decode) is read, and the first find that reads it
+  keeps its hashes.
 
 Every candidate is read through ``Container.read`` (CRC-checked, holes and retention handled as
 for any read) and decoded in a reader thread; its events are compared exactly (the key's bytes,
@@ -50,9 +52,16 @@ from ..format import (
     numpy_array,
     read_body,
 )
-from ..storage import ChunkRecord, FindIndex, MetaStore, column_key_hashes, key_hash32
+from ..storage import (
+    ChunkRecord,
+    FindIndex,
+    MetaStore,
+    batch_holds,
+    batches_key_hashes,
+    key_hash32,
+)
 from ..streams import key_hash
-from ._segment import Segment
+from ._segment import JournalBatch, Segment
 
 if TYPE_CHECKING:
     from ._container import Container
@@ -78,42 +87,15 @@ class FoundEvents:
 @dataclass(frozen=True, slots=True)
 class _Candidate:
     """A batch that may hold matches: where it starts and ends (offsets), its length in bytes,
-    its time bounds, and whether it is in the journal (then finds remember its key hashes)."""
+    its time bounds, and its journal entry if it is in the journal (a find that reads one
+    without key hashes gives it them)."""
 
     offset: int
     end: int
     length: int
     min_ts: int
     max_ts: int
-    journal: bool = False
-
-
-class JournalKeys:
-    """Key hashes of journal batches that finds have read: (segment global id, base offset) ->
-    sorted uint32 hashes; least recently used dropped beyond ``max_bytes``. Thread-safe."""
-
-    def __init__(self, max_bytes: int = 16 * 1024 * 1024) -> None:
-        self.max_bytes = max_bytes
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
-        self._bytes = 0
-
-    def get(self, global_id: int, offset: int) -> np.ndarray | None:
-        with self._lock:
-            found = self._entries.get((global_id, offset))
-            if found is not None:
-                self._entries.move_to_end((global_id, offset))
-            return found
-
-    def put(self, global_id: int, offset: int, hashes: np.ndarray) -> None:
-        with self._lock:
-            if (global_id, offset) in self._entries:
-                return
-            self._entries[global_id, offset] = hashes
-            self._bytes += hashes.nbytes + 64
-            while self._bytes > self.max_bytes and self._entries:
-                _, old = self._entries.popitem(last=False)
-                self._bytes -= old.nbytes + 64
+    journal: JournalBatch | None = None
 
 
 class Finder:
@@ -125,16 +107,10 @@ class Finder:
         meta: MetaStore,
         containers: Sequence[Container],
         read_pool: ThreadPoolExecutor,
-        journal_keys: JournalKeys | None = None,
     ) -> None:
         self.meta = meta
         self.containers = containers
         self.read_pool = read_pool
-        if journal_keys is None:
-            # with indexing switched off (to measure it) finds keep no journal keys either
-            indexing = all(c.config.find_index for c in containers)
-            journal_keys = JournalKeys(16 * 1024 * 1024 if indexing else 0)
-        self.journal_keys = journal_keys
         #: decoded find indexes of chunks, least recently used dropped beyond this
         self.index_cache_bytes = 64 * 1024 * 1024
         self._indexes: OrderedDict[tuple[int, int], tuple[FindIndex | None, int]] = OrderedDict()
@@ -264,10 +240,10 @@ class Finder:
                         b.address.length - 8,
                         b.min_timestamp,
                         b.max_timestamp,
-                        journal=True,
+                        journal=b,
                     )
                     for b in part
-                    if h32 is None or _may_hold(self.journal_keys, segment, b.base_offset, h32)
+                    if h32 is None or b.keys is None or batch_holds(b.keys, h32)
                 ]
             for run in _runs(candidates, newest_first):
                 matches = await self._read_run(
@@ -370,13 +346,18 @@ class Finder:
                     break
         ordered = [(offset, got[offset]) for offset in sorted(got)]
         state.batches_read += len(ordered)
-        global_id = segment.global_id
-        in_journal = {c.offset for c in run if c.journal}
+        # journal batches without key hashes get them from this read (with indexing switched
+        # off, to measure it, finds keep none either)
+        unknown = {
+            c.offset: c.journal
+            for c in run
+            if c.journal is not None and c.journal.keys is None and container.config.find_index
+        }
         results = await asyncio.get_running_loop().run_in_executor(
             self.read_pool,
             _match_batches,
             ordered,
-            in_journal,
+            set(unknown),
             segment.number,
             key,
             start_ms,
@@ -384,8 +365,8 @@ class Finder:
         )
         out: list[Event] = []
         for (offset, _), (events, hashes) in zip(ordered, results, strict=True):
-            if hashes is not None:
-                self.journal_keys.put(global_id, offset, hashes)
+            if hashes is not None and offset in unknown:
+                unknown[offset].keys = hashes
             for event in events:
                 state.bytes += len(event.value) + len(event.key or b"")
                 out.append(event)
@@ -418,14 +399,6 @@ def check_find_arguments(start_ms: int | None, end_ms: int | None, limit: int) -
 
 def _overlaps(lo: int, hi: int, start_ms: int | None, end_ms: int | None) -> bool:
     return (start_ms is None or hi >= start_ms) and (end_ms is None or lo < end_ms)
-
-
-def _may_hold(keys: JournalKeys, segment: Segment, offset: int, h32: int) -> bool:
-    hashes = keys.get(segment.global_id, offset)
-    if hashes is None:
-        return True  # not read by a find yet: read it
-    at = int(np.searchsorted(hashes, h32))
-    return at < len(hashes) and int(hashes[at]) == h32
 
 
 def _remaining_bounds(
@@ -475,7 +448,7 @@ def _runs(candidates: list[_Candidate], newest_first: bool) -> list[list[_Candid
 def _adjacent(before: _Candidate, after: _Candidate) -> bool:
     """Whether ``after`` starts where ``before`` ends: one read then returns both, and no
     batch between them that is not a candidate."""
-    return after.offset == before.end and after.journal == before.journal
+    return after.offset == before.end and (after.journal is None) == (before.journal is None)
 
 
 def _match_batches(
@@ -485,19 +458,18 @@ def _match_batches(
     key: bytes | None,
     start_ms: int | None,
     end_ms: int | None,
-) -> list[tuple[list[Event], np.ndarray | None]]:
-    """Each batch's matching events (offset order) and, for journal batches (``in_journal``),
-    its key hashes (a reader thread's work). Batches of another schema than the event schema
-    (typed streams) match nothing."""
-    out: list[tuple[list[Event], np.ndarray | None]] = []
+) -> list[tuple[list[Event], bytes | None]]:
+    """Each batch's matching events (offset order) and, for the journal batches in
+    ``in_journal``, its key hashes (a reader thread's work). Batches of another schema than the
+    event schema (typed streams) match nothing."""
+    out: list[tuple[list[Event], bytes | None]] = []
     for offset, batch in batches:
         record = read_body(batch)
-        journal = offset in in_journal
+        hashes = batches_key_hashes([batch])[0] if offset in in_journal else None
         if not record.schema.equals(EVENT_SCHEMA):
-            out.append(([], np.zeros(0, dtype=np.uint32) if journal else None))
+            out.append(([], hashes))
             continue
         keys = record.column(0)
-        hashes = _hashes_of(keys) if journal else None
         mask = np.ones(record.num_rows, dtype=bool)
         if key is not None:
             equal = pc.equal(keys, pa.scalar(key, pa.binary())).fill_null(False)
@@ -518,7 +490,3 @@ def _match_batches(
         ]
         out.append((events, hashes))
     return out
-
-
-def _hashes_of(keys: pa.Array) -> np.ndarray:
-    return np.unique(column_key_hashes(keys))

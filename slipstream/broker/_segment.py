@@ -30,7 +30,10 @@ from ..streams import ProducerTable, RateTracker
 
 @dataclass(slots=True, eq=False)
 class JournalBatch:
-    """A batch still in the journal. ``data`` is the cached batch (tail cache) or None."""
+    """A batch still in the journal. ``data`` is the cached batch (tail cache) or None.
+    ``keys``: its distinct key hashes for finds (sorted ``<u4`` bytes, storage/_index.py),
+    set at append and by recovery; None where not known (indexing off, or a body that did not
+    decode), and then the first find that reads the batch sets it."""
 
     base_offset: int
     next_offset: int
@@ -38,6 +41,7 @@ class JournalBatch:
     min_timestamp: int
     max_timestamp: int
     data: bytes | bytearray | memoryview | None
+    keys: bytes | None = None
 
     @property
     def lost(self) -> bool:

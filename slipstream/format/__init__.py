@@ -37,6 +37,7 @@ from ._events import (
     null_headers,
     numpy_array,
     read_body,
+    read_keys,
     timestamp_array,
     to_json_value,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "null_headers",
     "numpy_array",
     "read_body",
+    "read_keys",
     "restamp",
     "set_base_offset",
     "timestamp_array",

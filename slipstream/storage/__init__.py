@@ -3,7 +3,9 @@
 from ._chunks import LocalChunkStore, LongTermStore, MemoryChunkStore, chunk_name
 from ._index import (
     FindIndex,
+    batch_holds,
     batch_key_hashes,
+    batches_key_hashes,
     build_find_index,
     column_key_hashes,
     key_hash32,
@@ -64,7 +66,9 @@ __all__ = [
     "StreamRecord",
     "SubscriptionRecord",
     "TxnCommit",
+    "batch_holds",
     "batch_key_hashes",
+    "batches_key_hashes",
     "build_find_index",
     "chunk_name",
     "column_key_hashes",

@@ -48,7 +48,8 @@ import crc32c
 import numpy as np
 import pyarrow as pa
 
-from ..format import BatchHeader, read_body
+from .._errors import CorruptBatch
+from ..format import BatchHeader, read_keys
 
 FIND_MAGIC = b"SLFX"
 FIND_VERSION = 1
@@ -125,34 +126,105 @@ def key_hash32(key: bytes) -> int:
     return int(column_key_hashes(pa.array([key], pa.binary()))[0])
 
 
-def batch_key_hashes(batch: bytes | bytearray | memoryview) -> np.ndarray:
-    """The distinct 32-bit key hashes of one whole batch's events (sorted ``uint32``): one hash
-    per distinct key, none for null keys. Decodes the batch body (read_body); raises CorruptBatch
-    for a body that does not decode. A batch whose schema has no binary ``key`` column has none."""
-    record = read_body(batch)  # either body form; a typed stream's own schema too
-    if "key" not in record.schema.names:
-        return _NO_HASHES
-    column = record.column("key")
-    if not (
+def _is_key_type(column: pa.Array) -> bool:
+    return bool(
         pa.types.is_binary(column.type)
         or pa.types.is_string(column.type)
         or pa.types.is_large_binary(column.type)
         or pa.types.is_large_string(column.type)
-    ):
+    )
+
+
+def _distinct(hashes: np.ndarray) -> np.ndarray:
+    """Sorted distinct values (np.unique, at a tenth of its cost on a few thousand uint32)."""
+    ordered = np.sort(hashes)
+    if len(ordered) < 2:
+        return ordered
+    keep = np.empty(len(ordered), dtype=bool)
+    keep[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
+    return ordered[keep]
+
+
+def batch_key_hashes(batch: bytes | bytearray | memoryview) -> np.ndarray:
+    """The distinct 32-bit key hashes of one whole batch's events (sorted ``uint32``): one hash
+    per distinct key, none for null keys. Decodes only the key column (``read_keys``); raises
+    CorruptBatch for a body that does not decode. A batch without a binary or string ``key``
+    column has none."""
+    keys = read_keys(batch)
+    if keys is None or not _is_key_type(keys):
         return _NO_HASHES
-    return np.unique(column_key_hashes(column))
+    return _distinct(column_key_hashes(keys))
 
 
-def build_find_index(headers: Sequence[BatchHeader], hashes: Sequence[np.ndarray]) -> bytes:
+def batches_key_hashes(
+    batches: Sequence[bytes | bytearray | memoryview],
+) -> list[bytes | None]:
+    """``batch_key_hashes`` of each batch, as bytes (the sorted ``<u4`` array's), for a group
+    of batches at once: their key columns are hashed with one vectorised call, so a group of
+    small batches costs one numpy pass, not one per batch (about 25 us of fixed numpy cost a
+    call, more than hashing a one-event batch). None for a batch whose body does not decode
+    (the caller decides: the append path leaves it to finds, which then read it)."""
+    out: list[bytes | None] = [b""] * len(batches)
+    columns: list[pa.Array] = []
+    owners: list[int] = []
+    for i, batch in enumerate(batches):
+        try:
+            keys = read_keys(batch)
+        except CorruptBatch:
+            out[i] = None
+            continue
+        if keys is None or not _is_key_type(keys):
+            continue
+        if keys.null_count:
+            keys = keys.drop_null()
+        if not len(keys):
+            continue
+        if not pa.types.is_binary(keys.type):  # a typed stream's string keys: on their own
+            out[i] = _distinct(column_key_hashes(keys)).astype("<u4").tobytes()
+            continue
+        columns.append(keys)
+        owners.append(i)
+    if not columns:
+        return out
+    joined = columns[0] if len(columns) == 1 else pa.concat_arrays(columns)
+    hashes = column_key_hashes(joined).astype(np.uint64)
+    sizes = np.fromiter((len(c) for c in columns), dtype=np.int64, count=len(columns))
+    # (owner, hash) as one sortable u64: sorted, deduplicated, then cut at each owner's start
+    tagged = _distinct((np.repeat(np.arange(len(columns), dtype=np.uint64), sizes) << 32) | hashes)
+    starts = np.searchsorted(tagged >> np.uint64(32), np.arange(len(columns) + 1, dtype=np.uint64))
+    low = (tagged & np.uint64(0xFFFFFFFF)).astype("<u4")
+    for n, i in enumerate(owners):
+        out[i] = low[starts[n] : starts[n + 1]].tobytes()
+    return out
+
+
+def hashes_array(hashes: np.ndarray | bytes) -> np.ndarray:
+    """A batch's sorted key hashes as ``uint32``, whether kept as an array or as bytes."""
+    if isinstance(hashes, bytes):
+        return np.frombuffer(hashes, dtype="<u4")
+    return hashes
+
+
+def batch_holds(hashes: np.ndarray | bytes, key_hash: int) -> bool:
+    """Whether a batch's sorted key hashes hold ``key_hash``."""
+    array = hashes_array(hashes)
+    at = int(np.searchsorted(array, key_hash))
+    return at < len(array) and int(array[at]) == key_hash
+
+
+def build_find_index(headers: Sequence[BatchHeader], hashes: Sequence[np.ndarray | bytes]) -> bytes:
     """The find index of a chunk whose batch index lists batches with ``headers`` (in order);
-    ``hashes[i]``: the distinct key hashes of batch i (``batch_key_hashes``)."""
+    ``hashes[i]``: the distinct key hashes of batch i (``batch_key_hashes``, or the bytes of
+    ``batches_key_hashes``)."""
     count = len(headers)
     if len(hashes) != count:
         raise ValueError(f"{len(hashes)} hash arrays for {count} batches")
     min_ts = np.fromiter((h.min_timestamp for h in headers), dtype="<i8", count=count)
     max_ts = np.fromiter((h.max_timestamp for h in headers), dtype="<i8", count=count)
-    sizes = np.fromiter((len(h) for h in hashes), dtype=np.int64, count=count)
-    keys = np.concatenate(hashes).astype("<u4") if count else np.zeros(0, "<u4")
+    arrays = [hashes_array(h) for h in hashes]
+    sizes = np.fromiter((len(h) for h in arrays), dtype=np.int64, count=count)
+    keys = np.concatenate(arrays).astype("<u4") if count else np.zeros(0, "<u4")
     batches = np.repeat(np.arange(count, dtype="<u4"), sizes)
     order = np.lexsort((batches, keys))
     body = b"".join(

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 from conftest import BrokerProcess
 
@@ -124,6 +125,36 @@ def test_finds_after_a_kill_and_restart(small_files: BrokerProcess) -> None:
         check_finds(client, "demo/orders")
         produce(client, "demo/orders", PER_ROUND, 300)  # after the restart, into the journal
         check_finds(client, "demo/orders")
+
+
+def find_over_http(broker: BrokerProcess, stream: str, key: str) -> tuple[int, int]:
+    """(events found, batches read) of a find by key through the admin API."""
+    scope, name = stream.split("/")
+    with httpx.Client(base_url=broker.http_url, timeout=30) as http:
+        answer = http.get(f"/api/streams/{scope}/{name}/events", params={"key": key, "limit": 500})
+        answer.raise_for_status()
+        body = answer.json()
+    return len(body["events"]), body["batches_read"]
+
+
+def test_a_find_in_the_journal_reads_only_the_batches_of_its_key_then_and_after_a_kill(
+    broker_factory: type[BrokerProcess],
+) -> None:
+    # Every batch still in the journal (default 64 MiB files): its key hashes are made at
+    # append, and by recovery after a kill -9, so the very first find reads 4 batches of 40.
+    broker = broker_factory().start()
+    with broker.client() as client:
+        client.create_stream("demo/keys", segments=1)
+        with client.producer("demo/keys") as producer:
+            for b in range(40):
+                for i in range(5):
+                    producer.send(b"%d-%d" % (b, i), key=f"user-{b % 10}")
+                producer.flush()  # one batch, one key
+    assert find_over_http(broker, "demo/keys", "user-3") == (20, 4)
+    assert find_over_http(broker, "demo/keys", "nobody") == (0, 0)
+    broker.restart()  # kill -9
+    assert find_over_http(broker, "demo/keys", "user-3") == (20, 4)
+    assert find_over_http(broker, "demo/keys", "nobody") == (0, 0)
 
 
 def test_a_key_is_found_across_a_split_in_its_append_order(small_files: BrokerProcess) -> None:

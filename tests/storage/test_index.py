@@ -26,12 +26,14 @@ from hypothesis import strategies as st
 
 from slipstream.broker._container import Container, ContainerConfig
 from slipstream.broker._controller import Controller
-from slipstream.broker._find import Finder, FoundEvents, JournalKeys
+from slipstream.broker._find import Finder, FoundEvents
 from slipstream.broker._segment import Segment
 from slipstream.format import (
+    HEADER_LENGTH,
     binary_array,
     decode_header,
     encode_body,
+    encode_body_parts,
     encode_header,
     make_record_batch,
     timestamp_array,
@@ -43,6 +45,7 @@ from slipstream.storage import (
     LocalChunkStore,
     SqliteMetaStore,
     batch_key_hashes,
+    batches_key_hashes,
     build_find_index,
     column_key_hashes,
     key_hash32,
@@ -137,6 +140,55 @@ def test_batch_key_hashes_are_distinct_and_skip_null_keys() -> None:
     assert batch_key_hashes(make_batch([(None, 1)], "n")).tolist() == []
 
 
+def event_message(rows: Sequence[Row], tag: str, compression: str | None = None) -> bytearray:
+    """A batch in the producers' form (an event message, keys left out when all null)."""
+    keys = [k for k, _ in rows]
+    stamps = [t for _, t in rows]
+    values = [f"{tag}-{i}".encode() * 20 for i in range(len(rows))]
+    body = encode_body_parts(
+        make_record_batch(binary_array(keys), binary_array(values), timestamp_array(stamps)),
+        compression,
+    )
+    header = encode_header(
+        body, event_count=len(rows), min_timestamp=min(stamps), max_timestamp=max(stamps)
+    )
+    return bytearray(header + b"".join(bytes(part) for part in body))
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(
+                st.tuples(st.one_of(st.none(), st.binary(max_size=12)), st.integers(0, 60)),
+                min_size=1,
+                max_size=30,
+            ),
+            st.sampled_from(["stream", "message", "lz4", "damaged"]),
+        ),
+        max_size=8,
+    )
+)
+def test_a_group_is_hashed_as_each_batch_alone(batches: list[tuple[list[Row], str]]) -> None:
+    # what the append path and recovery compute for a whole group at once, against the
+    # documented hash of each batch's distinct keys; a body that does not decode gets None
+    made, want = [], []
+    for n, (rows, form) in enumerate(batches):
+        if form == "stream":
+            batch = make_batch(rows, f"b{n}")
+        else:
+            batch = event_message(rows, f"b{n}", "lz4" if form == "lz4" else None)
+        if form == "damaged":
+            batch[HEADER_LENGTH + 3 :] = bytes(len(batch) - HEADER_LENGTH - 3)
+            # an all-null key column is left out (FLAG_NO_KEYS): nothing to decode for it
+            want.append(None if any(k is not None for k, _ in rows) else b"")
+        else:
+            hashes = sorted({reference_hash(k) for k, _ in rows if k is not None})
+            want.append(np.array(hashes, dtype="<u4").tobytes())
+            assert batch_key_hashes(batch).tolist() == hashes
+        made.append(batch)
+    assert batches_key_hashes(made) == want
+
+
 @pytest.mark.parametrize(
     "damage",
     ["empty", "short", "magic", "version", "crc", "length"],
@@ -208,6 +260,7 @@ class Node:
         sealed = await loop.run_in_executor(self.container._io, self.container.journal.roll)
         assert sealed is not None
         await self.container._move_file(sealed)
+        self.container.config = self.config  # later appends are indexed again
 
     async def find(self, **query: Any) -> FoundEvents:
         return await self.finder.find([self.segment], **query)
@@ -358,10 +411,15 @@ def test_a_find_answers_exactly_what_a_full_scan_finds(
 
 
 async def check(node: Node, stored: Stored, query: dict[str, Any]) -> None:
-    # Twice: with the journal's key memory empty (as after a restart), then with it filled by
-    # the first find.
-    node.finder.journal_keys = JournalKeys()
-    for journal_known in (False, True):
+    # Three times: with the journal batches' key hashes as the append (before the restart) or
+    # recovery (after it) left them, which must name exactly the batches holding the key; then
+    # without them (as a broker with indexing off at append leaves them): every journal batch
+    # in the window is read; then with those the first find read.
+    kept = [batch.keys for batch in node.segment.journal]
+    for journal_known in (True, False, True):
+        if not journal_known:
+            for batch in node.segment.journal:
+                batch.keys = None
         result = await node.find(**query)
         assert found_rows(result) == expected(stored, query), query
         values = {offset: value for offset, _, _, value in stored.events}
@@ -369,6 +427,8 @@ async def check(node: Node, stored: Stored, query: dict[str, Any]) -> None:
         if query["limit"] > len(stored.events):  # no early stop: every candidate is read
             reads = reads_when_complete(stored, query, journal_known)
             assert result.batches_read == reads, (query, journal_known)
+    for batch, keys in zip(node.segment.journal, kept, strict=True):
+        batch.keys = keys  # a find that stopped early left some unknown: as before, for the next
 
 
 def test_a_catalog_from_before_find_indexes_gets_the_column_and_its_chunks_are_scanned(
