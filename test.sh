@@ -6,6 +6,7 @@ cd "$(dirname "$0")"
 scripts/ensure-java.sh
 scripts/ensure-fuse.sh
 scripts/ensure-chromium.sh
+scripts/ensure-postgres.sh
 if [ ! -x .venv/bin/python ]; then
     "${PYTHON:-python3}" -m venv .venv
 fi

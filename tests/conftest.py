@@ -190,3 +190,24 @@ def powerfs(tmp_path: Path) -> Iterator[PowerFS]:
     fs.mount()
     yield fs
     fs.unmount()
+
+
+# --- PostgreSQL: one throwaway cluster per session (tests/pg.py), a database per test --------
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Any]:
+    """A running PgCluster (tests/pg.py), stopped and removed at the end of the session."""
+    from pg import PgCluster
+
+    cluster = PgCluster().start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def pg_dsn(postgres: Any) -> Iterator[str]:
+    """The DSN of a fresh, empty database, dropped after the test."""
+    name = postgres.create_database()
+    yield postgres.dsn(name)
+    postgres.drop_database(name)

@@ -435,34 +435,45 @@ class SqliteMetaStore(MetaStore):
         # one connection, shared under the one lock.
         self._reader, self._read_lock = self._db, self._lock
         with self._lock:
+            version = _sqlite_schema_version(self._db)
+            if version > SCHEMA_VERSION:  # refused before anything is written
+                self._db.close()
+                raise schema_too_new(f"the catalog {path}", version, SCHEMA_VERSION)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(_SCHEMA)
-            columns = [row[1] for row in self._db.execute("PRAGMA table_info(chunks)")]
-            if "producers" not in columns:  # catalogs written before idempotent producers
-                self._db.execute(
-                    "ALTER TABLE chunks ADD COLUMN producers BLOB NOT NULL DEFAULT x''"
-                )
-            columns = [row[1] for row in self._db.execute("PRAGMA table_info(segments)")]
-            if "producers" not in columns:  # catalogs that kept it only with the chunks
-                self._db.execute(
-                    "ALTER TABLE segments ADD COLUMN producers BLOB NOT NULL DEFAULT x''"
-                )
-            columns = [row[1] for row in self._db.execute("PRAGMA table_info(chunks)")]
-            if "max_timestamp_so_far" not in columns:  # catalogs without the time index
-                self._db.execute("ALTER TABLE chunks ADD COLUMN max_timestamp_so_far INTEGER")
-                self._db.execute(
-                    "UPDATE chunks SET max_timestamp_so_far = w.so_far FROM (SELECT rowid AS r, "
-                    "MAX(max_timestamp) OVER (PARTITION BY stream_id, segment "
-                    "ORDER BY base_offset) AS so_far FROM chunks) AS w WHERE chunks.rowid = w.r"
-                )
-            self._db.execute(_TIME_INDEX)
-            for table, column, declaration in _ELASTIC_COLUMNS:  # catalogs before scaling
-                if column not in [r[1] for r in self._db.execute(f"PRAGMA table_info({table})")]:
-                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
+            if version == 0:
+                self._upgrade_unversioned()
+            # later schema changes: numbered migrations, each in one transaction with its
+            # version (none yet: version 1 is the schema below)
+            if version < SCHEMA_VERSION:
+                self._db.execute("DELETE FROM schema_version")
+                self._db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,))
         if str(path) != ":memory:":
             self._reader = sqlite3.connect(str(path), check_same_thread=False)
             self._read_lock = threading.Lock()
+
+    def _upgrade_unversioned(self) -> None:
+        """Schema version 1 from nothing, or from a catalog written before schema versions:
+        every step is idempotent (a crash half-way is done again at the next open)."""
+        self._db.executescript(_SCHEMA)
+        columns = [row[1] for row in self._db.execute("PRAGMA table_info(chunks)")]
+        if "producers" not in columns:  # catalogs written before idempotent producers
+            self._db.execute("ALTER TABLE chunks ADD COLUMN producers BLOB NOT NULL DEFAULT x''")
+        columns = [row[1] for row in self._db.execute("PRAGMA table_info(segments)")]
+        if "producers" not in columns:  # catalogs that kept it only with the chunks
+            self._db.execute("ALTER TABLE segments ADD COLUMN producers BLOB NOT NULL DEFAULT x''")
+        columns = [row[1] for row in self._db.execute("PRAGMA table_info(chunks)")]
+        if "max_timestamp_so_far" not in columns:  # catalogs without the time index
+            self._db.execute("ALTER TABLE chunks ADD COLUMN max_timestamp_so_far INTEGER")
+            self._db.execute(
+                "UPDATE chunks SET max_timestamp_so_far = w.so_far FROM (SELECT rowid AS r, "
+                "MAX(max_timestamp) OVER (PARTITION BY stream_id, segment "
+                "ORDER BY base_offset) AS so_far FROM chunks) AS w WHERE chunks.rowid = w.r"
+            )
+        self._db.execute(_TIME_INDEX)
+        for table, column, declaration in _ELASTIC_COLUMNS:  # catalogs before scaling
+            if column not in [r[1] for r in self._db.execute(f"PRAGMA table_info({table})")]:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Cursor]:
@@ -1051,6 +1062,34 @@ def _no_subscription(name: str) -> SubscriptionNotFound:
     )
 
 
+#: the SQLite catalog's schema version this code reads and writes (table ``schema_version``):
+#: 1 is the schema below, reached from any earlier catalog by the column upgrades of
+#: ``SqliteMetaStore._upgrade_unversioned``
+SCHEMA_VERSION = 1
+
+
+def schema_too_new(where: str, version: int, supported: int) -> StorageError:
+    """The error for a catalog written by a newer slipstream: nothing is changed in it."""
+    return StorageError(
+        f"{where} has schema version {version}, newer than this slipstream knows "
+        f"({supported}): a newer version wrote it. Run that version, or upgrade this one "
+        "(the catalog was left as it was)",
+        schema_version=version,
+        supported=supported,
+    )
+
+
+def _sqlite_schema_version(db: sqlite3.Connection) -> int:
+    """The catalog's schema version without writing anything: 0 for an empty catalog or one
+    written before schema versions."""
+    if not db.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'"
+    ).fetchone():
+        return 0
+    row = db.execute("SELECT MAX(version) FROM schema_version").fetchone()
+    return 0 if row is None or row[0] is None else int(row[0])
+
+
 _TIME_INDEX = (
     "CREATE INDEX IF NOT EXISTS chunks_by_time "
     "ON chunks (stream_id, segment, max_timestamp_so_far, base_offset)"
@@ -1068,6 +1107,7 @@ _ELASTIC_COLUMNS = (
 _LIGHT_COLUMNS = "x'', x''"
 
 _SCHEMA = """
+CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS settings (
     kind TEXT NOT NULL,
     key TEXT NOT NULL,

@@ -1,4 +1,5 @@
-"""One suite for every MetaStore: SqliteMetaStore on a file and in memory (``":memory:"``).
+"""One suite for every MetaStore: SqliteMetaStore on a file and in memory (``":memory:"``), and
+PostgresMetaStore on a throwaway PostgreSQL server (tests/pg.py), a fresh database per test.
 
 The contract (slipstream/storage/_meta.py): streams with their segments are created and deleted
 in one transaction; stream ids are never reused; a journal file's chunks and the mark that the
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import psycopg
 import pytest
 
 from slipstream import (
@@ -46,27 +48,53 @@ from slipstream.storage import (
     SubscriptionRecord,
     TxnCommit,
 )
+from slipstream.storage._meta_pg import PostgresMetaStore
 from slipstream.streams import KeyRange, ScaleEvent, SegmentGraph, SegmentNode
 
 MAX_KEY = 2**64 - 1
 
 
 class Kit:
-    def __init__(self, kind: str, path: Path) -> None:
+    """A MetaStore under test and how to open it again: SQLite on a file or in memory, or
+    PostgreSQL on a fresh database (``where``: the file, ":memory:" or the DSN). A reopen is a
+    new store on the same file or database."""
+
+    def __init__(self, kind: str, where: str) -> None:
         self.kind = kind
-        self.path = path
-        self.meta: MetaStore = SqliteMetaStore(path if kind == "file" else ":memory:")
+        self.where = where
+        self.path = Path(where)
+        self.meta: MetaStore = self.open()
+
+    @property
+    def durable(self) -> bool:
+        return self.kind != "memory"
+
+    @property
+    def integrity_error(self) -> type[Exception]:
+        """What the backend raises for a record that breaks a constraint (a NULL name)."""
+        return psycopg.IntegrityError if self.kind == "postgres" else sqlite3.IntegrityError
+
+    def open(self) -> MetaStore:
+        if self.kind == "postgres":
+            return PostgresMetaStore(self.where)
+        return SqliteMetaStore(self.where)
 
     def reopen(self) -> MetaStore:
-        assert self.kind == "file", "only a file keeps the catalog across a reopen"
+        assert self.durable, "an in-memory catalog is gone once closed"
         self.meta.close()
-        self.meta = SqliteMetaStore(self.path)
+        self.meta = self.open()
         return self.meta
 
 
-@pytest.fixture(params=["file", "memory"])
+def make_kit(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Kit:
+    if kind == "postgres":
+        return Kit(kind, request.getfixturevalue("pg_dsn"))
+    return Kit(kind, str(tmp_path / "meta.db") if kind == "file" else ":memory:")
+
+
+@pytest.fixture(params=["file", "memory", "postgres"])
 def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
-    kit = Kit(request.param, tmp_path / "meta.db")
+    kit = make_kit(request.param, request, tmp_path)
     yield kit
     kit.meta.close()
 
@@ -76,9 +104,18 @@ def meta(kit: Kit) -> MetaStore:
     return kit.meta
 
 
+@pytest.fixture(params=["file", "postgres"])
+def durable_kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
+    """A catalog that survives a reopen: SQLite on a file, PostgreSQL."""
+    kit = make_kit(request.param, request, tmp_path)
+    yield kit
+    kit.meta.close()
+
+
 @pytest.fixture
-def file_kit(tmp_path: Path) -> Iterator[Kit]:
-    kit = Kit("file", tmp_path / "meta.db")
+def sqlite_kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
+    """SQLite on a file, for what only SQLite catalogs have (their older schemas)."""
+    kit = make_kit("file", request, tmp_path)
     yield kit
     kit.meta.close()
 
@@ -283,12 +320,13 @@ def test_moved_file_is_per_container_and_set_with_the_chunks(meta: MetaStore) ->
     assert meta.chunks() == [chunk(stream, 0, 0), chunk(stream, 0, 10), chunk(stream, 1, 0)]
 
 
-def test_add_chunks_is_atomic(meta: MetaStore) -> None:
+def test_add_chunks_is_atomic(kit: Kit) -> None:
+    meta = kit.meta
     stream = create(meta, "s/atomic")
     meta.add_chunks(0, 1, [chunk(stream, 0, 0)])
     bad = chunk(stream, 0, 20)
     bad = ChunkRecord(*[None if f == "name" else getattr(bad, f) for f in bad.__struct_fields__])
-    with pytest.raises(sqlite3.IntegrityError):
+    with pytest.raises(kit.integrity_error):
         meta.add_chunks(0, 2, [chunk(stream, 0, 10), bad])
     assert meta.chunks() == [chunk(stream, 0, 0)]
     assert meta.moved_file(0) == 1, "the file is not marked moved when its chunks are not"
@@ -336,8 +374,8 @@ def test_retention_of_a_deleted_stream_is_harmless(meta: MetaStore) -> None:
     assert meta.chunks() == []
 
 
-def test_reopen_from_a_file_keeps_everything(file_kit: Kit) -> None:
-    meta = file_kit.meta
+def test_reopen_from_a_file_keeps_everything(durable_kit: Kit) -> None:
+    meta = durable_kit.meta
     a = create(meta, "s/a", 3, retention_ms=1000)
     b = create(meta, "s/b", 1)
     create(meta, "s/deleted")
@@ -348,7 +386,7 @@ def test_reopen_from_a_file_keeps_everything(file_kit: Kit) -> None:
     meta.update_retention(b, 3_600_000, 1 << 20)
     streams, chunks = meta.streams(), meta.chunks()
 
-    reopened = file_kit.reopen()
+    reopened = durable_kit.reopen()
     assert reopened.streams() == streams
     assert reopened.chunks() == chunks
     assert (reopened.moved_file(0), reopened.moved_file(1), reopened.moved_file(2)) == (7, -1, 1)
@@ -364,24 +402,24 @@ def test_reopen_from_a_file_keeps_everything(file_kit: Kit) -> None:
 # --- producer ids, identities and transaction commit records ------------------------------------
 
 
-def test_reserved_id_blocks_never_overlap_even_after_a_reopen(file_kit: Kit) -> None:
-    meta = file_kit.meta
+def test_reserved_id_blocks_never_overlap_even_after_a_reopen(durable_kit: Kit) -> None:
+    meta = durable_kit.meta
     assert meta.reserve_ids("producer_id", 1000) == 0
     assert meta.reserve_ids("producer_id", 10) == 1000
     assert meta.reserve_ids("txn_id", 5) == 0  # counters are independent
-    meta = file_kit.reopen()
+    meta = durable_kit.reopen()
     assert meta.reserve_ids("producer_id", 1) == 1010
 
 
-def test_identities_keep_their_last_commit_across_epochs(file_kit: Kit) -> None:
-    meta = file_kit.meta
+def test_identities_keep_their_last_commit_across_epochs(durable_kit: Kit) -> None:
+    meta = durable_kit.meta
     assert meta.identities() == []
     meta.save_identity(Identity("app-1", 7, 0))
     commit = TxnCommit(42, "app-1", 7, 0, [CommitPart(1, 0, 5)], b'{"batch": 3}', 1_700, 4)
     meta.commit_txn(commit)
     assert meta.pending_commits() == [commit]
     meta.save_identity(Identity("app-1", 7, 1))  # a new epoch keeps the last commit
-    meta = file_kit.reopen()
+    meta = durable_kit.reopen()
     assert meta.identities() == [Identity("app-1", 7, 1, 42, b'{"batch": 3}', 1_700)]
     assert meta.pending_commits() == [commit]
     meta.finish_txn(42)
@@ -407,7 +445,7 @@ def test_a_segments_producer_state_follows_its_newest_chunk_and_outlives_retenti
     meta.add_chunks(0, 1, [newer])
     meta.remove_chunks_before(stream_id, {0: 20})  # retention removes every chunk of segment 0
     assert meta.chunks() == []
-    if kit.kind == "file":
+    if kit.durable:
         meta = kit.reopen()
     (record,) = meta.streams()
     assert [s.producers for s in record.segments] == [b"as of 20", b""]
@@ -420,7 +458,7 @@ def test_chunk_lookups_by_offset_and_time_without_loading_the_history(kit: Kit) 
     ours = [chunk(stream_id, 0, base) for base in (0, 10, 20, 30)]
     meta.add_chunks(0, 0, [*ours[:2], chunk(stream_id, 1, 0)])
     meta.add_chunks(0, 1, ours[2:])
-    if kit.kind == "file":
+    if kit.durable:
         meta = kit.reopen()
     assert meta.chunk_at(stream_id, 0, 0) == ours[0]
     assert meta.chunk_at(stream_id, 0, 19) == ours[1]
@@ -456,7 +494,7 @@ def test_retention_removes_a_range_of_chunks_in_one_call(kit: Kit) -> None:
     assert start_offsets(meta, "s/range") == [20, 5]
     assert meta.remove_chunks_before(stream_id, {0: 15}) == []
     assert start_offsets(meta, "s/range") == [20, 5], "start offsets never move back"
-    if kit.kind == "file":
+    if kit.durable:
         meta = kit.reopen()
     assert meta.chunks() == [ours[2], *theirs]
     assert [c.count for c in meta.segment_chunks()] == [1, 2]
@@ -493,12 +531,12 @@ def test_a_time_lookup_never_starts_after_a_chunk_with_a_late_enough_event(kit: 
     del kept[:2]
     check(meta)
     assert meta.chunk_at_time(stream_id, 0, 2500) == kept[0]
-    if kit.kind == "file":
+    if kit.durable:
         check(kit.reopen())
 
 
-def test_a_catalog_from_before_the_time_index_gets_it_on_open(file_kit: Kit) -> None:
-    meta = file_kit.meta
+def test_a_catalog_from_before_the_time_index_gets_it_on_open(sqlite_kit: Kit) -> None:
+    meta = sqlite_kit.meta
     stream_id = create(meta, "s/old", 1)
     records = [
         msgspec.structs.replace(chunk(stream_id, 0, 10 * i), max_timestamp=t)
@@ -506,10 +544,11 @@ def test_a_catalog_from_before_the_time_index_gets_it_on_open(file_kit: Kit) -> 
     ]
     meta.add_chunks(0, 0, records)
     meta.close()
-    with sqlite3.connect(file_kit.path) as db:  # as an older version left it
+    with sqlite3.connect(sqlite_kit.path) as db:  # as an older version left it
         db.execute("DROP INDEX chunks_by_time")
         db.execute("ALTER TABLE chunks DROP COLUMN max_timestamp_so_far")
-    meta = file_kit.reopen()
+        db.execute("DROP TABLE schema_version")
+    meta = sqlite_kit.reopen()
     assert meta.chunk_at_time(stream_id, 0, 3000) == records[0]
     assert meta.chunk_at_time(stream_id, 0, 5000) == records[2]
     assert meta.chunk_at_time(stream_id, 0, 7000) is None
@@ -636,8 +675,8 @@ def test_delete_subscription_removes_only_it(meta: MetaStore) -> None:
     assert [r.name for r in meta.subscriptions(stream)] == ["b"]
 
 
-def test_positions_commit_with_the_transaction_or_not_at_all(file_kit: Kit) -> None:
-    meta = file_kit.meta
+def test_positions_commit_with_the_transaction_or_not_at_all(durable_kit: Kit) -> None:
+    meta = durable_kit.meta
     stream = create(meta, "s/a")
     meta.create_subscription(subscription(stream))
     meta.save_identity(Identity("app", 3, 0))
@@ -646,7 +685,7 @@ def test_positions_commit_with_the_transaction_or_not_at_all(file_kit: Kit) -> N
         positions=[PositionCommit(stream, "billing", 0, {0: 12})],
     )  # fmt: skip
     meta.commit_txn(commit)
-    meta = file_kit.reopen()
+    meta = durable_kit.reopen()
     assert only(meta, stream).positions == {0: 12, 1: 0}
     assert meta.pending_commits() == [commit]
     # a reset since the positions were read: the whole commit is refused, nothing changes
@@ -662,12 +701,12 @@ def test_positions_commit_with_the_transaction_or_not_at_all(file_kit: Kit) -> N
     assert only(meta, stream).positions == {0: 0, 1: 0}
 
 
-def test_subscriptions_survive_a_reopen(file_kit: Kit) -> None:
-    meta = file_kit.meta
+def test_subscriptions_survive_a_reopen(durable_kit: Kit) -> None:
+    meta = durable_kit.meta
     stream = create(meta, "s/a")
     meta.create_subscription(subscription(stream))
     meta.commit_positions(stream, "billing", 0, {0: 9})
-    meta = file_kit.reopen()
+    meta = durable_kit.reopen()
     assert only(meta, stream).positions == {0: 9, 1: 0}
 
 
@@ -718,7 +757,7 @@ def test_every_new_field_round_trips(kit: Kit) -> None:
     assert updated.scaling == policy and updated.segments == stream_of(meta, stream_id).segments
     decision = b'{"action": "split", "rule": "hot_10s"}'
     after = meta.scale_stream(stream_id, 1, 9_000, {0: 1234}, split_first(), decision)
-    if kit.kind == "file":
+    if kit.durable:
         meta = kit.reopen()
     stored = stream_of(meta, stream_id)
     assert stored == after
@@ -766,13 +805,13 @@ def test_scale_events_make_a_history_in_epoch_order(kit: Kit) -> None:
     assert segments[4] == merged
 
 
-def test_reopen_keeps_the_scaling_history(file_kit: Kit) -> None:
-    meta = file_kit.meta
+def test_reopen_keeps_the_scaling_history(durable_kit: Kit) -> None:
+    meta = durable_kit.meta
     stream_id = create(meta, "s/h", 2)
     meta.update_scaling(stream_id, "bytes 2097152/s factor 2 min 1")
     meta.scale_stream(stream_id, 1, 100, {0: 10}, split_first(), b"one")
     streams, history = meta.streams(), meta.scalings()
-    meta = file_kit.reopen()
+    meta = durable_kit.reopen()
     assert meta.streams() == streams
     assert meta.scalings() == history
     # the epoch goes on from where it was: 1 is taken, 2 follows
@@ -834,7 +873,7 @@ def test_a_refused_scale_event_changes_nothing(
     before, history = meta.streams(), meta.scalings()
     with pytest.raises(error):
         meta.scale_stream(stream_id, epoch, 200, sealed, created, b"refused")
-    if kit.kind == "file":
+    if kit.durable:
         meta = kit.reopen()
     assert meta.streams() == before, "no segment sealed, no successor added"
     assert meta.scalings() == history, "no scale record"
@@ -886,7 +925,7 @@ def test_a_recreated_streams_history_is_its_own(kit: Kit) -> None:
     assert len(record.segments) == 4, "the deleted stream's segments of every epoch"
     assert meta.scalings(old) == [] and meta.scalings() == [], "deleted with the stream"
     new = create(meta, "s/re", 2)
-    if kit.kind == "file":
+    if kit.durable:
         meta = kit.reopen()
     fresh = stream_of(meta, new)
     assert fresh.scaling == ""
@@ -916,7 +955,7 @@ def test_chunks_and_retention_work_on_sealed_segments(kit: Kit) -> None:
     assert [(c.segment, c.count) for c in meta.segment_chunks()] == [(0, 2), (2, 1)]
     removed = meta.remove_chunks_before(stream_id, {0: 10, 2: 10})
     assert [(c.segment, c.base_offset) for c in removed] == [(0, 0), (2, 0)]
-    if kit.kind == "file":
+    if kit.durable:
         meta = kit.reopen()
     segments = {s.number: s for s in stream_of(meta, stream_id).segments}
     assert (segments[0].sealed, segments[0].start_offset, segments[0].end_offset) == (True, 10, 20)
@@ -957,7 +996,7 @@ def test_the_stored_history_rebuilds_the_segment_graph(kit: Kit) -> None:
         sealed = {number: 100 * step + number for number in event.sealed}
         meta.scale_stream(stream_id, event.epoch, event.at_ms, sealed, created, b"{}")
         graph = graph.apply(event)
-    if kit.kind == "file":
+    if kit.durable:
         meta = kit.reopen()
 
     stream = stream_of(meta, stream_id)
@@ -997,36 +1036,44 @@ def test_the_stored_history_rebuilds_the_segment_graph(kit: Kit) -> None:
 _KILLED_MID_SCALE = """
 import os, signal, sys
 from slipstream.storage import SegmentRecord, SqliteMetaStore
+from slipstream.storage._meta_pg import PostgresMetaStore
 
-class Killed(SqliteMetaStore):
+class Killed(PostgresMetaStore if sys.argv[1] == "postgres" else SqliteMetaStore):
     def _insert_segments(self, cur, stream_id, segments):
         if any(s.predecessors for s in segments):  # a scale event's successors: die now
             os.kill(os.getpid(), signal.SIGKILL)
         super()._insert_segments(cur, stream_id, segments)
 
-meta = Killed(sys.argv[1])
+meta = Killed(sys.argv[2])
 half = 2**63
 successors = [SegmentRecord(2, 1, 0, half // 2 - 1, 0, predecessors=[0, 1]),
               SegmentRecord(3, 1, half // 2, 2**64 - 1, 0, predecessors=[0, 1])]
-meta.scale_stream(int(sys.argv[2]), 1, 5, {0: 10, 1: 20}, successors, b"lost")
+meta.scale_stream(int(sys.argv[3]), 1, 5, {0: 10, 1: 20}, successors, b"lost")
 """
 
 
 def test_a_scale_event_killed_after_its_seals_leaves_the_catalog_as_it_was(
-    file_kit: Kit,
+    durable_kit: Kit,
 ) -> None:
     # kill -9 after the seals are written, before the successors: none of it survives
-    meta = file_kit.meta
+    meta = durable_kit.meta
     stream_id = create(meta, "s/killed", 2)
     before = meta.streams()
     meta.close()
     done = subprocess.run(
-        [sys.executable, "-c", _KILLED_MID_SCALE, str(file_kit.path), str(stream_id)],
+        [
+            sys.executable,
+            "-c",
+            _KILLED_MID_SCALE,
+            durable_kit.kind,
+            durable_kit.where,
+            str(stream_id),
+        ],
         capture_output=True,
         timeout=60,
     )
     assert done.returncode == -signal.SIGKILL, done.stderr.decode()
-    meta = file_kit.meta = SqliteMetaStore(file_kit.path)
+    meta = durable_kit.meta = durable_kit.open()
     assert meta.streams() == before
     assert meta.scalings() == []
     meta.scale_stream(stream_id, 1, 6, {0: 10}, split_first())  # epoch 1 is still free
@@ -1169,6 +1216,6 @@ def test_put_setting_replaces_and_delete_says_whether_there_was_one(meta: MetaSt
     assert meta.settings("rules") == {}
 
 
-def test_settings_survive_a_reopen(file_kit: Kit) -> None:
-    file_kit.meta.put_setting("revoked", "t1", b"123")
-    assert file_kit.reopen().settings("revoked") == {"t1": b"123"}
+def test_settings_survive_a_reopen(durable_kit: Kit) -> None:
+    durable_kit.meta.put_setting("revoked", "t1", b"123")
+    assert durable_kit.reopen().settings("revoked") == {"t1": b"123"}
