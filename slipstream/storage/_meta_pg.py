@@ -157,10 +157,11 @@ class PostgresMetaStore(MetaStore):
 
     Chunk lookups (``chunk_at``, ``chunk_at_time``, ``chunks_from``, ``chunk_finds``,
     ``segment_chunks``) take connections from a pool of their own, so they never wait for a
-    write; reads retry once on a connection the server closed (a restart). A write that
-    loses its connection raises StorageError: it may or may not have committed, as with
-    any database, and the caller's retry must be idempotent (every write here is, or fails
-    with the store's typed error). A full disk on the server is StorageFull.
+    write, not even when every write connection is held by writes waiting for locks. After a
+    server restart, reads try again once on fresh connections and writes check their
+    connection before they start. A write that loses its connection raises StorageError: it
+    may or may not have committed (as with any database; reading the catalog tells). A full
+    disk on the server is StorageFull.
     """
 
     def __init__(self, dsn: str, *, pool_size: int = 4) -> None:
@@ -177,10 +178,14 @@ class PostgresMetaStore(MetaStore):
                 server=self._where,
             ) from None
         self._closed = threading.Event()
-        self._pool = self._new_pool("writes", pool_size)
-        self._lookups = self._new_pool("lookups", pool_size)
+        # writes check their connection first (one round trip): after a server restart
+        # they go on, instead of failing on each connection the restart broke
+        self._pool = self._new_pool("writes", pool_size, ConnectionPool.check_connection)
+        self._lookups = self._new_pool("lookups", pool_size, None)
 
-    def _new_pool(self, purpose: str, size: int) -> ConnectionPool:
+    def _new_pool(
+        self, purpose: str, size: int, check: Callable[[psycopg.Connection[Any]], None] | None
+    ) -> ConnectionPool:
         return ConnectionPool(
             self._dsn,
             min_size=1,
@@ -188,6 +193,7 @@ class PostgresMetaStore(MetaStore):
             kwargs={"autocommit": True},
             name=f"slipstream-catalog-{purpose}",
             timeout=30.0,
+            check=check,
             open=True,
         )
 
@@ -236,6 +242,8 @@ class PostgresMetaStore(MetaStore):
                 except psycopg.OperationalError:
                     if attempt == 2 or self._closed.is_set():
                         raise
+                    # a restart broke every idle connection: drop them all, then try again
+                    (self._lookups if lookup else self._pool).check()
         raise AssertionError("unreachable")
 
     # --- streams and segments -----------------------------------------------------------
