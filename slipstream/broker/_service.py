@@ -40,7 +40,14 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from .._errors import BatchTooLarge, CorruptBatch, InvalidArgument, NotOwner, SlipstreamError
+from .._errors import (
+    BatchTooLarge,
+    CorruptBatch,
+    InvalidArgument,
+    NotOwner,
+    PermissionDenied,
+    SlipstreamError,
+)
 from ..format import BatchHeader, verify
 from ..protocol import (
     GroupAssignment,
@@ -52,6 +59,16 @@ from ..protocol import (
     TxnEnded,
     TxnInfo,
     TxnPositions,
+)
+from ..security import Action, AuditLog, Principal, Role
+from ..security._rules import (
+    Decision,
+    Rule,
+    Rules,
+    decode_rule,
+    encode_rule,
+    grant_command,
+    make_rule,
 )
 from ..storage import QueueOptions, fsync_dir
 from ..streams import parse_positions, validate_stream_name
@@ -73,6 +90,9 @@ MAX_PRODUCERS_PER_CALLER = 4096
 PRODUCER_KEY_FILE = "producer.key"
 _KEY_BYTES = 32
 _TOKEN_BYTES = 16
+RULES_SETTING = "rules"
+#: (action, stream) decisions one caller keeps; past this the cache starts over
+MAX_ACCESS_CACHE = 1024
 
 
 @dataclass(eq=False, slots=True)
@@ -83,8 +103,12 @@ class Caller:
 
     connection_id: int
     peer: str
-    principal: str | None = None
+    principal: Principal | None = None
     producers: dict[int, None] = field(default_factory=dict)
+    #: (action, stream) pairs the rules allowed, valid while ``access_version`` is the
+    #: service's rules version; bounded by MAX_ACCESS_CACHE
+    access: set[tuple[Action | None, str | None]] = field(default_factory=set)
+    access_version: int = -1
 
     def __str__(self) -> str:
         return f"connection {self.connection_id} from {self.peer}"
@@ -141,10 +165,15 @@ class Service:
         self._connection_ids = itertools.count(1)
         self.subscriptions = Subscriptions(controller)
         self._finder: Finder | None = None  # made on the first find
+        self.audit = AuditLog()
+        self.rules = Rules(
+            [decode_rule(v) for v in controller.meta.settings(RULES_SETTING).values()]
+        )
+        self._rules_version = 0  # callers' cached decisions hold while it is unchanged
 
     # --- callers -----------------------------------------------------------------------------
 
-    def connect(self, peer: str, principal: str | None = None) -> Caller:
+    def connect(self, peer: str, principal: Principal | None = None) -> Caller:
         """A new caller (one connection); ``disconnect`` it when it goes."""
         return Caller(next(self._connection_ids), peer, principal)
 
@@ -169,6 +198,7 @@ class Service:
         scaling: str = "",
     ) -> StreamInfo:
         """Raises StreamExists, InvalidName, InvalidArgument (also a bad scaling policy)."""
+        self._authorize(caller, Action.MANAGE, name)
         stream = await self.controller.create_stream(
             name, segments, retention_ms, retention_bytes, scaling
         )
@@ -188,6 +218,7 @@ class Service:
         before it returns (a restart keeps it); the next retention pass applies it, and what
         an earlier pass removed stays removed. Raises StreamNotFound, InvalidName,
         InvalidArgument (a negative or too large limit), StorageError / StorageFull."""
+        self._authorize(caller, Action.MANAGE, name)
         if scaling is not None:
             await self.controller.update_scaling(name, scaling)
         if scaling is None or retention_ms is not None or retention_bytes is not None:
@@ -197,6 +228,7 @@ class Service:
     async def delete_stream(self, caller: Caller, name: str) -> None:
         """Delete a stream, its data and its subscriptions; its followers get StreamNotFound,
         its groups' members SubscriptionNotFound on their next poll."""
+        self._authorize(caller, Action.MANAGE, name)
         stream = self.controller.stream(name)
         await self.controller.delete_stream(name)
         self.subscriptions.forget_stream(stream)
@@ -207,25 +239,35 @@ class Service:
         """Split one open segment into ``into`` successors, or merge adjacent open segments,
         in a new epoch (see ``Controller.scale``). Waits for transactions that staged into
         them to end. Raises StreamNotFound, SegmentNotFound, InvalidArgument."""
+        self._authorize(caller, Action.MANAGE, name)
         stream = await self.controller.scale(name, segments, into, self.coordinator.touching)
         return stream.info()
 
     def scale_history(self, caller: Caller, name: str) -> list[ScaleEventInfo]:
+        self._authorize(caller, None, name)
         return [
             ScaleEventInfo(r.epoch, r.at_ms, r.sealed, r.created, r.decision.decode())
             for r in self.controller.scale_history(name)
         ]
 
     def list_streams(self, caller: Caller, scope: str | None = None) -> list[StreamInfo]:
-        return [s.info() for s in self.controller.list_streams(scope)]
+        """The streams (of ``scope``, or all) the caller may act on: with authentication on,
+        those some rule lets it produce to, consume or manage (all for the admin role)."""
+        streams = self.controller.list_streams(scope)
+        if caller.principal is not None:
+            streams = [s for s in streams if self._may(caller, None, s.name)]
+        return [s.info() for s in streams]
 
     def describe_stream(self, caller: Caller, name: str) -> StreamInfo:
+        """Any of produce, consume or manage allows it (a producer routes by the segments)."""
+        self._authorize(caller, None, name)
         return self.controller.stream(name).info()
 
     async def cut(
         self, caller: Caller, stream: str, at: str, timestamp_ms: int | None = None
     ) -> dict[int, int]:
         """``{segment: offset}`` at "earliest", "latest" or "time" (``timestamp_ms``)."""
+        self._authorize(caller, Action.CONSUME, stream)
         return await self.controller.cut(stream, at, timestamp_ms)
 
     # --- produce -----------------------------------------------------------------------------
@@ -244,6 +286,7 @@ class Service:
                 f"batch of {len(batch)} bytes exceeds the limit of {self.max_batch_bytes}",
                 limit=self.max_batch_bytes,
             )
+        self._authorize(caller, Action.PRODUCE, stream)
         target = self.controller.stream(stream).segment(segment)
         header = verify(batch)
         if header.batch_length != len(batch):
@@ -264,14 +307,17 @@ class Service:
     # --- read --------------------------------------------------------------------------------
 
     def segment(self, caller: Caller, stream: str, segment: int) -> Segment:
-        """A segment to read (StreamNotFound, SegmentNotFound)."""
+        """A segment to read (StreamNotFound, SegmentNotFound, PermissionDenied)."""
+        self._authorize(caller, Action.CONSUME, stream)
         return self.controller.stream(stream).segment(segment)
 
     async def read(
         self, caller: Caller, segment: Segment, offset: int, max_bytes: int
     ) -> list[bytes | bytearray | memoryview]:
         """Whole batches from ``offset`` (at least one if any, then up to ``max_bytes``); []
-        at the end. Raises OffsetOutOfRange, CorruptData, StreamNotFound (deleted)."""
+        at the end. Raises OffsetOutOfRange, CorruptData, StreamNotFound (deleted),
+        PermissionDenied (a rule revoked since the follow began)."""
+        self._authorize(caller, Action.CONSUME, segment.stream_name)
         return await self.containers[segment.container].read(segment, offset, max_bytes)
 
     async def find_events(
@@ -292,6 +338,7 @@ class Service:
         and the order across scaled segments). Raises StreamNotFound (also for a stream
         deleted meanwhile), InvalidArgument for a bad limit or window, CorruptData for
         damaged bytes in a batch it must read."""
+        self._authorize(caller, Action.CONSUME, stream)
         if isinstance(key, str):
             key = key.encode()
         check_find_arguments(start_ms, end_ms, limit)
@@ -327,6 +374,7 @@ class Service:
         ``before`` and ``after``), CorruptData for damaged bytes it must read."""
         if before is not None and after is not None:
             raise InvalidArgument("browse before a cut or after one, not both")
+        self._authorize(caller, Action.CONSUME, stream)
         info = self.describe_stream(caller, stream)
         if isinstance(before, str):
             before = parse_positions(before)
@@ -347,7 +395,9 @@ class Service:
     ) -> tuple[int, int, bytes]:
         """A producer id and epoch owned by ``caller``, and the token that claims them from
         another connection. With a transactional id: its stable id and the next epoch, which
-        fences the older producers of the id and aborts their open transaction."""
+        fences the older producers of the id and aborts their open transaction. With
+        authentication on, the caller must be allowed to produce to some stream."""
+        self._authorize_somewhere(caller, Action.PRODUCE)
         producer_id, epoch = await self.coordinator.init_producer(transactional_id)
         self._own(caller, producer_id)
         return producer_id, epoch, self._token(producer_id, epoch)
@@ -370,7 +420,10 @@ class Service:
     async def begin_txn(
         self, caller: Caller, producer_id: int, epoch: int, timeout_ms: int, label: str = ""
     ) -> int:
-        """Open a transaction of the caller's producer id (-1: anonymous, shared by id)."""
+        """Open a transaction of the caller's producer id (-1: anonymous, shared by id).
+        With authentication on, the caller must be allowed to produce to some stream; each
+        append into it and its commit are checked against the streams they touch."""
+        self._authorize_somewhere(caller, Action.PRODUCE)
         if producer_id >= 0:
             self.coordinator.check_epoch(producer_id, epoch)
             if producer_id not in caller.producers:
@@ -391,8 +444,12 @@ class Service:
         """Commit or abort. Only the owner may end an open transaction, except an operator's
         abort; asking again about one that already ended is answered to anyone. A commit's
         ``positions`` (subscription positions consumed) are stored with it, atomically;
-        NotAssigned / StaleGeneration / UnknownMember abort the transaction instead."""
+        NotAssigned / StaleGeneration / UnknownMember abort the transaction instead. With
+        authentication on: an operator's abort needs the admin action, a commit produce on
+        every stream it (and each transaction it merges) staged into, and consume on the
+        stream of every position it stores."""
         if operator:
+            self._authorize(caller, Action.ADMIN, None)
             if commit:
                 raise InvalidArgument("an operator may abort a transaction, not commit it")
             txn = self.coordinator.open.get(txn_id)
@@ -404,6 +461,11 @@ class Service:
                 log.warning("transaction %d aborted by an operator (%s)", txn_id, caller)
         else:
             self._check_txn_owner(caller, txn_id)
+            if commit and caller.principal is not None:
+                for stream in self._staged_streams([txn_id, *merge]):
+                    self._authorize(caller, Action.PRODUCE, stream)
+                for consumed in positions:
+                    self._authorize(caller, Action.CONSUME, consumed.stream)
         if not (commit and positions and txn_id in self.coordinator.open):
             return await self.coordinator.end(txn_id, commit, metadata, list(merge))
         # positions consumed: stored with the commit record if this caller's members still
@@ -420,9 +482,14 @@ class Service:
             raise
 
     def list_txns(self, caller: Caller) -> list[TxnInfo]:
+        """Every open transaction (with authentication on, the admin action)."""
+        self._authorize(caller, Action.ADMIN, None)
         return self.coordinator.list()
 
     def identity(self, caller: Caller, transactional_id: str) -> IdentityInfo:
+        """A transactional id's last commit (with authentication on, the caller must be
+        allowed to produce to some stream, as for ``init_producer``)."""
+        self._authorize_somewhere(caller, Action.PRODUCE)
         return self.coordinator.identity(transactional_id)
 
     def list_identities(self, caller: Caller, prefix: str = "") -> list[IdentityInfo]:
@@ -430,7 +497,9 @@ class Service:
         producer id, epoch, last committed transaction, that commit's metadata and time
         (``last_txn_id`` -1 and ``last_metadata`` b"" for an id that began but never
         committed). The Spark sink's queries are the ids under ``spark:``. A snapshot: a
-        commit that ends while this runs is in it or not, never half."""
+        commit that ends while this runs is in it or not, never half. With authentication
+        on: the admin action."""
+        self._authorize(caller, Action.ADMIN, None)
         return self.coordinator.list_identities(prefix)
 
     # --- subscriptions and groups ------------------------------------------------------------
@@ -449,6 +518,7 @@ class Service:
         """A durable cursor starting at ``at`` ("earliest", "latest", "time" with
         ``timestamp_ms``, "cut" with ``positions``). Raises StreamNotFound,
         SubscriptionExists, InvalidName, InvalidArgument, OffsetOutOfRange."""
+        self._authorize(caller, Action.MANAGE, stream)
         start = await self._start(caller, stream, at, timestamp_ms, positions)
         queue = _queue_options(stream, options or {}) if mode != "ordered" else None
         if mode == "ordered" and options:
@@ -456,15 +526,18 @@ class Service:
         return await self.subscriptions.create(stream, name, mode, start, queue)
 
     def list_subscriptions(self, caller: Caller, stream: str) -> list[SubscriptionInfo]:
+        self._authorize(caller, Action.CONSUME, stream)
         return self.subscriptions.of_stream(stream)
 
     async def describe_subscription(
         self, caller: Caller, stream: str, name: str
     ) -> SubscriptionInfo:
         """Per segment: position, backlog (events, bytes), lag; and the members."""
+        self._authorize(caller, Action.CONSUME, stream)
         return await self.subscriptions.describe(stream, name)
 
     async def delete_subscription(self, caller: Caller, stream: str, name: str) -> None:
+        self._authorize(caller, Action.MANAGE, stream)
         await self.subscriptions.delete(stream, name)
 
     async def reset_subscription(
@@ -477,6 +550,7 @@ class Service:
         positions: dict[int, int] | None = None,
     ) -> SubscriptionInfo:
         """Move every position to ``at``; live members restart from there."""
+        self._authorize(caller, Action.MANAGE, stream)
         start = await self._start(caller, stream, at, timestamp_ms, positions)
         return await self.subscriptions.reset(stream, name, start)
 
@@ -488,8 +562,8 @@ class Service:
         timestamp_ms: int | None,
         positions: dict[int, int] | None,
     ) -> dict[int, int]:
-        if at != "cut":
-            return await self.cut(caller, stream, at, timestamp_ms)
+        if at != "cut":  # authorized by the operation (manage), not as a read
+            return await self.controller.cut(stream, at, timestamp_ms)
         if positions is None:
             raise InvalidArgument("a start at a StreamCut needs its positions")
         segments = self.controller.stream(stream).segments
@@ -506,6 +580,7 @@ class Service:
         session_timeout_ms: int,
     ) -> tuple[int, int]:
         """Join the subscription's group -> (member id, generation)."""
+        self._authorize(caller, Action.CONSUME, stream)
         return self.subscriptions.join(
             caller, stream, subscription, mode, member_name, session_timeout_ms
         )
@@ -513,6 +588,7 @@ class Service:
     async def poll_group(
         self, caller: Caller, member_id: int, released: Sequence[int], wait_ms: int
     ) -> GroupAssignment:
+        self._authorize_member(caller, member_id)
         return await self.subscriptions.poll(caller, member_id, released, wait_ms)
 
     async def commit_positions(
@@ -524,11 +600,13 @@ class Service:
         generation: int,
         positions: dict[int, int],
     ) -> None:
+        self._authorize(caller, Action.CONSUME, stream)
         await self.subscriptions.commit(
             caller, stream, subscription, member_id, generation, positions
         )
 
     def leave_group(self, caller: Caller, member_id: int) -> None:
+        self._authorize_member(caller, member_id)
         self.subscriptions.leave(caller, member_id)
 
     async def fetch_events(
@@ -536,6 +614,7 @@ class Service:
     ) -> tuple[list[list[int]], list[bytes | bytearray | memoryview]]:
         """Queue modes: events for the member -> ([segment, offset, delivery count], ...)
         and the whole batches holding them; see ``_queues.Queues.fetch``."""
+        self._authorize_member(caller, member_id)
         return await self.subscriptions.queues.fetch(caller, member_id, max_events, wait_ms)
 
     async def settle_events(
@@ -548,7 +627,171 @@ class Service:
     ) -> list[list[int]]:
         """Queue modes: ack / nack, durable before it returns -> the deliveries the member
         does not hold (``[segment, offset]``); see ``_queues.Queues.settle``."""
+        self._authorize_member(caller, member_id)
         return await self.subscriptions.queues.settle(caller, member_id, acks, nacks, delay_ms)
+
+    # --- access rules ------------------------------------------------------------------------
+
+    def _authorize(self, caller: Caller, action: Action | None, stream: str | None) -> None:
+        """Raise PermissionDenied (and write a ``denied`` audit record) unless the caller may
+        do ``action`` on ``stream`` (None: a broker-wide operation). ``action`` None: any of
+        produce, consume and manage (describing a stream). Authentication off (no principal):
+        allowed. A decision that allowed is cached on the caller until the rules change."""
+        principal = caller.principal
+        if principal is None:
+            return
+        if caller.access_version == self._rules_version:
+            if (action, stream) in caller.access:
+                return
+        else:
+            caller.access.clear()
+            caller.access_version = self._rules_version
+        decision = self._decide(principal, action, stream)
+        if not decision.allowed:
+            self.audit.record(
+                "denied",
+                subject=principal.subject,
+                peer=caller.peer,
+                action=action or "any",
+                stream=stream,
+                reason=decision.reason,
+            )
+            asked = action or Action.CONSUME
+            what = f"{action or 'act on'} {stream}" if stream else f"{asked} (broker-wide)"
+            raise PermissionDenied(
+                f"{principal.subject} may not {what}: {decision.reason}; an administrator "
+                f"allows it with: {grant_command(principal.subject, asked, stream)}",
+                subject=principal.subject,
+                action=action or "any",
+                stream=stream,
+            )
+        if len(caller.access) >= MAX_ACCESS_CACHE:
+            caller.access.clear()
+        caller.access.add((action, stream))
+
+    def _decide(self, principal: Principal, action: Action | None, stream: str | None) -> Decision:
+        if action is not None:
+            return self.rules.decide(principal, action, stream)
+        for each in (Action.CONSUME, Action.PRODUCE, Action.MANAGE):
+            decision = self.rules.decide(principal, each, stream)
+            if decision.allowed:
+                return decision
+        return decision
+
+    def _staged_streams(self, txn_ids: Sequence[int]) -> set[str]:
+        """The streams the open transactions ``txn_ids`` staged into."""
+        open_txns = self.coordinator.open
+        return {
+            staged.segment.stream_name
+            for txn_id in txn_ids
+            if (txn := open_txns.get(txn_id)) is not None
+            for staged in txn.staged
+        }
+
+    def _authorize_member(self, caller: Caller, member_id: int) -> None:
+        """Consume on the stream of a group member (an unknown member: the group's own error
+        follows)."""
+        member = self.subscriptions.members.get(member_id)
+        if member is not None:
+            self._authorize(caller, Action.CONSUME, member.group.stream.name)
+
+    def _authorize_somewhere(self, caller: Caller, action: Action) -> None:
+        """For operations that name no stream yet: the caller may do ``action`` on some
+        stream."""
+        principal = caller.principal
+        if principal is None:
+            return
+        decision = self.rules.may_somewhere(principal, action)
+        if not decision.allowed:
+            self.audit.record(
+                "denied",
+                subject=principal.subject,
+                peer=caller.peer,
+                action=action,
+                stream=None,
+                reason=decision.reason,
+            )
+            raise PermissionDenied(
+                f"{principal.subject} may not {action} anywhere: {decision.reason}; an "
+                "administrator allows it with: "
+                f"{grant_command(principal.subject, action, _scope_pattern(principal))}",
+                subject=principal.subject,
+                action=str(action),
+            )
+
+    def _may(self, caller: Caller, action: Action | None, stream: str) -> bool:
+        try:
+            self._authorize(caller, action, stream)
+        except PermissionDenied:
+            return False
+        return True
+
+    async def grant(self, caller: Caller, subject: str, action: str, pattern: str) -> Rule:
+        """Add an access rule (admin only); stored in the catalog before it returns, in force
+        for every caller at once. Granting a rule that exists changes nothing. Raises
+        InvalidArgument for a bad subject, action or pattern, PermissionDenied."""
+        self._authorize(caller, Action.ADMIN, None)
+        rule = make_rule(subject, action, pattern)
+        await self.controller.in_catalog(
+            self.controller.meta.put_setting, RULES_SETTING, rule.key, encode_rule(rule)
+        )
+        if self.rules.add(rule):
+            self._rules_version += 1
+        self._record_change(caller, "rule_granted", rule)
+        return rule
+
+    async def revoke(self, caller: Caller, subject: str, action: str, pattern: str) -> bool:
+        """Remove an access rule (admin only), durable before it returns; False if there was
+        none. Open connections lose what only it allowed with their next request (an open
+        follow with its next read)."""
+        self._authorize(caller, Action.ADMIN, None)
+        rule = make_rule(subject, action, pattern)
+        removed = await self.controller.in_catalog(
+            self.controller.meta.delete_setting, RULES_SETTING, rule.key
+        )
+        if self.rules.remove(rule):
+            self._rules_version += 1
+            removed = True
+        if removed:
+            self._record_change(caller, "rule_revoked", rule)
+        return removed
+
+    def list_rules(self, caller: Caller) -> list[Rule]:
+        """Every access rule, sorted (admin only)."""
+        self._authorize(caller, Action.ADMIN, None)
+        return self.rules.rules
+
+    def check_access(
+        self,
+        caller: Caller,
+        subject: str,
+        action: str,
+        stream: str,
+        role: str = "user",
+        scope: str | None = None,
+    ) -> Decision:
+        """A dry run (admin only): would ``subject`` (with ``role``, and a token limited to
+        ``scope`` if given) be allowed ``action`` on ``stream``, and which rule decides?"""
+        self._authorize(caller, Action.ADMIN, None)
+        probe = make_rule(subject, action, "*")
+        if stream != "*":
+            validate_stream_name(stream)
+        try:
+            principal = Principal(subject, Role(role), scope)
+        except ValueError:
+            raise InvalidArgument(f"unknown role {role!r}; one of: admin, user") from None
+        return self.rules.decide(principal, probe.action, None if stream == "*" else stream)
+
+    def _record_change(self, caller: Caller, event: str, rule: Rule) -> None:
+        principal = caller.principal
+        self.audit.record(
+            event,
+            subject=None if principal is None else principal.subject,
+            peer=caller.peer,
+            rule_subject=rule.subject,
+            action=str(rule.action),
+            pattern=rule.pattern,
+        )
 
     # --- ownership ---------------------------------------------------------------------------
 
@@ -590,6 +833,10 @@ class Service:
     def _token(self, producer_id: int, epoch: int) -> bytes:
         message = f"{producer_id}:{epoch}".encode()
         return hmac.new(self._key, message, hashlib.sha256).digest()[:_TOKEN_BYTES]
+
+
+def _scope_pattern(principal: Principal) -> str | None:
+    return None if principal.scope is None else f"{principal.scope}/*"
 
 
 def _queue_options(stream: str, given: dict[str, object]) -> QueueOptions:
