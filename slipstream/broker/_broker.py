@@ -27,9 +27,16 @@ from typing import IO, TYPE_CHECKING
 
 import msgspec
 
-from .._errors import CorruptData, DataDirLocked, InvalidArgument, SlipstreamError
+from .._errors import CorruptData, DataDirLocked, InvalidArgument, SlipstreamError, StorageError
 from .._tls import ServerTls
-from ..storage import FileJournal, LocalChunkStore, SqliteMetaStore, ensure_dir, fsync_dir
+from ..storage import (
+    FileJournal,
+    LocalChunkStore,
+    MetaStore,
+    SqliteMetaStore,
+    ensure_dir,
+    fsync_dir,
+)
 from ._container import (
     FSYNC_MODES,
     JOURNAL_CHECKPOINT_SECONDS,
@@ -80,6 +87,9 @@ class BrokerConfig:
     http_port: int | None = None
     #: certificate files: the binary port and the HTTP API speak TLS (docs/security.md)
     tls: ServerTls | None = None
+    #: the catalog on PostgreSQL (``up --meta postgresql://...``; storage/_meta_pg.py); None:
+    #: SQLite in the data directory (meta.db)
+    meta: str | None = None
 
 
 class _Layout(msgspec.Struct):
@@ -190,14 +200,18 @@ class Broker:
         layout = self._layout(data_dir)
         do_sync = self.config.container.fsync != "never"
         catalog = data_dir / "meta.db"
-        if (data_dir / "journal").exists() and not catalog.exists():
+        if self.config.meta is None and (data_dir / "journal").exists() and not catalog.exists():
             raise CorruptData(
                 f"{catalog}, the catalog, is missing but {data_dir} holds journals: starting "
                 "would forget every stream. Restore the data directory from a backup (or move "
                 "it away to start empty)",
                 file=str(catalog),
             )
-        self.meta = SqliteMetaStore(catalog)
+        self.meta: MetaStore = (
+            SqliteMetaStore(catalog)
+            if self.config.meta is None
+            else _postgres_catalog(self.config.meta, catalog)
+        )
         self.long_term = LocalChunkStore(data_dir / "chunks", fsync=do_sync)
         self.read_pool = ThreadPoolExecutor(4, thread_name_prefix="reader")
         self.journals = [
@@ -449,3 +463,22 @@ def _failure(task: asyncio.Task[None]) -> BaseException | None:
     if task.cancelled():
         return None
     return task.exception() or RuntimeError(f"{task.get_name()} returned, it should run forever")
+
+
+def _postgres_catalog(dsn: str, sqlite_catalog: Path) -> MetaStore:
+    """The catalog on PostgreSQL (psycopg is imported only here: the ``postgres`` extra).
+    Refused where the data directory has a SQLite catalog: its streams would be forgotten."""
+    if sqlite_catalog.exists():
+        raise InvalidArgument(
+            f"{sqlite_catalog.parent} has a catalog of its own ({sqlite_catalog}, SQLite): with "
+            "--meta it would be ignored and every stream in it forgotten. Start without --meta, "
+            "or with --meta and a new --data-dir"
+        )
+    try:
+        from ..storage._meta_pg import PostgresMetaStore
+    except ImportError as exc:
+        raise StorageError(
+            f"--meta needs psycopg, which is not installed ({exc}): "
+            "pip install 'slipstream[postgres]'"
+        ) from None
+    return PostgresMetaStore(dsn)

@@ -158,6 +158,15 @@ def up(
         Path | None,
         typer.Option(help="Require client certificates signed by this CA (mutual TLS)."),
     ] = None,
+    meta: Annotated[
+        str | None,
+        typer.Option(
+            help="Keep the catalog (streams, chunks, subscriptions, transactions) on PostgreSQL: "
+            "postgresql://user:password@host:port/database (docs/operations.md). Default: SQLite "
+            "in --data-dir.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Start the broker in the foreground; Ctrl-C (SIGINT) or SIGTERM stops it cleanly,
     SIGHUP reloads the TLS certificate files."""
@@ -179,6 +188,11 @@ def up(
     tls = None
     if tls_cert is not None and tls_key is not None:
         tls = ServerTls(tls_cert, tls_key, tls_client_ca)
+    if meta is not None and not meta.startswith(("postgresql://", "postgres://")):
+        raise typer.BadParameter(
+            "use a PostgreSQL URL: postgresql://user:password@host:port/database",
+            param_hint="--meta",
+        )
     setup_logging(log_level)
     run_broker(
         data_dir,
@@ -193,6 +207,7 @@ def up(
         connection=ConnectionLimits(idle_timeout=idle_timeout, max_follows=max_follows),
         http_port=None if http_port == -1 else http_port,
         tls=tls,
+        meta=meta,
     )
 
 

@@ -40,6 +40,7 @@ def run_broker(
     connection: ConnectionLimits | None = None,
     http_port: int | None = None,
     tls: ServerTls | None = None,
+    meta: str | None = None,
 ) -> None:
     """Run a broker until a signal; raises SlipstreamError for a bad setup (locked dir) and
     SystemExit(70) if a background task died."""
@@ -54,6 +55,7 @@ def run_broker(
         connection=connection or ConnectionLimits(),
         http_port=http_port,
         tls=tls,
+        meta=meta,
     )
     broker = Broker(config)
 
