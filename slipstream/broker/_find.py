@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from .._errors import CorruptData, InvalidArgument, OffsetOutOfRange
 from ..format import (
@@ -61,7 +60,7 @@ from ..storage import (
     key_hash32,
 )
 from ..streams import key_hash
-from ._segment import JournalBatch, Segment
+from ._segment import Chunk, JournalBatch, Segment
 
 if TYPE_CHECKING:
     from ._container import Container
@@ -221,7 +220,7 @@ class Finder:
                 continue
             if kind == "chunk":
                 assert isinstance(part, ChunkRecord)
-                candidates = await loop.run_in_executor(
+                chunk, candidates = await loop.run_in_executor(
                     self.read_pool,
                     self._chunk_candidates,
                     container,
@@ -231,6 +230,37 @@ class Finder:
                     start_ms,
                     end_ms,
                 )
+                if chunk is None or not candidates:
+                    continue
+                # every candidate run of the chunk read, checked and matched in one trip to a
+                # reader thread (a trip per run cost a find more than the reading itself)
+                runs = _runs(candidates, newest_first)
+                needed = state.limit - len(state.events) - len(found)
+                results = await loop.run_in_executor(
+                    self.read_pool,
+                    _read_chunk_runs,
+                    container,
+                    segment,
+                    chunk,
+                    runs,
+                    key,
+                    start_ms,
+                    end_ms,
+                    needed if key is not None else (state.limit, list(found), newest_first),
+                )
+                for run, result in zip(runs, results, strict=False):
+                    if isinstance(result, CorruptData):
+                        if run[0].offset < segment.start_offset:
+                            continue  # retention removed the chunk meanwhile
+                        raise result
+                    state.batches_read += len(result)
+                    matches = _within_budget(result, state)
+                    found.extend(reversed(matches) if newest_first else matches)
+                    if key is not None and len(state.events) + len(found) >= state.limit:
+                        return found
+                    if state.truncated:
+                        return found
+                continue
             else:
                 assert isinstance(part, list)
                 candidates = [
@@ -264,24 +294,25 @@ class Finder:
         h32: int | None,
         start_ms: int | None,
         end_ms: int | None,
-    ) -> list[_Candidate]:
-        """A chunk's batches that may hold matches (a reader thread's work): through its find
-        index, or all of them where it has none."""
+    ) -> tuple[Chunk | None, list[_Candidate]]:
+        """A chunk (None if retention removed it meanwhile) and its batches that may hold
+        matches (a reader thread's work): through its find index, or all of them where it has
+        none."""
         chunk = container.chunk_cache.lookup(segment, record.base_offset)
         if chunk is None or chunk.record.base_offset != record.base_offset:
-            return []  # retention removed it meanwhile
+            return None, []  # retention removed it meanwhile
         index = self._index_of(segment, record)
         count = len(chunk.offsets)
         # where each batch ends: the next one's start (a hole between them is no matter: the
         # next batch is then not adjacent), the chunk's end for the last
         ends = np.append(chunk.offsets[1:], record.next_offset)
         if index is None or index.batch_count != count:
-            return [
+            return chunk, [
                 _Candidate(int(o), int(e), int(n), record.min_timestamp, record.max_timestamp)
                 for o, e, n in zip(chunk.offsets, ends, chunk.lengths, strict=True)
             ]
         chosen = index.batches_with(h32, start_ms, end_ms)
-        return [
+        return chunk, [
             _Candidate(
                 int(chunk.offsets[i]),
                 int(ends[i]),
@@ -363,17 +394,88 @@ class Finder:
             start_ms,
             end_ms,
         )
-        out: list[Event] = []
-        for (offset, _), (events, hashes) in zip(ordered, results, strict=True):
+        for (offset, _), (_, hashes) in zip(ordered, results, strict=True):
             if hashes is not None and offset in unknown:
                 unknown[offset].keys = hashes
-            for event in events:
-                state.bytes += len(event.value) + len(event.key or b"")
-                out.append(event)
-            if state.bytes > MAX_FIND_BYTES:
-                state.truncated = True
+        return _within_budget([events for events, _ in results], state)
+
+
+def _within_budget(batches: list[list[Event]], state: _Search) -> list[Event]:
+    """The matches of batches read (offset order) up to the find's byte budget: past it, the
+    rest of the batch that crossed it is kept and ``state.truncated`` set."""
+    out: list[Event] = []
+    for events in batches:
+        for event in events:
+            state.bytes += len(event.value) + len(event.key or b"")
+            out.append(event)
+        if state.bytes > MAX_FIND_BYTES:
+            state.truncated = True
+            break
+    return out
+
+
+def _read_chunk_runs(
+    container: Container,
+    segment: Segment,
+    chunk: Chunk,
+    runs: list[list[_Candidate]],
+    key: bytes | None,
+    start_ms: int | None,
+    end_ms: int | None,
+    needed: int | tuple[int, list[Event], bool],
+) -> list[list[list[Event]] | CorruptData]:
+    """Read runs of candidate batches of one chunk (in the order given, each run forward),
+    CRC-checked as every read is (``Container._read_chunk``), and match them: per run, each
+    batch's matching events, or the CorruptData its read raised (a hole, ``resume`` set, is
+    stepped over as nothing read). With a key, stops after the run that brings the matches
+    to ``needed``; without, ``needed`` is (limit, the segment's matches so far, newest
+    first), and it stops once no unread run can hold one of the segment's best ``limit`` in
+    time order (``_done``), as the search does between chunks. A reader thread's work: the
+    chunk, the segment's name and number, and copies are all it touches."""
+    out: list[list[list[Event]] | CorruptData] = []
+    found = 0
+    in_time: list[Event] | None = None
+    if isinstance(needed, tuple):
+        limit, in_time, newest_first = needed
+        # the best time each run from there on can hold
+        bounds = [
+            max(c.max_ts for c in run) if newest_first else min(c.min_ts for c in run)
+            for run in runs
+        ]
+        for i in range(len(bounds) - 2, -1, -1):
+            pick = max if newest_first else min
+            bounds[i] = pick(bounds[i], bounds[i + 1])
+    for number, run in enumerate(runs):
+        if in_time is not None and _done(in_time, limit, bounds[number], newest_first):
+            break
+        total = sum(c.length for c in run)
+        try:
+            batches = container._read_chunk(segment, chunk, run[0].offset, total)
+        except FileNotFoundError as exc:  # a store without its own error for a gone chunk
+            out.append(CorruptData(f"chunk {chunk.record.name} is gone: {exc}"))
+            break
+        except CorruptData as exc:
+            if exc.details.get("resume") is None:
+                out.append(exc)  # the loop tells retention from damage
                 break
-        return out
+            out.append([])  # a hole: nothing readable there
+            continue
+        wanted = {c.offset for c in run}
+        ordered = []
+        for batch in batches:
+            base = decode_header(batch).base_offset
+            if base in wanted:
+                ordered.append((base, batch))
+        results = _match_batches(ordered, set(), segment.number, key, start_ms, end_ms)
+        matched = [events for events, _ in results]
+        out.append(matched)
+        if in_time is not None:
+            in_time.extend(event for events in matched for event in events)
+            continue
+        found += sum(len(events) for events in matched)
+        if isinstance(needed, int) and found >= needed:
+            break
+    return out
 
 
 class _Search:
@@ -472,8 +574,7 @@ def _match_batches(
         keys = record.column(0)
         mask = np.ones(record.num_rows, dtype=bool)
         if key is not None:
-            equal = pc.equal(keys, pa.scalar(key, pa.binary())).fill_null(False)
-            mask &= np.asarray(equal.to_numpy(zero_copy_only=False), dtype=bool)
+            mask &= _key_mask(keys, key)
         times = int64_values(record.column(2))
         if start_ms is not None:
             mask &= times >= start_ms
@@ -490,3 +591,25 @@ def _match_batches(
         ]
         out.append((events, hashes))
     return out
+
+
+def _key_mask(keys: pa.Array, key: bytes) -> np.ndarray:
+    """Which rows of a ``binary`` column hold exactly ``key`` (null rows never), with numpy
+    alone: ``pyarrow.compute``'s comparison and its boolean ``to_numpy`` import pandas on
+    first use (0.4 s of a broker's first find) and cost more than this on short keys."""
+    count = len(keys)
+    if keys.null_count == count:
+        return np.zeros(count, dtype=bool)
+    offsets = np.frombuffer(keys.buffers()[1], np.int32, count + 1, keys.offset * 4)
+    mask: np.ndarray = np.diff(offsets) == len(key)
+    if keys.null_count:
+        bitmap = np.frombuffer(keys.buffers()[0], np.uint8)
+        valid = np.unpackbits(bitmap, bitorder="little")[keys.offset : keys.offset + count]
+        mask &= valid.astype(bool)
+    rows = np.flatnonzero(mask)
+    if len(rows) and len(key):
+        data = np.frombuffer(keys.buffers()[2], np.uint8)
+        at = offsets[rows, None].astype(np.int64) + np.arange(len(key))
+        same = (data[at] == np.frombuffer(key, np.uint8)).all(axis=1)
+        mask[rows[~same]] = False
+    return mask

@@ -49,7 +49,7 @@ import numpy as np
 import pyarrow as pa
 
 from .._errors import CorruptBatch
-from ..format import BatchHeader, read_keys
+from ..format import BatchHeader, binary_array, read_keys
 
 FIND_MAGIC = b"SLFX"
 FIND_VERSION = 1
@@ -122,8 +122,9 @@ def column_key_hashes(keys: pa.Array) -> np.ndarray:
 
 
 def key_hash32(key: bytes) -> int:
-    """The index hash of one key (``column_key_hashes`` of a one-key column)."""
-    return int(column_key_hashes(pa.array([key], pa.binary()))[0])
+    """The index hash of one key (``column_key_hashes`` of a one-key column; built without
+    ``pa.array``, whose first call imports pandas: 0.4 s of a broker's first find)."""
+    return int(column_key_hashes(binary_array([key]))[0])
 
 
 def _is_key_type(column: pa.Array) -> bool:
