@@ -127,6 +127,13 @@ class Metrics:
             ["code"],
             registry=registry,
         )
+        self.throttled_seconds = Counter(
+            "slipstream_throttled_seconds",
+            "Delay imposed on requests of the scope by its quota (quota: produce, consume, "
+            "requests): acknowledgements, answers and data pushes held back",
+            ["scope", "quota"],
+            registry=registry,
+        )
         self.scaling_decisions = Counter(
             "slipstream_scaling_decisions",
             "Scales made (kind: split or merge; trigger: manual or policy)",
@@ -150,6 +157,7 @@ class Metrics:
             self.transactions_ended,
             self.rejected_requests,
             self.scaling_decisions,
+            self.throttled_seconds,
         ]
         self._collector: _BrokerCollector | None = None
         if broker is not None:
@@ -271,6 +279,10 @@ class Metrics:
     def rejected(self, code: str) -> None:
         """An error reply with ``code`` went to a client."""
         self.rejected_requests.labels(code).inc()
+
+    def throttled(self, scope: str, quota: str, seconds: float) -> None:
+        """A quota of ``scope`` delayed a request by ``seconds`` (on the loop)."""
+        self.throttled_seconds.labels(scope, quota).inc(seconds)
 
     def scaled(self, sealed: int, reason: str) -> None:
         """A scale sealed ``sealed`` segments (1: a split); ``reason`` is "manual" or a

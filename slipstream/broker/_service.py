@@ -33,6 +33,7 @@ import itertools
 import logging
 import os
 import secrets
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ from ..protocol import (
     GroupAssignment,
     IdentityInfo,
     Payload,
+    QuotaInfo,
     ScaleEventInfo,
     StreamInfo,
     SubscriptionInfo,
@@ -61,6 +63,7 @@ from ..protocol import (
     TxnPositions,
 )
 from ..security import Action, AuditLog, Principal, Role
+from ..security._quotas import Quota, Quotas, decode_quota, encode_quota
 from ..security._rules import (
     Decision,
     Rule,
@@ -71,7 +74,7 @@ from ..security._rules import (
     make_rule,
 )
 from ..storage import QueueOptions, fsync_dir
-from ..streams import parse_positions, validate_stream_name
+from ..streams import parse_positions, validate_scope, validate_stream_name
 from ._browse import EventsPage, events_after, events_before
 from ._find import Finder, FoundEvents, check_find_arguments
 from ._groups import Subscriptions
@@ -90,6 +93,7 @@ MAX_PRODUCERS_PER_CALLER = 4096
 PRODUCER_KEY_FILE = "producer.key"
 _KEY_BYTES = 32
 _TOKEN_BYTES = 16
+QUOTAS_SETTING = "quotas"
 RULES_SETTING = "rules"
 #: (action, stream) decisions one caller keeps; past this the cache starts over
 MAX_ACCESS_CACHE = 1024
@@ -165,6 +169,12 @@ class Service:
         self._connection_ids = itertools.count(1)
         self.subscriptions = Subscriptions(controller)
         self._finder: Finder | None = None  # made on the first find
+        #: quotas per scope (settings kind "quotas"); the Session applies their delays
+        self.quotas = Quotas(
+            {k: decode_quota(v) for k, v in controller.meta.settings(QUOTAS_SETTING).items()},
+            clock=time.monotonic,
+        )
+        self._counted: dict[Caller, str | None] = {}  # callers admitted by ``admit``
         self.audit = AuditLog()
         self.rules = Rules(
             [decode_rule(v) for v in controller.meta.settings(RULES_SETTING).values()]
@@ -180,6 +190,8 @@ class Service:
     def disconnect(self, caller: Caller) -> None:
         """The caller is gone: its producer ids are owned by nobody until claimed again, and
         its group members leave (their segments move to the others at once)."""
+        if caller in self._counted:
+            self.quotas.close_connection(self._counted.pop(caller))
         self.subscriptions.disconnect(caller)
         for producer_id in caller.producers:
             if self._owners.get(producer_id) is caller:
@@ -792,6 +804,70 @@ class Service:
             action=str(rule.action),
             pattern=rule.pattern,
         )
+
+    # --- quotas ------------------------------------------------------------------------------
+
+    def admit(self, caller: Caller) -> None:
+        """Count the caller (once authenticated) against its scope's connection quota: the
+        scope of its principal's token; an unscoped or unauthenticated caller is not counted.
+        Raises LimitExceeded past the quota; ``disconnect`` gives the place back."""
+        principal = caller.principal
+        scope = principal.scope if principal is not None else None
+        self.quotas.open_connection(scope)
+        self._counted[caller] = scope
+
+    def quota_scope(self, caller: Caller, stream: str | None) -> str | None:
+        """The scope a request counts against: its stream's scope, else the scope of the
+        caller's token (None: no quota applies)."""
+        if stream is not None and "/" in stream:
+            return stream.partition("/")[0]
+        principal = caller.principal
+        return principal.scope if principal is not None else None
+
+    async def set_quota(self, caller: Caller, quota: QuotaInfo) -> list[QuotaInfo]:
+        """Set (replace) ``quota.scope``'s quota; one with no limit removes it. Stored before
+        it returns (a restart keeps it) and applied to the scope's next request at once (its
+        buckets start afresh). Admin only when authentication is on (PermissionDenied).
+        Raises InvalidName, InvalidArgument (a limit not positive). -> every quota."""
+        self._authorize(caller, Action.ADMIN, None)
+        scope = validate_scope(quota.scope)
+        limits = Quota(quota.produce_bytes, quota.consume_bytes, quota.requests, quota.connections)
+        if limits.empty:
+            await self.delete_quota(caller, scope)
+            return self.list_quotas(caller)
+        await self.controller.in_catalog(
+            self.controller.meta.put_setting, QUOTAS_SETTING, scope, encode_quota(limits)
+        )
+        self.quotas.set(scope, limits)
+        self.audit.record(
+            "quota_set",
+            subject=caller.principal.subject if caller.principal is not None else None,
+            peer=caller.peer,
+            scope=scope,
+            **msgspec.structs.asdict(limits),
+        )
+        return self.list_quotas(caller)
+
+    async def delete_quota(self, caller: Caller, scope: str) -> bool:
+        """Remove a scope's quota (False if it had none); stored before it returns."""
+        self._authorize(caller, Action.ADMIN, None)
+        removed = await self.controller.in_catalog(
+            self.controller.meta.delete_setting, QUOTAS_SETTING, scope
+        )
+        self.quotas.delete(scope)
+        if removed:
+            self.audit.record(
+                "quota_deleted",
+                subject=caller.principal.subject if caller.principal is not None else None,
+                peer=caller.peer,
+                scope=scope,
+            )
+        return removed
+
+    def list_quotas(self, caller: Caller) -> list[QuotaInfo]:
+        """Every scope's quota, by scope. Admin only when authentication is on."""
+        self._authorize(caller, Action.ADMIN, None)
+        return [QuotaInfo(s, *msgspec.structs.astuple(q)) for s, q in self.quotas.items()]
 
     # --- ownership ---------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from .._errors import (
     CreditLimitExceeded,
     IdleTimeout,
     InvalidArgument,
+    LimitExceeded,
     ProtocolError,
     SlipstreamError,
     TooManyFollows,
@@ -78,6 +79,7 @@ from ..protocol import (
     InitProducer,
     JoinGroup,
     LeaveGroup,
+    ListQuotas,
     ListStreams,
     ListSubscriptions,
     ListTxns,
@@ -87,9 +89,11 @@ from ..protocol import (
     Payload,
     PollGroup,
     ProducerGrant,
+    QuotaList,
     ResetSubscription,
     ScaleHistory,
     ScaleStream,
+    SetQuota,
     Settled,
     SettleEvents,
     StreamList,
@@ -101,6 +105,7 @@ from ..protocol import (
     Welcome,
     encode_frame,
 )
+from ..security._quotas import CONSUME, PRODUCE, REQUESTS
 from ._container import BATCH_ALIGNMENT
 from ._service import Caller
 
@@ -202,6 +207,7 @@ class Session(asyncio.BufferedProtocol):
         self.last_received = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
         self._stall_timer: asyncio.TimerHandle | None = None
+        self._quota_timer: asyncio.TimerHandle | None = None  # reading held by a quota
 
     # --- asyncio.Protocol --------------------------------------------------------------------
 
@@ -222,6 +228,8 @@ class Session(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.broker.sessions.discard(self)
+        if self._quota_timer is not None:
+            self._quota_timer.cancel()
         if self.caller is not None:
             self.service.disconnect(self.caller)
         for timer in (self._idle_timer, self._stall_timer):
@@ -400,6 +408,12 @@ class Session(asyncio.BufferedProtocol):
                 cid,
             )
             return
+        assert self.caller is not None
+        try:
+            self.service.admit(self.caller)  # the connection quota of its token's scope
+        except LimitExceeded as exc:
+            self._fatal(exc, cid)
+            return
         self.greeted = True
         # from now on the idle rule applies: look first after idle_timeout, not hello_timeout
         if self._idle_timer is not None:
@@ -418,6 +432,8 @@ class Session(asyncio.BufferedProtocol):
         self.in_flight += 1
         size = len(batch)
         self.pending_bytes += size
+        scope = self.service.quota_scope(self.caller, message.stream)
+        delay = max(self._throttle(PRODUCE, scope, size), self._throttle(REQUESTS, scope, 1))
         if (
             self.pending_bytes > MAX_PENDING_APPEND_BYTES
             and self.transport
@@ -431,8 +447,9 @@ class Session(asyncio.BufferedProtocol):
             self.pending_bytes -= size
             if self.reading_paused and self.pending_bytes <= MAX_PENDING_APPEND_BYTES // 2:
                 self.reading_paused = False
-                if self.transport is not None and not self.transport.is_closing():
-                    self.transport.resume_reading()
+                transport = self.transport
+                if transport and not transport.is_closing() and self._quota_timer is None:
+                    transport.resume_reading()
             exc = done.exception()
             if exc is None:
                 base = done.result()  # None: staged in a transaction, no offset yet
@@ -444,10 +461,24 @@ class Session(asyncio.BufferedProtocol):
                 log.error("append failed unexpectedly", exc_info=exc)
                 self.send_error(cid, SlipstreamError(f"internal error: {exc}"))
 
+        if delay:  # over a quota: acknowledged when durable and the delay has passed
+            due = asyncio.get_running_loop().time() + delay
+            future.add_done_callback(
+                lambda done: asyncio.get_running_loop().call_at(due, acknowledge, done)
+            )
+            return
         future.add_done_callback(acknowledge)
 
     async def _request(self, message: Message, cid: int) -> None:
         try:
+            assert self.caller is not None
+            stream = getattr(message, "stream", None) or getattr(message, "name", None)
+            scope = self.service.quota_scope(
+                self.caller, stream if isinstance(stream, str) else None
+            )
+            delay = self._throttle(REQUESTS, scope, 1)
+            if delay:  # over the request quota: answered later, not refused
+                await asyncio.sleep(delay)
             reply = await self._handle(message)
         except SlipstreamError as exc:
             self.send_error(cid, exc)
@@ -544,6 +575,9 @@ class Session(asyncio.BufferedProtocol):
                 )
                 members = service.subscriptions.members
                 self.broker.metrics.delivered(members.get(member_id), len(deliveries), batches)
+                member = members.get(member_id)
+                if member is not None:
+                    await self._consume_quota(member.group.stream.name, batches)
                 return _WithPayload(EventsDelivered(deliveries), batches)
             case SettleEvents(member_id, acks, nacks, delay_ms):
                 return Settled(
@@ -573,9 +607,64 @@ class Session(asyncio.BufferedProtocol):
                 return TxnList(service.list_txns(caller))
             case GetIdentity(transactional_id):
                 return service.identity(caller, transactional_id)
+            case SetQuota(quota):
+                return QuotaList(await service.set_quota(caller, quota))
+            case ListQuotas():
+                return QuotaList(service.list_quotas(caller))
             case Hello():
                 raise ProtocolError("Hello was already sent on this connection")
         raise ProtocolError(f"{type(message).__name__} is not a request")
+
+    # --- quotas ------------------------------------------------------------------------------
+
+    def _throttle(self, kind: str, scope: str | None, units: int) -> float:
+        """Charge a quota (``Service.quotas``); over it, hold reading this connection for the
+        delay too, so the client's window fills and it slows down. -> seconds to delay."""
+        delay = self.service.quotas.charge(scope, kind, units)
+        if delay:
+            assert scope is not None
+            self.broker.metrics.throttled(scope, kind, delay)
+            self._hold_reading(delay)
+        return delay
+
+    def _hold_reading(self, delay: float) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        loop = asyncio.get_running_loop()
+        due = loop.time() + delay
+        if self._quota_timer is not None:
+            if self._quota_timer.when() >= due:
+                return
+            self._quota_timer.cancel()
+        else:
+            transport.pause_reading()
+        self._quota_timer = loop.call_at(due, self._release_reading)
+
+    def _release_reading(self) -> None:
+        self._quota_timer = None
+        transport = self.transport
+        if not self.reading_paused and transport is not None and not transport.is_closing():
+            transport.resume_reading()
+
+    def _frame_bytes(self, segment: Segment, credit: int) -> int:
+        """The most bytes of the next data frame: the credit, up to 4 MiB, and up to one
+        second of the consume quota (a small quota gets a steady flow, not bursts)."""
+        assert self.caller is not None
+        scope = self.service.quota_scope(self.caller, segment.stream_name)
+        burst = self.service.quotas.burst(scope, CONSUME) or MAX_DATA_FRAME_BYTES
+        return min(credit, MAX_DATA_FRAME_BYTES, burst)
+
+    async def _consume_quota(self, stream: str, batches: list[Any]) -> None:
+        """Data sent from ``stream``: over its scope's consume quota, wait before sending
+        more (this follow's next frame, or this fetch's answer); other work goes on."""
+        assert self.caller is not None
+        scope = self.service.quota_scope(self.caller, stream)
+        delay = self.service.quotas.charge(scope, CONSUME, sum(len(b) for b in batches))
+        if delay:
+            assert scope is not None
+            self.broker.metrics.throttled(scope, CONSUME, delay)
+            await asyncio.sleep(delay)
 
     # --- follows -----------------------------------------------------------------------------
 
@@ -642,7 +731,7 @@ class Session(asyncio.BufferedProtocol):
                 async with self.read_slots:  # bounds what this connection's reads hold
                     await self.writable.wait()
                     batches = await service.read(
-                        caller, segment, follow.offset, min(follow.credit, MAX_DATA_FRAME_BYTES)
+                        caller, segment, follow.offset, self._frame_bytes(segment, follow.credit)
                     )
                     if batches:
                         if follow.end_offset is not None:
@@ -653,6 +742,7 @@ class Session(asyncio.BufferedProtocol):
                         follow.credit -= sum(len(b) for b in batches)
                         self.send(Data(follow.sub_id), 0, batches)
                         self.broker.metrics.consumed(segment, follow.offset - sent_from, batches)
+                        await self._consume_quota(segment.stream_name, batches)
                         continue
                 if follow.offset >= segment.next_offset and not segment.deleted:
                     await segment.wait_for_change()

@@ -61,15 +61,19 @@ from ..protocol import (
     GetScaleHistory,
     IdentityInfo,
     InitProducer,
+    ListQuotas,
     ListStreams,
     ListSubscriptions,
     ListTxns,
     Message,
     ProducerGrant,
+    QuotaInfo,
+    QuotaList,
     ResetSubscription,
     ScaleEventInfo,
     ScaleHistory,
     ScaleStream,
+    SetQuota,
     StreamInfo,
     StreamList,
     SubscriptionInfo,
@@ -710,6 +714,35 @@ class AsyncClient:
         """Abort an open transaction by id (an operator's tool: its owner's commit fails)."""
         await self._request(EndTxn(txn_id, False, operator=True))
 
+    async def set_quota(
+        self,
+        scope: str,
+        *,
+        produce_bytes: int | None = None,
+        consume_bytes: int | None = None,
+        requests: int | None = None,
+        connections: int | None = None,
+    ) -> list[QuotaInfo]:
+        """Set (replace) a scope's quota: bytes per second produced to and consumed from its
+        streams, requests per second, open connections of tokens limited to it; None: no
+        limit (all None removes the quota). A tenant over a rate is slowed down, not refused.
+        Stored before it returns. -> every quota. Raises PermissionDenied without admin
+        (authentication on), InvalidArgument for a limit that is not positive."""
+        quota = QuotaInfo(scope, produce_bytes, consume_bytes, requests, connections)
+        reply = await self._request(SetQuota(quota))
+        assert isinstance(reply, QuotaList)
+        return reply.quotas
+
+    async def delete_quota(self, scope: str) -> list[QuotaInfo]:
+        """Remove a scope's quota (no limits); -> every quota left."""
+        return await self.set_quota(scope)
+
+    async def quotas(self) -> list[QuotaInfo]:
+        """Every scope's quota, by scope."""
+        reply = await self._request(ListQuotas())
+        assert isinstance(reply, QuotaList)
+        return reply.quotas
+
     async def _end(
         self,
         txn_id: int,
@@ -1287,6 +1320,34 @@ class Client:
     def abort_transaction(self, txn_id: int) -> None:
         """Abort an open transaction by id."""
         self._loop.run(self._async.abort_transaction(txn_id))
+
+    def set_quota(
+        self,
+        scope: str,
+        *,
+        produce_bytes: int | None = None,
+        consume_bytes: int | None = None,
+        requests: int | None = None,
+        connections: int | None = None,
+    ) -> list[QuotaInfo]:
+        """Set (replace) a scope's quota; see ``AsyncClient.set_quota``."""
+        return self._loop.run(
+            self._async.set_quota(
+                scope,
+                produce_bytes=produce_bytes,
+                consume_bytes=consume_bytes,
+                requests=requests,
+                connections=connections,
+            )
+        )
+
+    def delete_quota(self, scope: str) -> list[QuotaInfo]:
+        """Remove a scope's quota; -> every quota left."""
+        return self._loop.run(self._async.delete_quota(scope))
+
+    def quotas(self) -> list[QuotaInfo]:
+        """Every scope's quota, by scope."""
+        return self._loop.run(self._async.quotas())
 
     def reader(
         self, stream: str, start: Start = "earliest", end: StreamCut | None = None

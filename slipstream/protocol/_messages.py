@@ -571,6 +571,37 @@ class EventsFound(Message, frozen=True):
     truncated: bool = False
 
 
+# --- quotas (docs/protocol.md "Quotas"): requests 40-41, reply 91 -----------------------------
+
+
+class QuotaInfo(Message, frozen=True):
+    """One scope's quota (inside ``SetQuota``'s answer and ``QuotaList``); nil: no limit.
+    Bytes per second of record batches produced to / consumed from the scope's streams,
+    requests per second, open connections of tokens limited to the scope."""
+
+    scope: str
+    produce_bytes: int | None = None
+    consume_bytes: int | None = None
+    requests: int | None = None
+    connections: int | None = None
+
+
+class SetQuota(Message, frozen=True):
+    """Set (replace) a scope's quota; all limits nil removes it -> ``QuotaList`` (every
+    quota, after the change). Admin only with authentication on. Stored before the answer;
+    applies to the next request of the scope."""
+
+    quota: QuotaInfo
+
+
+class ListQuotas(Message, frozen=True):
+    """-> ``QuotaList``. Admin only with authentication on."""
+
+
+class QuotaList(Message, frozen=True):
+    quotas: list[QuotaInfo]
+
+
 KINDS: dict[int, type[Message]] = {
     1: Hello,
     2: CreateStream,
@@ -603,6 +634,8 @@ KINDS: dict[int, type[Message]] = {
     29: ScaleStream,
     30: GetScaleHistory,
     31: FindEvents,
+    40: SetQuota,
+    41: ListQuotas,
     64: Welcome,
     65: Error,
     66: Done,
@@ -626,5 +659,6 @@ KINDS: dict[int, type[Message]] = {
     84: Settled,
     85: ScaleHistory,
     86: EventsFound,
+    91: QuotaList,
 }
 KIND_OF: dict[type[Message], int] = {cls: kind for kind, cls in KINDS.items()}

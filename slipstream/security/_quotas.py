@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from .._errors import InvalidArgument
+from .._errors import InvalidArgument, LimitExceeded
 
 #: what each rate quota counts, as the Quota field and the metric label
 PRODUCE = "produce"
@@ -130,19 +130,32 @@ class Quotas:
             bucket = self._buckets[(scope, kind)] = _Bucket(float(rate), float(rate))
         return bucket.charge(units, self._clock())
 
+    def burst(self, scope: str | None, kind: str) -> int | None:
+        """The most units one charge of ``kind`` should carry for ``scope`` (one second of its
+        rate), None without a limit: the Session sends consumed data in frames of at most
+        this, so that a small quota gets a steady flow, not a large frame and a long pause."""
+        quota = self._quotas.get(scope) if scope is not None else None
+        return _RATE_OF[kind](quota) if quota is not None else None
+
     # --- connections ---------------------------------------------------------------------------
 
-    def open_connection(self, scope: str | None) -> int | None:
-        """Count one more connection of ``scope``; None when admitted, else the limit it
-        would exceed (then nothing was counted). An unscoped connection always is."""
+    def open_connection(self, scope: str | None) -> None:
+        """Count one more connection of ``scope``. Raises LimitExceeded (nothing counted) when
+        the scope has its quota's number open already. An unscoped connection always passes
+        and is not counted."""
         if scope is None:
-            return None
+            return
         quota = self._quotas.get(scope)
         count = self._connections.get(scope, 0)
         if quota is not None and quota.connections is not None and count >= quota.connections:
-            return quota.connections
+            raise LimitExceeded(
+                f"scope {scope!r} has {count} connections open, its quota's limit; close one "
+                "first, or ask an administrator to raise it (slipstream quota set "
+                f"{scope} --connections N)",
+                limit=quota.connections,
+                scope=scope,
+            )
         self._connections[scope] = count + 1
-        return None
 
     def close_connection(self, scope: str | None) -> None:
         """One connection counted by ``open_connection`` closed."""

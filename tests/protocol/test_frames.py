@@ -67,6 +67,7 @@ from slipstream.protocol import (
     InitProducer,
     JoinGroup,
     LeaveGroup,
+    ListQuotas,
     ListStreams,
     ListSubscriptions,
     ListTxns,
@@ -76,11 +77,14 @@ from slipstream.protocol import (
     Oversized,
     PollGroup,
     ProducerGrant,
+    QuotaInfo,
+    QuotaList,
     ResetSubscription,
     ScaleEventInfo,
     ScaleHistory,
     ScaleStream,
     SegmentInfo,
+    SetQuota,
     Settled,
     SettleEvents,
     StreamInfo,
@@ -143,6 +147,14 @@ stream_infos = st.builds(
     scaling=TEXT,
 )
 
+quota_infos = st.builds(
+    QuotaInfo,
+    scope=TEXT,
+    produce_bytes=OPTIONAL_I64,
+    consume_bytes=OPTIONAL_I64,
+    requests=OPTIONAL_I64,
+    connections=OPTIONAL_I64,
+)
 POSITIONS = st.dictionaries(I64, OFFSETS, max_size=4)
 PAIRS = st.lists(st.lists(OFFSETS, min_size=2, max_size=2), max_size=3)
 txn_positions = st.builds(
@@ -257,6 +269,9 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
         limit=I64,
         newest_first=st.booleans(),
     ),
+    SetQuota: st.builds(SetQuota, quota=quota_infos),
+    ListQuotas: st.builds(ListQuotas),
+    QuotaList: st.builds(QuotaList, quotas=st.lists(quota_infos, max_size=3)),
     EventsFound: st.builds(
         EventsFound,
         events=st.lists(
@@ -494,6 +509,7 @@ def test_kinds_are_a_bijection_covering_every_message() -> None:
     assert set(Message.__subclasses__()) - set(KINDS.values()) == {
         FoundEvent,
         MemberInfo,
+        QuotaInfo,
         ScaleEventInfo,
         SegmentInfo,
         SubscriptionSegment,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slipstream import InvalidArgument
+from slipstream import InvalidArgument, LimitExceeded
 from slipstream.security._quotas import (
     CONSUME,
     PRODUCE,
@@ -73,6 +73,9 @@ def test_no_quota_never_delays(steps: list[tuple[float, int]]) -> None:
         assert quotas.charge("b", PRODUCE, units) == 0.0  # another scope
         assert quotas.charge("a", PRODUCE, units) == 0.0  # a kind without a limit
         assert quotas.charge(None, CONSUME, units) == 0.0  # no scope
+    assert quotas.burst("a", CONSUME) == 10
+    assert quotas.burst("a", PRODUCE) is None
+    assert quotas.burst("b", CONSUME) is None
 
 
 def test_within_the_burst_nothing_waits_and_past_it_the_wait_is_the_debt() -> None:
@@ -100,18 +103,21 @@ def test_a_changed_quota_applies_to_the_next_charge(old: int, new: int, debt: in
 
 def test_connections_are_counted_per_scope_and_refused_past_the_limit() -> None:
     quotas = Quotas({"a": Quota(connections=2)}, clock=Clock())
-    assert quotas.open_connection("a") is None
-    assert quotas.open_connection("a") is None
-    assert quotas.open_connection("a") == 2
-    assert quotas.open_connection("b") is None  # no quota
-    assert quotas.open_connection(None) is None  # unscoped: not counted
+    quotas.open_connection("a")
+    quotas.open_connection("a")
+    with pytest.raises(LimitExceeded, match="'a' has 2 connections open"):
+        quotas.open_connection("a")
+    quotas.open_connection("b")  # no quota
+    quotas.open_connection(None)  # unscoped: not counted
     assert quotas.connections("a") == 2
     quotas.close_connection("a")
-    assert quotas.open_connection("a") is None
+    quotas.open_connection("a")
     quotas.set("a", Quota(connections=1))  # lowered below what is open: new ones refused
-    assert quotas.open_connection("a") == 1
+    with pytest.raises(LimitExceeded):
+        quotas.open_connection("a")
     quotas.delete("a")
-    assert quotas.open_connection("a") is None
+    quotas.open_connection("a")
+    assert quotas.connections("a") == 3
 
 
 def test_quotas_are_positive_and_round_trip_as_stored() -> None:
