@@ -9,6 +9,7 @@ Data directory layout (docs/operations.md says the same):
     <data-dir>/journal/<container>/synced.checkpoint   how much of the active file is synced
     <data-dir>/chunks/<stream>/<segment>/<base offset>.chunk   tier 2: long-term chunks
     <data-dir>/txns/*.journal             staged events of open (and committing) transactions
+    <data-dir>/token-ed25519.pem, token-hs256.key   token signing keys (0600; with --auth)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import msgspec
 
 from .._errors import CorruptData, DataDirLocked, InvalidArgument, SlipstreamError, StorageError
 from .._tls import ServerTls
+from ..security import TokenKeys
 from ..storage import (
     FileJournal,
     LocalChunkStore,
@@ -87,6 +89,13 @@ class BrokerConfig:
     http_port: int | None = None
     #: certificate files: the binary port and the HTTP API speak TLS (docs/security.md)
     tls: ServerTls | None = None
+    #: the catalog on PostgreSQL (``up --meta postgresql://...``; storage/_meta_pg.py); None:
+    #: SQLite in the data directory (meta.db)
+    meta: str | None = None
+    #: authentication on (``up --auth``): every connection and HTTP request presents a token
+    #: or a client certificate (docs/security.md); the token keys are made on first start
+    auth: bool = False
+
     #: the catalog on PostgreSQL (``up --meta postgresql://...``; storage/_meta_pg.py); None:
     #: SQLite in the data directory (meta.db)
     meta: str | None = None
@@ -242,6 +251,7 @@ class Broker:
             self.containers,
             max_batch_bytes=self.config.max_batch_bytes,
             producer_key=load_producer_key(data_dir, fsync=do_sync),
+            token_keys=TokenKeys.load(data_dir, fsync=do_sync) if self.config.auth else None,
         )
         self.metrics.attach(self)
         started = time.monotonic()

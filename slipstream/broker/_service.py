@@ -34,7 +34,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from .._errors import (
+    AuthenticationFailed,
     BatchTooLarge,
     CorruptBatch,
     InvalidArgument,
@@ -58,11 +59,13 @@ from ..protocol import (
     ScaleEventInfo,
     StreamInfo,
     SubscriptionInfo,
+    TokenInfo,
+    TokenIssued,
     TxnEnded,
     TxnInfo,
     TxnPositions,
 )
-from ..security import Action, AuditLog, Principal, Role
+from ..security import Action, AuditLog, Principal, Role, TokenKeys
 from ..security._quotas import Quota, Quotas, decode_quota, encode_quota
 from ..security._rules import (
     Decision,
@@ -73,6 +76,7 @@ from ..security._rules import (
     grant_command,
     make_rule,
 )
+from ..security._tokens import DEFAULT_EXPIRY_S
 from ..storage import QueueOptions, fsync_dir
 from ..streams import parse_positions, validate_scope, validate_stream_name
 from ._browse import EventsPage, events_after, events_before
@@ -93,6 +97,8 @@ MAX_PRODUCERS_PER_CALLER = 4096
 PRODUCER_KEY_FILE = "producer.key"
 _KEY_BYTES = 32
 _TOKEN_BYTES = 16
+TOKENS_SETTING = "tokens"  # token id -> TokenInfo (msgpack): issued through the API
+REVOKED_SETTING = "revoked"  # token id -> {"revoked_at": seconds} (JSON)
 QUOTAS_SETTING = "quotas"
 RULES_SETTING = "rules"
 #: (action, stream) decisions one caller keeps; past this the cache starts over
@@ -109,6 +115,10 @@ class Caller:
     peer: str
     principal: Principal | None = None
     producers: dict[int, None] = field(default_factory=dict)
+    #: set by a protocol whose callers live on (a connection): called with
+    #: AuthenticationFailed when the caller's token is revoked or expires, it closes the
+    #: connection with that error
+    end: Callable[[SlipstreamError], None] | None = None
     #: (action, stream) pairs the rules allowed, valid while ``access_version`` is the
     #: service's rules version; bounded by MAX_ACCESS_CACHE
     access: set[tuple[Action | None, str | None]] = field(default_factory=set)
@@ -159,6 +169,7 @@ class Service:
         *,
         max_batch_bytes: int,
         producer_key: bytes,
+        token_keys: TokenKeys | None = None,
     ) -> None:
         self.controller = controller
         self.coordinator = coordinator
@@ -175,6 +186,11 @@ class Service:
             clock=time.monotonic,
         )
         self._counted: dict[Caller, str | None] = {}  # callers admitted by ``admit``
+        #: the signing keys when authentication is on (``up --auth``), else None
+        self.token_keys = token_keys
+        #: ids of revoked tokens (settings kind "revoked"), refused at once, also when open
+        self.revoked: set[str] = set(controller.meta.settings("revoked"))
+        self._by_token: dict[str, set[Caller]] = {}  # token id -> its callers that live on
         self.audit = AuditLog()
         self.rules = Rules(
             [decode_rule(v) for v in controller.meta.settings(RULES_SETTING).values()]
@@ -187,9 +203,158 @@ class Service:
         """A new caller (one connection); ``disconnect`` it when it goes."""
         return Caller(next(self._connection_ids), peer, principal)
 
+    @property
+    def auth(self) -> bool:
+        """Whether callers must authenticate (``slipstream up --auth``)."""
+        return self.token_keys is not None
+
+    def authenticate(
+        self,
+        caller: Caller,
+        credentials: Mapping[str, str] | None,
+        certificate_subject: str | None = None,
+    ) -> None:
+        """Set ``caller.principal`` from its credentials when authentication is on (nothing
+        to do when off). A token (``credentials["token"]``) wins over a client certificate's
+        subject (``certificate_subject``, the CN of a certificate the TLS layer verified
+        against ``--tls-client-ca``). A token caller with ``caller.end`` set is kept by token
+        id, so that revoking the token ends it. Raises AuthenticationFailed (reason and fix
+        in it; audited as ``authentication_failed``) for no credentials or a bad token."""
+        if self.token_keys is None:
+            return
+        token = (credentials or {}).get("token")
+        try:
+            if token or certificate_subject is None:
+                principal = self.token_keys.verify(token, revoked=self.revoked)
+            else:
+                principal = Principal(certificate_subject, Role.USER, method="certificate")
+        except AuthenticationFailed as exc:
+            self.audit.record(
+                "authentication_failed",
+                subject=None,
+                peer=caller.peer,
+                reason=exc.details.get("reason"),
+                token_id=exc.details.get("token_id"),
+            )
+            raise
+        caller.principal = principal
+        if principal.token_id is not None and caller.end is not None:
+            self._by_token.setdefault(principal.token_id, set()).add(caller)
+
+    # --- tokens (admin only) -----------------------------------------------------------------
+
+    async def create_token(
+        self,
+        caller: Caller,
+        subject: str,
+        role: str = "user",
+        scope: str | None = None,
+        expires_s: int = 0,
+        algorithm: str = "EdDSA",
+    ) -> TokenIssued:
+        """Sign a token (``expires_s`` 0: 30 days) and record its id and claims (settings kind
+        "tokens"; never the token itself) before it returns. Raises PermissionDenied for a
+        caller without admin, InvalidArgument for a bad role, algorithm or lifetime, or when
+        authentication is off (no keys)."""
+        self._authorize(caller, Action.ADMIN, None)
+        keys = self._keys()
+        issued = keys.issue(
+            subject,
+            role,
+            scope=scope,
+            expires_s=expires_s or DEFAULT_EXPIRY_S,
+            algorithm=algorithm,
+        )
+        info = TokenInfo(
+            issued.token_id,
+            issued.subject,
+            issued.role.value,
+            issued.scope,
+            issued.issued_at,
+            issued.expires_at,
+        )
+        await self.controller.in_catalog(
+            self.controller.meta.put_setting,
+            TOKENS_SETTING,
+            info.token_id,
+            msgspec.msgpack.encode(info),
+        )
+        self.audit.record(
+            "token_created",
+            subject=_subject(caller),
+            peer=caller.peer,
+            token_id=info.token_id,
+            for_subject=info.subject,
+            role=info.role,
+            scope=info.scope,
+            expires_at=info.expires_at,
+        )
+        return TokenIssued(issued.token, info)
+
+    async def revoke_token(self, caller: Caller, token_id: str) -> None:
+        """Refuse the token from now on (durable before it returns, kept across restarts)
+        and close the connections that use it with ``authentication_failed``. An id this
+        broker never issued through the API (a bootstrap token) is revoked all the same.
+        Raises PermissionDenied, InvalidArgument for an empty id."""
+        self._authorize(caller, Action.ADMIN, None)
+        self._keys()
+        token_id = token_id.strip()
+        if not token_id or len(token_id) > 64:
+            raise InvalidArgument("pass the token's id (slipstream token list shows them)")
+        revoked_at = msgspec.json.encode({"revoked_at": int(time.time())})
+        await self.controller.in_catalog(
+            self.controller.meta.put_setting, REVOKED_SETTING, token_id, revoked_at
+        )
+        self.revoked.add(token_id)
+        self.audit.record(
+            "token_revoked", subject=_subject(caller), peer=caller.peer, token_id=token_id
+        )
+        for victim in self._by_token.pop(token_id, set()):
+            if victim.end is not None:
+                victim.end(
+                    AuthenticationFailed(
+                        f"authentication failed: token {token_id} revoked; connect again with "
+                        "a new token",
+                        reason="revoked",
+                        token_id=token_id,
+                    )
+                )
+
+    def list_tokens(self, caller: Caller) -> list[TokenInfo]:
+        """Tokens issued through the API, oldest first, and every revoked id (a revoked
+        bootstrap token shows with its id only). Raises PermissionDenied."""
+        self._authorize(caller, Action.ADMIN, None)
+        self._keys()
+        tokens = [
+            msgspec.msgpack.decode(raw, type=TokenInfo)
+            for raw in self.controller.meta.settings(TOKENS_SETTING).values()
+        ]
+        tokens = [msgspec.structs.replace(t, revoked=t.token_id in self.revoked) for t in tokens]
+        known = {t.token_id for t in tokens}
+        tokens.extend(
+            TokenInfo(token_id, "", "", None, 0, 0, revoked=True)
+            for token_id in sorted(self.revoked - known)
+        )
+        return sorted(tokens, key=lambda t: (t.created_at, t.token_id))
+
+    def _keys(self) -> TokenKeys:
+        if self.token_keys is None:
+            raise InvalidArgument(
+                "authentication is off on this broker: tokens mean nothing to it; start it "
+                "with 'slipstream up --auth'"
+            )
+        return self.token_keys
+
     def disconnect(self, caller: Caller) -> None:
         """The caller is gone: its producer ids are owned by nobody until claimed again, and
         its group members leave (their segments move to the others at once)."""
+        principal = caller.principal
+        if principal is not None and principal.token_id is not None:
+            callers = self._by_token.get(principal.token_id)
+            if callers is not None:
+                callers.discard(caller)
+                if not callers:
+                    del self._by_token[principal.token_id]
         if caller in self._counted:
             self.quotas.close_connection(self._counted.pop(caller))
         self.subscriptions.disconnect(caller)
@@ -913,6 +1078,10 @@ class Service:
 
 def _scope_pattern(principal: Principal) -> str | None:
     return None if principal.scope is None else f"{principal.scope}/*"
+
+
+def _subject(caller: Caller) -> str | None:
+    return caller.principal.subject if caller.principal is not None else None
 
 
 def _queue_options(stream: str, given: dict[str, object]) -> QueueOptions:

@@ -30,6 +30,7 @@ import numpy as np
 
 from .. import __version__
 from .._errors import (
+    AuthenticationFailed,
     BatchTooLarge,
     CreditLimitExceeded,
     IdleTimeout,
@@ -51,6 +52,7 @@ from ..protocol import (
     CommitPositions,
     CreateStream,
     CreateSubscription,
+    CreateToken,
     Credit,
     Cut,
     Data,
@@ -82,6 +84,7 @@ from ..protocol import (
     ListQuotas,
     ListStreams,
     ListSubscriptions,
+    ListTokens,
     ListTxns,
     Malformed,
     Message,
@@ -91,6 +94,7 @@ from ..protocol import (
     ProducerGrant,
     QuotaList,
     ResetSubscription,
+    RevokeToken,
     ScaleHistory,
     ScaleStream,
     SetQuota,
@@ -98,6 +102,7 @@ from ..protocol import (
     SettleEvents,
     StreamList,
     SubscriptionList,
+    TokenList,
     TxnBegun,
     TxnList,
     Unfollow,
@@ -208,6 +213,7 @@ class Session(asyncio.BufferedProtocol):
         self._idle_timer: asyncio.TimerHandle | None = None
         self._stall_timer: asyncio.TimerHandle | None = None
         self._quota_timer: asyncio.TimerHandle | None = None  # reading held by a quota
+        self._expiry_timer: asyncio.TimerHandle | None = None
 
     # --- asyncio.Protocol --------------------------------------------------------------------
 
@@ -220,6 +226,7 @@ class Session(asyncio.BufferedProtocol):
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self.caller = self.service.connect(self.peer)
+        self.caller.end = self._close  # a revoked or expired token ends the connection
         transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
         self.broker.sessions.add(self)
         loop = asyncio.get_running_loop()
@@ -232,7 +239,7 @@ class Session(asyncio.BufferedProtocol):
             self._quota_timer.cancel()
         if self.caller is not None:
             self.service.disconnect(self.caller)
-        for timer in (self._idle_timer, self._stall_timer):
+        for timer in (self._idle_timer, self._stall_timer, self._expiry_timer):
             if timer is not None:
                 timer.cancel()
         # follows stop with the connection; requests run to their end (their answer goes
@@ -408,6 +415,16 @@ class Session(asyncio.BufferedProtocol):
                 cid,
             )
             return
+        if self.service.auth:
+            assert self.caller is not None
+            try:
+                self.service.authenticate(
+                    self.caller, message.credentials, self._certificate_subject()
+                )
+            except AuthenticationFailed as exc:
+                self._fatal(exc, cid)
+                return
+            self._watch_expiry()
         assert self.caller is not None
         try:
             self.service.admit(self.caller)  # the connection quota of its token's scope
@@ -422,6 +439,46 @@ class Session(asyncio.BufferedProtocol):
         self._idle_timer = loop.call_later(self.limits.idle_timeout, self._check_idle)
         log.debug("hello from %s (%s)", self.peer, message.client_name)
         self.send(Welcome(PROTOCOL_VERSION, __version__, self.broker.config.max_batch_bytes), cid)
+
+    def _certificate_subject(self) -> str | None:
+        """The common name of the client certificate the TLS layer verified against
+        ``--tls-client-ca`` (None without mutual TLS or without a CN)."""
+        tls = self.broker.config.tls
+        if tls is None or tls.client_ca is None or self.transport is None:
+            return None
+        certificate = self.transport.get_extra_info("peercert")
+        for entry in (certificate or {}).get("subject", ()):
+            for name, value in entry:
+                if name == "commonName" and value:
+                    return str(value)
+        return None
+
+    def _watch_expiry(self) -> None:
+        """A token's connection ends when the token expires, not at its next request: an
+        expired token holds nothing open, follows included."""
+        principal = self.caller.principal if self.caller is not None else None
+        if principal is None or principal.expires_at is None:
+            return
+        loop = asyncio.get_running_loop()
+        left = max(0.0, principal.expires_at - time.time())
+        self._expiry_timer = loop.call_later(left, self._expired)
+
+    def _expired(self) -> None:
+        self._expiry_timer = None
+        principal = self.caller.principal if self.caller is not None else None
+        self.service.audit.record(
+            "authentication_failed",
+            subject=principal.subject if principal else None,
+            peer=self.peer,
+            reason="expired",
+            token_id=principal.token_id if principal else None,
+        )
+        self._close(
+            AuthenticationFailed(
+                "authentication failed: the token has expired; connect again with a new one",
+                reason="expired",
+            )
+        )
 
     def _append(self, message: Append, cid: int, batch: Payload) -> None:
         started = time.perf_counter()
@@ -611,6 +668,30 @@ class Session(asyncio.BufferedProtocol):
                 return QuotaList(await service.set_quota(caller, quota))
             case ListQuotas():
                 return QuotaList(service.list_quotas(caller))
+            case CreateToken(subject, role, scope, expires_s, algorithm):
+                return await service.create_token(
+                    caller, subject, role, scope, expires_s, algorithm
+                )
+            case RevokeToken(token_id):
+                await service.revoke_token(caller, token_id)
+                return Done()
+            case ListTokens():
+                return TokenList(service.list_tokens(caller))
+            case SetQuota(quota):
+                return QuotaList(await service.set_quota(caller, quota))
+            case ListQuotas():
+                return QuotaList(service.list_quotas(caller))
+            case GrantRule(rule):
+                granted = await service.grant(caller, rule.subject, rule.action, rule.pattern)
+                return RuleList([rule_message(granted)])
+            case RevokeRule(rule):
+                removed = await service.revoke(caller, rule.subject, rule.action, rule.pattern)
+                return RuleList([rule] if removed else [])
+            case ListRules():
+                return RuleList([rule_message(r) for r in service.list_rules(caller)])
+            case CheckAccess(subject, action, stream, role, scope):
+                decision = service.check_access(caller, subject, action, stream, role, scope)
+                return decision_message(decision)
             case Hello():
                 raise ProtocolError("Hello was already sent on this connection")
         raise ProtocolError(f"{type(message).__name__} is not a request")

@@ -20,6 +20,7 @@ from ..protocol import StreamInfo
 from ..streams import parse_size_bytes
 from ._common import BrokerOption, connect, err, examples, out, print_json
 from ._subscriptions import subscription_app
+from ._tokens import token_app
 
 
 def _flags_show_no_value_type() -> None:
@@ -66,6 +67,7 @@ txn_app = typer.Typer(
 )
 app.add_typer(txn_app, name="txn")
 app.add_typer(subscription_app, name="subscription")
+app.add_typer(token_app, name="token")
 
 
 @app.callback()
@@ -89,6 +91,13 @@ def _root(
     tls_key: Annotated[
         Path | None, typer.Option(help="Key of --tls-cert ($SLIPSTREAM_TLS_KEY).")
     ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            help="Token for a broker with --auth ($SLIPSTREAM_TOKEN; see 'slipstream token').",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """slipstream: durable streams, replayable history, exactly-once pipelines."""
     # every command connects through slipstream.connect, which reads these (docs/security.md)
@@ -97,6 +106,7 @@ def _root(
         ("SLIPSTREAM_TLS_CA", tls_ca),
         ("SLIPSTREAM_TLS_CERT", tls_cert),
         ("SLIPSTREAM_TLS_KEY", tls_key),
+        ("SLIPSTREAM_TOKEN", token),
     ):
         if value is not None:
             os.environ[name] = str(value)
@@ -167,11 +177,27 @@ def up(
             show_default=False,
         ),
     ] = None,
+    auth: Annotated[
+        bool,
+        typer.Option(
+            "--auth",
+            help="Require authentication: a token or a client certificate on every connection "
+            "and HTTP request (docs/security.md); keys are made in --data-dir on first start.",
+        ),
+    ] = False,
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            help="Listen on a non-loopback --host without --auth (anyone who reaches the port "
+            "may do anything); logs a warning.",
+        ),
+    ] = False,
 ) -> None:
     """Start the broker in the foreground; Ctrl-C (SIGINT) or SIGTERM stops it cleanly,
     SIGHUP reloads the TLS certificate files."""
     from .._tls import ServerTls
-    from ._up import run_broker, setup_logging
+    from ._up import is_loopback, run_broker, setup_logging
 
     if fsync not in FSYNC_MODES:
         raise typer.BadParameter(f"use one of {', '.join(FSYNC_MODES)}", param_hint="--fsync")
@@ -188,6 +214,14 @@ def up(
     tls = None
     if tls_cert is not None and tls_key is not None:
         tls = ServerTls(tls_cert, tls_key, tls_client_ca)
+    if not auth and not insecure and not is_loopback(host):
+        raise typer.BadParameter(
+            f"{host} is reachable from other machines, and without --auth anyone who reaches "
+            "the port may read, write and delete every stream. Pass --auth (then create the "
+            "first admin token with 'slipstream token create --data-dir DIR --subject ops "
+            "--role admin'), or --insecure to accept that, or listen on 127.0.0.1",
+            param_hint="--host",
+        )
     if meta is not None and not meta.startswith(("postgresql://", "postgres://")):
         raise typer.BadParameter(
             "use a PostgreSQL URL: postgresql://user:password@host:port/database",
@@ -208,6 +242,7 @@ def up(
         http_port=None if http_port == -1 else http_port,
         tls=tls,
         meta=meta,
+        auth=auth,
     )
 
 

@@ -9,6 +9,7 @@ died, with the cause in the log, so that a supervisor restarts the broker.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
 from pathlib import Path
@@ -27,6 +28,19 @@ def setup_logging(level: str) -> None:
     )
 
 
+log = logging.getLogger("slipstream.broker")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach ``host`` (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any address
+
+
 def run_broker(
     data_dir: Path,
     host: str,
@@ -41,6 +55,7 @@ def run_broker(
     http_port: int | None = None,
     tls: ServerTls | None = None,
     meta: str | None = None,
+    auth: bool = False,
 ) -> None:
     """Run a broker until a signal; raises SlipstreamError for a bad setup (locked dir) and
     SystemExit(70) if a background task died."""
@@ -56,7 +71,15 @@ def run_broker(
         http_port=http_port,
         tls=tls,
         meta=meta,
+        auth=auth,
     )
+    if not auth and not is_loopback(host):
+        log.warning(
+            "listening on %s without --auth (--insecure): anyone who reaches port %d may read, "
+            "write and delete every stream",
+            host,
+            port,
+        )
     broker = Broker(config)
 
     async def main() -> None:

@@ -50,6 +50,7 @@ from ..protocol import (
     CommitPositions,
     CreateStream,
     CreateSubscription,
+    CreateToken,
     DeleteStream,
     DeleteSubscription,
     DescribeStream,
@@ -64,12 +65,14 @@ from ..protocol import (
     ListQuotas,
     ListStreams,
     ListSubscriptions,
+    ListTokens,
     ListTxns,
     Message,
     ProducerGrant,
     QuotaInfo,
     QuotaList,
     ResetSubscription,
+    RevokeToken,
     ScaleEventInfo,
     ScaleHistory,
     ScaleStream,
@@ -78,6 +81,9 @@ from ..protocol import (
     StreamList,
     SubscriptionInfo,
     SubscriptionList,
+    TokenInfo,
+    TokenIssued,
+    TokenList,
     TxnBegun,
     TxnEnded,
     TxnInfo,
@@ -272,10 +278,14 @@ class AsyncClient:
         ca: str | os.PathLike[str] | None = None,
         cert: str | os.PathLike[str] | None = None,
         key: str | os.PathLike[str] | None = None,
+        token: str | None = None,
     ) -> AsyncClient:
         context = tls_from_env(tls, ca, cert, key)
         connection = await Connection.open(
-            address or default_address(), timeout=timeout, tls=context
+            address or default_address(),
+            timeout=timeout,
+            tls=context,
+            token=token or os.environ.get("SLIPSTREAM_TOKEN") or None,
         )
         return cls(connection, timeout=timeout, reconnect_timeout=reconnect_timeout)
 
@@ -294,7 +304,10 @@ class AsyncClient:
         while True:
             try:
                 connection = await Connection.open(
-                    self.address, timeout=self.timeout, tls=self.connection.tls
+                    self.address,
+                    timeout=self.timeout,
+                    tls=self.connection.tls,
+                    token=self.connection.token,
                 )
                 try:
                     await self._claim(connection)
@@ -743,6 +756,70 @@ class AsyncClient:
         assert isinstance(reply, QuotaList)
         return reply.quotas
 
+    # --- tokens (a broker with --auth; an admin token) ------------------------------------
+
+    async def create_token(
+        self,
+        subject: str,
+        role: str = "user",
+        *,
+        scope: str | None = None,
+        expires_s: int = 0,
+        algorithm: str = "EdDSA",
+    ) -> TokenIssued:
+        """A new token for ``subject`` (``.token``, shown once) and its claims (``.info``);
+        ``expires_s`` 0: 30 days. Raises PermissionDenied without an admin token."""
+        reply = await self._request(CreateToken(subject, role, scope, expires_s, algorithm))
+        assert isinstance(reply, TokenIssued)
+        return reply
+
+    async def revoke_token(self, token_id: str) -> None:
+        """Revoke a token by id; connections using it are closed at once."""
+        await self._request(RevokeToken(token_id))
+
+    async def list_tokens(self) -> list[TokenInfo]:
+        """Tokens the broker issued (ids and claims, never the tokens) and revoked ids."""
+        reply = await self._request(ListTokens())
+        assert isinstance(reply, TokenList)
+        return reply.tokens
+
+    # --- access rules (a broker with --auth; an admin token; docs/security.md) ----------
+
+    async def grant(self, subject: str, action: str, pattern: str) -> AccessRule:
+        """Allow ``subject`` (``*``: everyone authenticated) ``action`` (produce, consume,
+        manage, admin) on the streams ``pattern`` matches (``demo/*``, ``*/orders``, ``*``).
+        Stored before it returns. Raises InvalidArgument, PermissionDenied."""
+        reply = await self._request(GrantRule(AccessRule(subject, action, pattern)))
+        assert isinstance(reply, RuleList)
+        return reply.rules[0]
+
+    async def revoke(self, subject: str, action: str, pattern: str) -> bool:
+        """Remove a rule (False: there was none); in force at once on open connections."""
+        reply = await self._request(RevokeRule(AccessRule(subject, action, pattern)))
+        assert isinstance(reply, RuleList)
+        return bool(reply.rules)
+
+    async def rules(self) -> list[AccessRule]:
+        """Every access rule, sorted by subject, action, pattern."""
+        reply = await self._request(ListRules())
+        assert isinstance(reply, RuleList)
+        return reply.rules
+
+    async def check_access(
+        self,
+        subject: str,
+        action: str,
+        stream: str,
+        *,
+        role: str = "user",
+        scope: str | None = None,
+    ) -> AccessDecision:
+        """A dry run: would ``subject`` be allowed ``action`` on ``stream`` (``*``:
+        broker-wide), and which rule decides?"""
+        reply = await self._request(CheckAccess(subject, action, stream, role, scope))
+        assert isinstance(reply, AccessDecision)
+        return reply
+
     async def _end(
         self,
         txn_id: int,
@@ -1027,6 +1104,7 @@ def connect_async(
     ca: str | os.PathLike[str] | None = None,
     cert: str | os.PathLike[str] | None = None,
     key: str | os.PathLike[str] | None = None,
+    token: str | None = None,
 ) -> Opening[AsyncClient]:
     """Connect to a broker from asyncio code (``SLIPSTREAM_BROKER`` or 127.0.0.1:7070 by
     default): ``async with slipstream.connect_async() as client`` closes it at the end of the
@@ -1041,6 +1119,7 @@ def connect_async(
             ca=ca,
             cert=cert,
             key=key,
+            token=token,
         )
     )
 
@@ -1101,6 +1180,7 @@ class Client:
         ca: str | os.PathLike[str] | None = None,
         cert: str | os.PathLike[str] | None = None,
         key: str | os.PathLike[str] | None = None,
+        token: str | None = None,
     ) -> None:
         self._loop = _LoopThread()
         try:
@@ -1113,6 +1193,7 @@ class Client:
                     ca=ca,
                     cert=cert,
                     key=key,
+                    token=token,
                 )
             )
         except BaseException:
@@ -1320,6 +1401,31 @@ class Client:
     def abort_transaction(self, txn_id: int) -> None:
         """Abort an open transaction by id."""
         self._loop.run(self._async.abort_transaction(txn_id))
+
+    def create_token(
+        self,
+        subject: str,
+        role: str = "user",
+        *,
+        scope: str | None = None,
+        expires_s: int = 0,
+        algorithm: str = "EdDSA",
+    ) -> TokenIssued:
+        """A new token for ``subject`` (``.token``, shown once) and its claims (``.info``);
+        admin only (docs/security.md)."""
+        return self._loop.run(
+            self._async.create_token(
+                subject, role, scope=scope, expires_s=expires_s, algorithm=algorithm
+            )
+        )
+
+    def revoke_token(self, token_id: str) -> None:
+        """Revoke a token by id; connections using it are closed at once. Admin only."""
+        self._loop.run(self._async.revoke_token(token_id))
+
+    def list_tokens(self) -> list[TokenInfo]:
+        """Tokens the broker issued (ids and claims) and revoked ids. Admin only."""
+        return self._loop.run(self._async.list_tokens())
 
     def set_quota(
         self,
@@ -1695,6 +1801,7 @@ def connect(
     ca: str | os.PathLike[str] | None = None,
     cert: str | os.PathLike[str] | None = None,
     key: str | os.PathLike[str] | None = None,
+    token: str | None = None,
 ) -> Client:
     """Connect to a broker (``SLIPSTREAM_BROKER`` or 127.0.0.1:7070 by default) and handshake.
     Raises BrokerUnavailable if none answers within ``timeout`` seconds. A lost connection is
@@ -1706,7 +1813,12 @@ def connect(
     defaults to its environment variable (``SLIPSTREAM_TLS``, ``SLIPSTREAM_TLS_CA``,
     ``SLIPSTREAM_TLS_CERT``, ``SLIPSTREAM_TLS_KEY``). Raises TlsError, within ``timeout``,
     when the handshake cannot succeed (a TLS broker dialled without TLS or the reverse, an
-    untrusted CA, a wrong host name, a client certificate missing or refused)."""
+    untrusted CA, a wrong host name, a client certificate missing or refused).
+
+    Authentication: ``token`` (default ``SLIPSTREAM_TOKEN``) is presented in the handshake,
+    for a broker started with ``--auth``; it refuses a missing, expired, forged, revoked or
+    malformed token with AuthenticationFailed, and ends an open connection whose token is
+    revoked or expires (the next request raises AuthenticationFailed)."""
     return Client(
         address,
         timeout=timeout,
@@ -1715,4 +1827,5 @@ def connect(
         ca=ca,
         cert=cert,
         key=key,
+        token=token,
     )

@@ -148,6 +148,7 @@ class Connection(asyncio.BufferedProtocol):
         self.closed: SlipstreamError | None = None
         self.address = "?"
         self.tls: ssl.SSLContext | None = None  # what it was opened with: a redial uses it
+        self.token: str | None = None  # likewise
         # Until the broker's Welcome: the first bytes received, to tell another service
         # (an HTTP server, a database) from a broker and name it in the error.
         self._greeting: bytearray | None = bytearray()
@@ -165,6 +166,7 @@ class Connection(asyncio.BufferedProtocol):
         client_name: str = "slipstream-python",
         timeout: float = 10.0,
         tls: ssl.SSLContext | None = None,
+        token: str | None = None,
     ) -> Connection:
         """Connect and handshake within ``timeout`` seconds in all.
 
@@ -180,6 +182,10 @@ class Connection(asyncio.BufferedProtocol):
         certificate is not trusted or not issued for ``address``'s host, one that requires a
         client certificate this client lacks, and a broker that does not speak TLS. Without
         it, a broker that speaks TLS fails the handshake with TlsError too.
+
+        ``token`` goes in the Hello's credentials; a broker with authentication on refuses a
+        missing, expired, forged, revoked or malformed one with AuthenticationFailed (its
+        message says why and what to do).
         """
         host, port = parse_address(address)
         loop = asyncio.get_running_loop()
@@ -220,6 +226,7 @@ class Connection(asyncio.BufferedProtocol):
             ) from exc
         connection.address = address
         connection.tls = tls
+        connection.token = token
         try:
             welcome = await connection._handshake(client_name, deadline - loop.time())
         except BaseException:
@@ -233,7 +240,10 @@ class Connection(asyncio.BufferedProtocol):
         return connection
 
     async def _handshake(self, client_name: str, budget: float) -> Message:
-        reply = self.send_request(Hello(PROTOCOL_VERSION, f"{client_name}/{__version__}"))
+        credentials = {"token": self.token} if self.token else None
+        reply = self.send_request(
+            Hello(PROTOCOL_VERSION, f"{client_name}/{__version__}", credentials)
+        )
         grace = min(0.5, budget / 4)
         waited = max(0.0, min(HANDSHAKE_TIMEOUT, budget - grace))
         try:

@@ -602,6 +602,55 @@ class QuotaList(Message, frozen=True):
     quotas: list[QuotaInfo]
 
 
+# --- authentication (docs/protocol.md "Authentication"): requests 32-35, replies 87-88 -------
+
+
+class CreateToken(Message, frozen=True):
+    """-> ``TokenIssued``. Admin only. ``expires_s``: lifetime in seconds (0: 30 days);
+    ``algorithm``: ``EdDSA`` or ``HS256``."""
+
+    subject: str
+    role: str = "user"
+    scope: str | None = None
+    expires_s: int = 0
+    algorithm: str = "EdDSA"
+
+
+class RevokeToken(Message, frozen=True):
+    """-> ``Done``. Admin only. The token is refused from now on; connections using it are
+    closed with ``authentication_failed``."""
+
+    token_id: str
+
+
+class ListTokens(Message, frozen=True):
+    """-> ``TokenList``. Admin only."""
+
+
+class TokenInfo(Message, frozen=True):
+    """A token's id and claims (never the token itself); times in seconds since the epoch
+    (0: unknown, for a revoked id the broker did not issue)."""
+
+    token_id: str
+    subject: str
+    role: str
+    scope: str | None
+    created_at: int
+    expires_at: int
+    revoked: bool = False
+
+
+class TokenIssued(Message, frozen=True):
+    """A new token (shown once) and its claims."""
+
+    token: str
+    info: TokenInfo
+
+
+class TokenList(Message, frozen=True):
+    tokens: list[TokenInfo]
+
+
 KINDS: dict[int, type[Message]] = {
     1: Hello,
     2: CreateStream,
@@ -634,6 +683,9 @@ KINDS: dict[int, type[Message]] = {
     29: ScaleStream,
     30: GetScaleHistory,
     31: FindEvents,
+    32: CreateToken,
+    33: RevokeToken,
+    34: ListTokens,
     40: SetQuota,
     41: ListQuotas,
     64: Welcome,
@@ -659,6 +711,8 @@ KINDS: dict[int, type[Message]] = {
     84: Settled,
     85: ScaleHistory,
     86: EventsFound,
+    87: TokenIssued,
+    88: TokenList,
     91: QuotaList,
 }
 KIND_OF: dict[type[Message], int] = {cls: kind for kind, cls in KINDS.items()}

@@ -36,13 +36,15 @@ class Principal:
     subject common name). ``scope``: a token limited to one scope acts only on streams of
     that scope, whatever the rules say; None for no such limit. ``token_id``: the token's
     id (``jti``), to revoke it; None for a certificate. ``method``: how it authenticated
-    (``token`` or ``certificate``)."""
+    (``token`` or ``certificate``). ``expires_at``: a token's expiry (seconds since the
+    epoch; the broker closes the connection then), None for a certificate."""
 
     subject: str
     role: Role = Role.USER
     scope: str | None = None
     token_id: str | None = None
     method: str = "token"
+    expires_at: int | None = None
 
     def __str__(self) -> str:
         return f"{self.subject} ({self.method})"
