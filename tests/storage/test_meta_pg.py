@@ -135,30 +135,31 @@ def test_lookups_do_not_wait_for_writes(pg_dsn: str) -> None:
         chunk = ChunkRecord(stream, 0, 0, 10, 150, 1, 2, "c", b"idx")
         meta.add_chunks(0, 0, [chunk])
         meta.create_subscription(SubscriptionRecord(stream, "sub", "ordered", 1, {0: 0}))
-        holder = psycopg.connect(pg_dsn)
-        holder.execute("SELECT * FROM subscriptions FOR UPDATE")  # a transaction holds the row
-        writers = [
-            threading.Thread(target=meta.commit_positions, args=(stream, "sub", 0, {0: n}))
-            for n in range(2)
-        ]
-        for w in writers:
-            w.start()
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:  # wait until both block
-            for _ in range(6000):  # a bound against hanging, not a timing assertion
-                waiting = conn.execute(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                ).fetchone()
-                if waiting == (2,):
-                    break
-                threading.Event().wait(0.01)
+        with psycopg.connect(pg_dsn) as holder:
+            holder.execute("SELECT * FROM subscriptions FOR UPDATE")  # a transaction holds it
+            writers = [
+                threading.Thread(target=meta.commit_positions, args=(stream, "sub", 0, {0: n}))
+                for n in range(2)
+            ]
+            for w in writers:
+                w.start()
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:  # wait until both block
+                for _ in range(6000):  # a bound against hanging, not a timing assertion
+                    waiting = conn.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    ).fetchone()
+                    if waiting == (2,):
+                        break
+                    threading.Event().wait(0.01)
             assert waiting == (2,), "both writes wait for the row lock"
-        assert meta.chunk_at(stream, 0, 5) == chunk
-        assert meta.chunk_at_time(stream, 0, 2) == chunk
-        assert [c.name for c in meta.chunks_from(stream, 0, 0, 10)] == ["c"]
-        holder.rollback()
-        holder.close()
-        for w in writers:
-            w.join()
+            try:
+                assert meta.chunk_at(stream, 0, 5) == chunk
+                assert meta.chunk_at_time(stream, 0, 2) == chunk
+                assert [c.name for c in meta.chunks_from(stream, 0, 0, 10)] == ["c"]
+            finally:
+                holder.rollback()
+                for w in writers:
+                    w.join()
     finally:
         meta.close()
 
