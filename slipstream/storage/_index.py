@@ -49,7 +49,7 @@ import numpy as np
 import pyarrow as pa
 
 from .._errors import CorruptBatch
-from ..format import BatchHeader, binary_array, read_keys
+from ..format import BatchHeader, read_keys
 
 FIND_MAGIC = b"SLFX"
 FIND_VERSION = 1
@@ -90,12 +90,15 @@ def column_key_hashes(keys: pa.Array) -> np.ndarray:
     """The 32-bit index hash of every non-null key of a ``binary`` or ``string`` column, in row
     order (``uint32``): for key bytes b[0..L), s = sum of b[i] * P**(L-1-i) mod 2**64 with P the
     64-bit FNV prime, then splitmix64(s ^ L * 0x9E3779B97F4A7C15), low 32 bits. Vectorised: no
-    Python work per key."""
+    Python work per key, except for a few short keys, hashed in plain Python (2 us a key
+    against numpy's 25 us of fixed cost a call: what a group of one small batch costs)."""
     if keys.null_count:
         keys = keys.drop_null()
     count = len(keys)
     if count == 0:
         return _NO_HASHES
+    if count <= _FEW_KEYS and keys.nbytes <= 64 * _FEW_KEYS:
+        return np.fromiter((_one_hash(k) for k in keys.to_pylist()), dtype=np.uint32, count=count)
     if pa.types.is_large_binary(keys.type) or pa.types.is_large_string(keys.type):
         offsets = np.frombuffer(keys.buffers()[1], np.int64, count + 1, keys.offset * 8)
     else:
@@ -121,10 +124,25 @@ def column_key_hashes(keys: pa.Array) -> np.ndarray:
     return (mixed & np.uint64(0xFFFFFFFF)).astype(np.uint32)
 
 
+_FEW_KEYS = 8
+_MASK64 = (1 << 64) - 1
+
+
+def _one_hash(key: bytes | str) -> int:
+    """``column_key_hashes`` of one key, in plain Python."""
+    data = key.encode() if isinstance(key, str) else key
+    s = 0
+    for byte in data:
+        s = (s * 0x100000001B3 + byte) & _MASK64
+    x = s ^ ((len(data) * 0x9E3779B97F4A7C15) & _MASK64)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & 0xFFFFFFFF
+
+
 def key_hash32(key: bytes) -> int:
-    """The index hash of one key (``column_key_hashes`` of a one-key column; built without
-    ``pa.array``, whose first call imports pandas: 0.4 s of a broker's first find)."""
-    return int(column_key_hashes(binary_array([key]))[0])
+    """The index hash of one key (``column_key_hashes`` of a one-key column)."""
+    return _one_hash(key)
 
 
 def _is_key_type(column: pa.Array) -> bool:
@@ -188,7 +206,10 @@ def batches_key_hashes(
         owners.append(i)
     if not columns:
         return out
-    joined = columns[0] if len(columns) == 1 else pa.concat_arrays(columns)
+    if len(columns) == 1:
+        out[owners[0]] = _distinct(column_key_hashes(columns[0])).astype("<u4").tobytes()
+        return out
+    joined = pa.concat_arrays(columns)
     hashes = column_key_hashes(joined).astype(np.uint64)
     sizes = np.fromiter((len(c) for c in columns), dtype=np.int64, count=len(columns))
     # (owner, hash) as one sortable u64: sorted, deduplicated, then cut at each owner's start
