@@ -292,12 +292,12 @@ class ObjectChunkStore(LongTermStore):
     def delete_chunk(self, name: str) -> None:
         import obstore
 
-        self._forget(name)
         try:
             obstore.delete(self._store, name)
         except Exception as exc:
             if not self._is_missing(exc):
                 raise self._error(exc, f"deleting chunk {name}") from exc
+        self._forget(name)  # after: a failed delete leaves the chunk, and its cache, as they were
 
     def list_chunks(self, prefix: str = "") -> list[str]:
         import obstore
@@ -323,11 +323,23 @@ class ObjectChunkStore(LongTermStore):
             size = int(obstore.head(self._store, name)["size"])
         except Exception as exc:
             if self._is_missing(exc):
+                # a HEAD's 404 has no body to tell a missing bucket from a missing object
+                self._check_bucket(f"reading chunk {name}")
                 raise self._missing(name) from exc
             raise self._error(exc, f"reading chunk {name}") from exc
         with self._lock:
             self._remember_size(name, size)
         return size
+
+    def _check_bucket(self, action: str) -> None:
+        """Raise the bucket's StorageError if it is missing (a listing says so in its body)."""
+        import obstore
+
+        try:
+            next(iter(obstore.list(self._store, prefix=None, chunk_size=1)), None)
+        except Exception as exc:
+            if not self._is_missing(exc):
+                raise self._error(exc, action) from exc
 
     def _get(self, name: str, start: int, end: int) -> Buffer:
         """Bytes ``[start, end)`` of an object, fewer if it ends before ``end``."""
@@ -339,11 +351,10 @@ class ObjectChunkStore(LongTermStore):
         except Exception as exc:
             if self._is_missing(exc):
                 raise self._missing(name) from exc
-            with self._lock:
-                known = name in self._sizes
-            if not known:  # a range that starts past the end is refused: say so if it was
-                size = self._head(name)
-                if start >= size:
+            if "416" in str(exc) or "InvalidRange" in str(exc):
+                # a range that starts at or past the end is refused (416): the caller says
+                # "shorter" when the size confirms it
+                if start >= self._head(name):
                     return b""
             raise self._error(exc, f"reading chunk {name}") from exc
         with self._lock:
