@@ -52,6 +52,8 @@ from .._errors import (
 )
 from ..format import BatchHeader, verify
 from ..protocol import (
+    AccessDecision,
+    AccessRule,
     GroupAssignment,
     IdentityInfo,
     Payload,
@@ -1074,6 +1076,16 @@ class Service:
     def _token(self, producer_id: int, epoch: int) -> bytes:
         message = f"{producer_id}:{epoch}".encode()
         return hmac.new(self._key, message, hashlib.sha256).digest()[:_TOKEN_BYTES]
+
+
+def rule_message(rule: Rule) -> AccessRule:
+    """A rule as the protocol and the HTTP API carry it."""
+    return AccessRule(rule.subject, str(rule.action), rule.pattern)
+
+
+def decision_message(decision: Decision) -> AccessDecision:
+    rule = None if decision.rule is None else rule_message(decision.rule)
+    return AccessDecision(decision.allowed, rule, decision.reason)
 
 
 def _scope_pattern(principal: Principal) -> str | None:

@@ -48,6 +48,7 @@ from ..protocol import (
     Append,
     AppendAck,
     BeginTxn,
+    CheckAccess,
     ClaimProducer,
     CommitPositions,
     CreateStream,
@@ -76,12 +77,14 @@ from ..protocol import (
     GetCut,
     GetIdentity,
     GetScaleHistory,
+    GrantRule,
     GroupJoined,
     Hello,
     InitProducer,
     JoinGroup,
     LeaveGroup,
     ListQuotas,
+    ListRules,
     ListStreams,
     ListSubscriptions,
     ListTokens,
@@ -94,7 +97,9 @@ from ..protocol import (
     ProducerGrant,
     QuotaList,
     ResetSubscription,
+    RevokeRule,
     RevokeToken,
+    RuleList,
     ScaleHistory,
     ScaleStream,
     SetQuota,
@@ -112,7 +117,7 @@ from ..protocol import (
 )
 from ..security._quotas import CONSUME, PRODUCE, REQUESTS
 from ._container import BATCH_ALIGNMENT
-from ._service import Caller
+from ._service import Caller, decision_message, rule_message
 
 if TYPE_CHECKING:
     from ._broker import Broker

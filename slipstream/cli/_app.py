@@ -18,6 +18,7 @@ from .._errors import BrokerUnavailable, SlipstreamError
 from ..broker import FSYNC_MODES, ConnectionLimits
 from ..protocol import StreamInfo
 from ..streams import parse_size_bytes
+from ._acl import acl_app
 from ._common import BrokerOption, connect, err, examples, out, print_json
 from ._subscriptions import subscription_app
 from ._tokens import token_app
@@ -67,6 +68,7 @@ txn_app = typer.Typer(
 )
 app.add_typer(txn_app, name="txn")
 app.add_typer(subscription_app, name="subscription")
+app.add_typer(acl_app, name="acl")
 app.add_typer(token_app, name="token")
 
 

@@ -45,7 +45,10 @@ from .._errors import (
 from .._tls import from_env as tls_from_env
 from ..format import Event, events_of
 from ..protocol import (
+    AccessDecision,
+    AccessRule,
     BeginTxn,
+    CheckAccess,
     ClaimProducer,
     CommitPositions,
     CreateStream,
@@ -60,9 +63,11 @@ from ..protocol import (
     FindEvents,
     GetIdentity,
     GetScaleHistory,
+    GrantRule,
     IdentityInfo,
     InitProducer,
     ListQuotas,
+    ListRules,
     ListStreams,
     ListSubscriptions,
     ListTokens,
@@ -72,7 +77,9 @@ from ..protocol import (
     QuotaInfo,
     QuotaList,
     ResetSubscription,
+    RevokeRule,
     RevokeToken,
+    RuleList,
     ScaleEventInfo,
     ScaleHistory,
     ScaleStream,
@@ -1393,6 +1400,32 @@ class Client:
     def last_commit(self, transactional_id: str) -> CommitInfo | None:
         """The last committed transaction of ``transactional_id`` and its metadata, or None."""
         return self._loop.run(self._async.last_commit(transactional_id))
+
+    def grant(self, subject: str, action: str, pattern: str) -> AccessRule:
+        """Add an access rule; see ``AsyncClient.grant``. Admin only."""
+        return self._loop.run(self._async.grant(subject, action, pattern))
+
+    def revoke(self, subject: str, action: str, pattern: str) -> bool:
+        """Remove an access rule (False: there was none). Admin only."""
+        return self._loop.run(self._async.revoke(subject, action, pattern))
+
+    def rules(self) -> list[AccessRule]:
+        """Every access rule. Admin only."""
+        return self._loop.run(self._async.rules())
+
+    def check_access(
+        self,
+        subject: str,
+        action: str,
+        stream: str,
+        *,
+        role: str = "user",
+        scope: str | None = None,
+    ) -> AccessDecision:
+        """A dry run; see ``AsyncClient.check_access``. Admin only."""
+        return self._loop.run(
+            self._async.check_access(subject, action, stream, role=role, scope=scope)
+        )
 
     def transactions(self) -> list[TxnInfo]:
         """Open transactions on the broker (id, transactional id, state, age, events, bytes)."""

@@ -23,8 +23,9 @@ from starlette.requests import Request
 
 from .. import __version__
 from .._errors import InvalidArgument
+from ..broker._service import decision_message, rule_message
 from ..format import Event
-from ..protocol import IdentityInfo
+from ..protocol import AccessDecision, AccessRule, IdentityInfo
 from ..streams import format_positions
 from ._schemas import (
     BrokerInfo,
@@ -44,6 +45,7 @@ from ._schemas import (
     TxnEndedView,
     TxnView,
     UpdateStream,
+    object_view,
     view,
 )
 
@@ -478,6 +480,78 @@ async def abort_transaction(call: Call) -> Any:
         raise InvalidArgument(f"a transaction id is 0 to 2**63-1, not {txn_id}")
     ended = await call.service.end_txn(call.caller, txn_id, False, operator=True)
     return view(ended)
+
+
+# --- access rules (docs/security.md, "Authorization") -----------------------------------------
+
+RuleView = object_view(AccessRule)
+AccessDecisionView = object_view(AccessDecision)
+
+
+class RuleBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An access rule: ``subject`` (``*``: everyone authenticated), ``action`` (produce,
+    consume, manage, admin), ``pattern`` (``*``, ``demo/*``, ``*/orders``, ``demo/orders``)."""
+
+    subject: str
+    action: str
+    pattern: str
+
+
+class RevokedView(msgspec.Struct, frozen=True):
+    revoked: bool
+
+
+@operation("GET", "/api/rules", _list_of(RuleView), errors=(403,))
+async def list_rules(call: Call) -> Any:
+    """Every access rule, sorted by subject, action, pattern (admin only)."""
+    return [view(rule_message(r)) for r in call.service.list_rules(call.caller)]
+
+
+@operation("POST", "/api/rules", RuleView, body=RuleBody, errors=(400, 403), status=201)
+async def grant_rule(call: Call) -> Any:
+    """Add an access rule (admin only); stored before the answer, in force at once."""
+    body: RuleBody = call.body
+    rule = await call.service.grant(call.caller, body.subject, body.action, body.pattern)
+    return view(rule_message(rule))
+
+
+@operation("POST", "/api/rules/revoke", RevokedView, body=RuleBody, errors=(400, 403))
+async def revoke_rule(call: Call) -> Any:
+    """Remove an access rule (admin only): ``revoked`` false if there was none."""
+    body: RuleBody = call.body
+    removed = await call.service.revoke(call.caller, body.subject, body.action, body.pattern)
+    return RevokedView(removed)
+
+
+@operation(
+    "GET",
+    "/api/rules/check",
+    AccessDecisionView,
+    query=[
+        Param("subject", "string", "who (required)"),
+        Param("action", "string", "what (required)", ("produce", "consume", "manage", "admin")),
+        Param("stream", "string", "on which stream, or * for broker-wide (required)"),
+        Param("role", "string", "the subject's role (default user)", ("user", "admin")),
+        Param("scope", "string", "as for a token limited to this scope"),
+    ],
+    errors=(400, 403),
+)
+async def check_access(call: Call) -> Any:
+    """A dry run (admin only): would the subject be allowed the action on the stream, and
+    which rule decides?"""
+    query = call.request.query_params
+    missing = [name for name in ("subject", "action", "stream") if not query.get(name)]
+    if missing:
+        raise InvalidArgument(f"missing query parameter(s): {', '.join(missing)}")
+    decision = call.service.check_access(
+        call.caller,
+        query["subject"],
+        query["action"],
+        query["stream"],
+        query.get("role") or "user",
+        query.get("scope") or None,
+    )
+    return view(decision_message(decision))
 
 
 # --- broker ----------------------------------------------------------------------------------

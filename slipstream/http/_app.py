@@ -43,6 +43,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "malformed_json": 400,
     "authentication_failed": 401,
     "not_owner": 403,
+    "permission_denied": 403,
     "stream_not_found": 404,
     "subscription_not_found": 404,
     "segment_not_found": 404,

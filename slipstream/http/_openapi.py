@@ -17,6 +17,7 @@ from ._schemas import ErrorBody
 _REF = "#/components/schemas/{name}"
 _REASONS = {
     400: "Bad request: invalid_argument, invalid_name, malformed_json, offset_out_of_range",
+    403: "Forbidden: permission_denied (no access rule allows it)",
     404: "Not found: stream_not_found, subscription_not_found, segment_not_found, "
     "transaction_not_found",
     409: "Conflict: stream_exists, subscription_exists, group_active, transaction_aborted",

@@ -651,6 +651,62 @@ class TokenList(Message, frozen=True):
     tokens: list[TokenInfo]
 
 
+# --- access rules (docs/protocol.md "Access rules"): requests 36-39, replies 89-90 ----------
+
+
+class AccessRule(Message, frozen=True):
+    """Allow ``subject`` (``*``: every authenticated subject) to do ``action`` (produce,
+    consume, manage, admin) on the streams ``pattern`` matches (``*``, ``demo/*``,
+    ``*/orders``, ``demo/orders``; ``*`` and ``?`` within one part of the name)."""
+
+    subject: str
+    action: str
+    pattern: str
+
+
+class GrantRule(Message, frozen=True):
+    """-> ``RuleList`` holding the rule. Admin only. Stored before the answer; in force for
+    every connection at once. Granting a rule that exists changes nothing."""
+
+    rule: AccessRule
+
+
+class RevokeRule(Message, frozen=True):
+    """-> ``RuleList`` holding the rule if there was one, else empty. Admin only. Stored
+    before the answer; open connections lose what only it allowed at their next request."""
+
+    rule: AccessRule
+
+
+class ListRules(Message, frozen=True):
+    """-> ``RuleList``, sorted by subject, action, pattern. Admin only."""
+
+
+class CheckAccess(Message, frozen=True):
+    """A dry run -> ``AccessDecision``: would ``subject`` (with ``role``, and a token limited
+    to ``scope`` if set) be allowed ``action`` on ``stream`` (``*``: broker-wide)? Admin
+    only."""
+
+    subject: str
+    action: str
+    stream: str
+    role: str = "user"
+    scope: str | None = None
+
+
+class RuleList(Message, frozen=True):
+    rules: list[AccessRule]
+
+
+class AccessDecision(Message, frozen=True):
+    """``rule``: the rule that allowed it (nil when the role, the token's scope or the
+    default decided); ``reason`` in words."""
+
+    allowed: bool
+    rule: AccessRule | None
+    reason: str
+
+
 KINDS: dict[int, type[Message]] = {
     1: Hello,
     2: CreateStream,
@@ -686,6 +742,10 @@ KINDS: dict[int, type[Message]] = {
     32: CreateToken,
     33: RevokeToken,
     34: ListTokens,
+    36: GrantRule,
+    37: RevokeRule,
+    38: ListRules,
+    39: CheckAccess,
     40: SetQuota,
     41: ListQuotas,
     64: Welcome,
@@ -713,6 +773,8 @@ KINDS: dict[int, type[Message]] = {
     86: EventsFound,
     87: TokenIssued,
     88: TokenList,
+    89: RuleList,
+    90: AccessDecision,
     91: QuotaList,
 }
 KIND_OF: dict[type[Message], int] = {cls: kind for kind, cls in KINDS.items()}
