@@ -105,6 +105,11 @@ class Broker:
         self.__init__(self.data_dir, self.index, self.port)  # type: ignore[misc]
         return time.perf_counter() - start
 
+    def cpu_seconds(self) -> float:
+        """The broker process's CPU time so far (user + system), from /proc."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
@@ -180,9 +185,18 @@ def run_broker(
     try:
         with slipstream.connect(broker.address) as client:
             client.create_stream(STREAM, segments=2)
+            cpu = broker.cpu_seconds()
             mbps, events = fill(client, int(gb * 1e9), seed=7, batch_bytes=batch_bytes)
+            # the broker's CPU per GB: what the index costs in work, which a shared machine's
+            # load moves far less than it moves MB/s
+            cpu_per_gb = (broker.cpu_seconds() - cpu) / gb
             if repeat == 0:  # a throughput round only
-                return {"index": index, "produce_mb_s": round(mbps, 1)}
+                return {
+                    "index": index,
+                    "produce_mb_s": round(mbps, 1),
+                    "cpu_s_per_gb": round(cpu_per_gb, 2),
+                }
+            out["cpu_s_per_gb"] = round(cpu_per_gb, 2)
             out["produce_mb_s"] = round(mbps, 1)
             out["events"] = events
             start = time.perf_counter()
@@ -238,6 +252,34 @@ def run_broker(
     return out
 
 
+def produce_rounds(root: Path, args: argparse.Namespace) -> dict[bool, list[float]]:
+    """Produce-only rounds alternating index off/on (so that load from elsewhere hits both
+    alike); prints MB/s and broker CPU per GB, and the on/off ratios of their medians."""
+    rounds: dict[bool, list[float]] = {False: [], True: []}
+    cpu: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(args.rounds):
+        for index in (False, True) if r % 2 == 0 else (True, False):
+            got = run_broker(root, index, args.round_gb, 0, args.batch_bytes, name="round")
+            rounds[index].append(got["produce_mb_s"])
+            cpu[index].append(got["cpu_s_per_gb"])
+    print(f"produce rounds (MB/s): without index {rounds[False]}, with {rounds[True]}")
+    print(f"broker CPU s per GB: without index {cpu[False]}, with {cpu[True]}")
+    print(f"load after {os.getloadavg()}")
+    if args.rounds:
+        off, on = statistics.median(rounds[False]), statistics.median(rounds[True])
+        print(
+            f"produce rounds ({args.rounds} x {args.round_gb} GB each, alternating): median "
+            f"{off} MB/s without index, {on} with: ratio on/off {on / off:.3f} "
+            f"({1 - on / off:+.1%} cost; target under 5%)"
+        )
+        off, on = statistics.median(cpu[False]), statistics.median(cpu[True])
+        print(
+            f"broker CPU per GB produced: median {off} s without index, {on} s with: ratio "
+            f"on/off {on / off:.3f}"
+        )
+    return rounds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gb", type=float, default=1.0, help="GB of values per broker")
@@ -251,21 +293,20 @@ def main() -> None:
         "--rounds", type=int, default=3, help="alternating off/on produce-only rounds"
     )
     parser.add_argument("--round-gb", type=float, default=0.5, help="GB per produce round")
+    parser.add_argument(
+        "--rounds-only", action="store_true", help="only the produce rounds (index on/off)"
+    )
     args = parser.parse_args()
     root = args.dir or Path(tempfile.mkdtemp(prefix="bench-find-"))
+    if args.rounds_only:
+        produce_rounds(root, args)
+        return
     print(f"{args.gb} GB per broker under {root}; load {os.getloadavg()}", flush=True)
     plain = run_broker(root, False, args.gb, max(2, args.repeat // 2), args.batch_bytes)
     print(json.dumps(plain, indent=1), flush=True)
     indexed = run_broker(root, True, args.gb, args.repeat, args.batch_bytes)
     print(json.dumps(indexed, indent=1), flush=True)
-    # produce throughput, alternating, so that load from elsewhere hits both alike
-    rounds: dict[bool, list[float]] = {False: [], True: []}
-    for r in range(args.rounds):
-        for index in (False, True) if r % 2 == 0 else (True, False):
-            got = run_broker(root, index, args.round_gb, 0, args.batch_bytes, name="round")
-            rounds[index].append(got["produce_mb_s"])
-    print(f"produce rounds (MB/s): without index {rounds[False]}, with {rounds[True]}")
-    print(f"load after {os.getloadavg()}")
+    rounds = produce_rounds(root, args)
     print()
     print(f"{'find':32} {'scan (no index)':>18} {'indexed':>14} {'speed-up':>9}")
     for name, found in indexed["finds"].items():
@@ -291,13 +332,6 @@ def main() -> None:
         f"{indexed['produce_mb_s']} with ({cost:+.1%} cost); mover caught up "
         f"{plain['mover_catch_up_s']} s / {indexed['mover_catch_up_s']} s after the last ack"
     )
-    if args.rounds:
-        off, on = statistics.median(rounds[False]), statistics.median(rounds[True])
-        print(
-            f"produce rounds ({args.rounds} x {args.round_gb} GB each, alternating): median "
-            f"{off} MB/s without index, {on} with: ratio on/off {on / off:.3f} "
-            f"({1 - on / off:+.1%} cost; target under 5%)"
-        )
     print(
         f"kill -9 and restart with {args.gb} GB: {indexed['restart_s']} s to listen; the first "
         f"find by key then {indexed['first_find_after_restart_ms']} ms"
