@@ -8,6 +8,8 @@ Data directory layout (docs/operations.md says the same):
     <data-dir>/journal/<container>/*.journal   tier 1: group-committed journals
     <data-dir>/journal/<container>/synced.checkpoint   how much of the active file is synced
     <data-dir>/chunks/<stream>/<segment>/<base offset>.chunk   tier 2: long-term chunks
+    <data-dir>/chunk-cache/*.block        with --objects: the chunks' read cache (the chunks
+                                          are objects <prefix>/<stream>/<segment>/<base offset>)
     <data-dir>/txns/*.journal             staged events of open (and committing) transactions
     <data-dir>/token-ed25519.pem, token-hs256.key   token signing keys (0600; with --auth)
 """
@@ -34,7 +36,9 @@ from ..security import TokenKeys
 from ..storage import (
     FileJournal,
     LocalChunkStore,
+    LongTermStore,
     MetaStore,
+    ObjectChunkStore,
     SqliteMetaStore,
     ensure_dir,
     fsync_dir,
@@ -99,6 +103,13 @@ class BrokerConfig:
     #: the catalog on PostgreSQL (``up --meta postgresql://...``; storage/_meta_pg.py); None:
     #: SQLite in the data directory (meta.db)
     meta: str | None = None
+    #: chunks in an S3-compatible object store (``up --objects s3://bucket/prefix``;
+    #: storage/_objects.py); None: files in the data directory (chunks/)
+    objects: str | None = None
+    #: the object store's endpoint (``up --s3-endpoint``); None: AWS_ENDPOINT_URL, else AWS
+    s3_endpoint: str | None = None
+    #: the bound of the object store's local read cache (<data-dir>/chunk-cache)
+    objects_cache_bytes: int = 1024 * 1024 * 1024
 
 
 class _Layout(msgspec.Struct):
@@ -204,6 +215,8 @@ class Broker:
         data directory.
         """
         data_dir = self.config.data_dir
+        if self.config.objects is not None:  # a bad bucket fails here, with the data dir untouched
+            _object_chunks(self.config, cache=False).check_writable()
         ensure_dir(data_dir)
         self._lock(data_dir)
         layout = self._layout(data_dir)
@@ -221,7 +234,11 @@ class Broker:
             if self.config.meta is None
             else _postgres_catalog(self.config.meta, catalog)
         )
-        self.long_term = LocalChunkStore(data_dir / "chunks", fsync=do_sync)
+        self.long_term: LongTermStore = (
+            LocalChunkStore(data_dir / "chunks", fsync=do_sync)
+            if self.config.objects is None
+            else _object_chunks(self.config, cache=True)
+        )
         self.read_pool = ThreadPoolExecutor(4, thread_name_prefix="reader")
         self.journals = [
             FileJournal(
@@ -473,6 +490,18 @@ def _failure(task: asyncio.Task[None]) -> BaseException | None:
     if task.cancelled():
         return None
     return task.exception() or RuntimeError(f"{task.get_name()} returned, it should run forever")
+
+
+def _object_chunks(config: BrokerConfig, *, cache: bool) -> ObjectChunkStore:
+    """The chunk store in ``config.objects`` (it imports obstore, the ``s3`` extra, itself);
+    ``cache``: with its read cache in <data-dir>/chunk-cache (emptied now)."""
+    assert config.objects is not None
+    return ObjectChunkStore(
+        config.objects,
+        endpoint=config.s3_endpoint,
+        cache_dir=config.data_dir / "chunk-cache" if cache else None,
+        cache_bytes=config.objects_cache_bytes if cache else 0,
+    )
 
 
 def _postgres_catalog(dsn: str, sqlite_catalog: Path) -> MetaStore:

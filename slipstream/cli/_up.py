@@ -56,6 +56,9 @@ def run_broker(
     tls: ServerTls | None = None,
     meta: str | None = None,
     auth: bool = False,
+    objects: str | None = None,
+    s3_endpoint: str | None = None,
+    objects_cache_bytes: int = 1024 * 1024 * 1024,
 ) -> None:
     """Run a broker until a signal; raises SlipstreamError for a bad setup (locked dir) and
     SystemExit(70) if a background task died."""
@@ -72,6 +75,9 @@ def run_broker(
         tls=tls,
         meta=meta,
         auth=auth,
+        objects=objects,
+        s3_endpoint=s3_endpoint,
+        objects_cache_bytes=objects_cache_bytes,
     )
     if not auth and not is_loopback(host):
         log.warning(

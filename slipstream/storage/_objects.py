@@ -351,11 +351,11 @@ class ObjectChunkStore(LongTermStore):
         except Exception as exc:
             if self._is_missing(exc):
                 raise self._missing(name) from exc
-            if "416" in str(exc) or "InvalidRange" in str(exc):
-                # a range that starts at or past the end is refused (416): the caller says
-                # "shorter" when the size confirms it
-                if start >= self._head(name):
-                    return b""
+            # a range that starts at or past the end is refused (416): the caller says
+            # "shorter" when the size confirms it
+            refused = "416" in str(exc) or "InvalidRange" in str(exc)
+            if refused and start >= self._head(name):
+                return b""
             raise self._error(exc, f"reading chunk {name}") from exc
         with self._lock:
             self._remember_size(name, int(result.meta["size"]))

@@ -1,0 +1,87 @@
+"""A broker with its chunks in an S3-compatible store (``slipstream up --objects s3://...``) on
+a real SeaweedFS: journal files moved by the mover become objects in the bucket and nothing in
+the data directory's chunks/, and a broker restarted (kill -9, then a clean stop) replays every
+event from the bucket. A bad --objects is a clear error at start, with the data dir untouched.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from conftest import BrokerProcess, free_port
+from objectstores import ACCESS_KEY, SECRET_KEY, SeaweedFS
+
+EVENTS = 3000
+
+
+def local_chunks(data_dir: Path) -> list[Path]:
+    return list(data_dir.rglob("*.chunk"))
+
+
+def with_keys(broker: BrokerProcess, secret: str = SECRET_KEY) -> BrokerProcess:
+    broker.env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=secret)
+    return broker
+
+
+def test_a_broker_on_object_storage_moves_chunks_there_and_replays_them(
+    broker_factory: type[BrokerProcess], seaweedfs: SeaweedFS
+) -> None:
+    bucket = seaweedfs.create_bucket()
+    objects = ["--objects", f"s3://{bucket}/cluster-a", "--s3-endpoint", seaweedfs.endpoint]
+    broker = with_keys(broker_factory(*objects, "--roll", "64KiB", "--roll-seconds", "0.2"))
+    broker.start(timeout=60)
+    with broker.client() as client:
+        client.create_stream("s3/orders", segments=2)
+        with client.producer("s3/orders") as producer:
+            for i in range(EVENTS):
+                producer.send(f"{i:06d}".encode() + b"x" * 200, key=f"k{i % 7}")
+
+    def segments_moved() -> set[str]:  # "<stream>/<segment>" of the chunks in the bucket
+        return {key.rsplit("/", 1)[0] for key in seaweedfs.objects(bucket, "cluster-a/")}
+
+    for _ in range(600):  # the mover uploads chunks (a bound, not a timing)
+        if len(segments_moved()) >= 2:
+            break
+        time.sleep(0.05)
+    in_bucket = seaweedfs.objects(bucket, "cluster-a/")
+    assert len(segments_moved()) >= 2, "both segments' journal data moved to the bucket"
+    assert local_chunks(broker.data_dir) == [], "no chunk on local disk"
+
+    for restart in (broker.kill, broker.stop):
+        restart()
+        broker.start(timeout=60)
+        with broker.client() as client:
+            events = list(client.reader("s3/orders", end=client.tail("s3/orders")))
+            values = sorted(int(e.value[:6]) for e in events)
+            assert values == list(range(EVENTS)), "every event, once"
+            for k in range(7):
+                mine = [int(e.value[:6]) for e in events if e.key == f"k{k}".encode()]
+                assert mine == list(range(k, EVENTS, 7)), "per-key order"
+    assert set(seaweedfs.objects(bucket, "cluster-a/")) >= set(in_bucket)
+    assert local_chunks(broker.data_dir) == []
+    # the reads came from the bucket: a cache was filled in the data directory
+    assert list((broker.data_dir / "chunk-cache").glob("*.block"))
+
+
+@pytest.mark.parametrize(
+    ("problem", "message"),
+    [
+        ("bucket", "does not exist"),
+        ("credentials", "refused the credentials"),
+        ("endpoint", "cannot reach the object store"),
+    ],
+)
+def test_a_bad_objects_store_is_an_error_at_start_with_nothing_written(
+    broker_factory: type[BrokerProcess], seaweedfs: SeaweedFS, problem: str, message: str
+) -> None:
+    bucket = "no-such-bucket" if problem == "bucket" else seaweedfs.create_bucket()
+    endpoint = f"http://127.0.0.1:{free_port()}" if problem == "endpoint" else seaweedfs.endpoint
+    broker = broker_factory("--objects", f"s3://{bucket}/p", "--s3-endpoint", endpoint)
+    with_keys(broker, "wrong" if problem == "credentials" else SECRET_KEY)
+    with pytest.raises(RuntimeError, match=message):
+        broker.start(timeout=60)
+    assert not broker.data_dir.exists(), "nothing written to the data directory"
+    if problem != "bucket":
+        assert seaweedfs.objects(bucket) == []
