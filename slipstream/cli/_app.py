@@ -20,6 +20,7 @@ from ..protocol import StreamInfo
 from ..streams import parse_size_bytes
 from ._acl import acl_app
 from ._common import BrokerOption, connect, err, examples, out, print_json
+from ._quotas import quota_app
 from ._subscriptions import subscription_app
 from ._tokens import token_app
 
@@ -68,6 +69,7 @@ txn_app = typer.Typer(
 )
 app.add_typer(txn_app, name="txn")
 app.add_typer(subscription_app, name="subscription")
+app.add_typer(quota_app, name="quota")
 app.add_typer(acl_app, name="acl")
 app.add_typer(token_app, name="token")
 
@@ -195,26 +197,6 @@ def up(
             "may do anything); logs a warning.",
         ),
     ] = False,
-    objects: Annotated[
-        str | None,
-        typer.Option(
-            help="Keep chunks (tier 2) in an S3-compatible object store: s3://bucket/prefix; "
-            "credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (docs/operations.md). "
-            "Default: files in --data-dir.",
-            show_default=False,
-        ),
-    ] = None,
-    s3_endpoint: Annotated[
-        str | None,
-        typer.Option(
-            help="The object store's URL, e.g. http://127.0.0.1:8333 (default: "
-            "AWS_ENDPOINT_URL, else AWS).",
-            show_default=False,
-        ),
-    ] = None,
-    objects_cache: Annotated[
-        str, typer.Option(help="Local read cache of --objects chunks, in --data-dir.")
-    ] = "1GiB",
 ) -> None:
     """Start the broker in the foreground; Ctrl-C (SIGINT) or SIGTERM stops it cleanly,
     SIGHUP reloads the TLS certificate files."""
@@ -249,10 +231,6 @@ def up(
             "use a PostgreSQL URL: postgresql://user:password@host:port/database",
             param_hint="--meta",
         )
-    if objects is not None and not objects.startswith("s3://"):
-        raise typer.BadParameter("use s3://bucket/prefix", param_hint="--objects")
-    if s3_endpoint is not None and objects is None:
-        raise typer.BadParameter("needs --objects", param_hint="--s3-endpoint")
     setup_logging(log_level)
     run_broker(
         data_dir,
@@ -269,9 +247,6 @@ def up(
         tls=tls,
         meta=meta,
         auth=auth,
-        objects=objects,
-        s3_endpoint=s3_endpoint,
-        objects_cache_bytes=parse_size_bytes(objects_cache),
     )
 
 

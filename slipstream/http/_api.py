@@ -25,7 +25,7 @@ from .. import __version__
 from .._errors import InvalidArgument
 from ..broker._service import decision_message, rule_message
 from ..format import Event
-from ..protocol import AccessDecision, AccessRule, IdentityInfo
+from ..protocol import AccessDecision, AccessRule, IdentityInfo, QuotaInfo
 from ..streams import format_positions
 from ._schemas import (
     BrokerInfo,
@@ -552,6 +552,47 @@ async def check_access(call: Call) -> Any:
         query.get("scope") or None,
     )
     return view(decision_message(decision))
+
+
+# --- quotas (docs/security.md, "Quotas") ------------------------------------------------------
+
+QuotaView = object_view(QuotaInfo)
+
+
+class QuotaBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A scope's quota; absent or null: no limit (all absent removes the quota).
+    ``produce_bytes`` / ``consume_bytes``: bytes per second appended to / read from the
+    scope's streams; ``requests``: requests per second; ``connections``: open connections of
+    tokens limited to the scope."""
+
+    produce_bytes: int | None = None
+    consume_bytes: int | None = None
+    requests: int | None = None
+    connections: int | None = None
+
+
+@operation("GET", "/api/quotas", _list_of(QuotaView), errors=())
+async def list_quotas(call: Call) -> Any:
+    """Every scope's quota, by scope (admin only with authentication on)."""
+    return [view(q) for q in call.service.list_quotas(call.caller)]
+
+
+@operation("PUT", "/api/quotas/{scope}", _list_of(QuotaView), body=QuotaBody)
+async def set_quota(call: Call) -> Any:
+    """Set (replace) a scope's quota; stored before the answer, in force at once. A tenant
+    over a rate is slowed down, not refused. Answers every quota."""
+    body: QuotaBody = call.body
+    scope = call.request.path_params["scope"]
+    quota = QuotaInfo(
+        scope, body.produce_bytes, body.consume_bytes, body.requests, body.connections
+    )
+    return [view(q) for q in await call.service.set_quota(call.caller, quota)]
+
+
+@operation("DELETE", "/api/quotas/{scope}", None, status=204)
+async def delete_quota(call: Call) -> Any:
+    """Remove a scope's quota: no limits from now on."""
+    await call.service.set_quota(call.caller, QuotaInfo(call.request.path_params["scope"]))
 
 
 # --- broker ----------------------------------------------------------------------------------
