@@ -197,6 +197,26 @@ def up(
             "may do anything); logs a warning.",
         ),
     ] = False,
+    objects: Annotated[
+        str | None,
+        typer.Option(
+            help="Keep chunks (tier 2) in an S3-compatible object store: s3://bucket/prefix; "
+            "credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (docs/operations.md). "
+            "Default: files in --data-dir.",
+            show_default=False,
+        ),
+    ] = None,
+    s3_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="The object store's URL, e.g. http://127.0.0.1:8333 (default: "
+            "AWS_ENDPOINT_URL, else AWS).",
+            show_default=False,
+        ),
+    ] = None,
+    objects_cache: Annotated[
+        str, typer.Option(help="Local read cache of --objects chunks, in --data-dir.")
+    ] = "1GiB",
 ) -> None:
     """Start the broker in the foreground; Ctrl-C (SIGINT) or SIGTERM stops it cleanly,
     SIGHUP reloads the TLS certificate files."""
@@ -231,6 +251,10 @@ def up(
             "use a PostgreSQL URL: postgresql://user:password@host:port/database",
             param_hint="--meta",
         )
+    if objects is not None and not objects.startswith("s3://"):
+        raise typer.BadParameter("use s3://bucket/prefix", param_hint="--objects")
+    if s3_endpoint is not None and objects is None:
+        raise typer.BadParameter("needs --objects", param_hint="--s3-endpoint")
     setup_logging(log_level)
     run_broker(
         data_dir,
@@ -247,6 +271,9 @@ def up(
         tls=tls,
         meta=meta,
         auth=auth,
+        objects=objects,
+        s3_endpoint=s3_endpoint,
+        objects_cache_bytes=parse_size_bytes(objects_cache),
     )
 
 
