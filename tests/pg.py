@@ -58,9 +58,10 @@ class PgCluster:
             timeout=120,
         )
         if done.returncode != 0:
+            log = self.root / "server.log"
             raise RuntimeError(
                 f"{program} failed ({done.returncode}):\n{done.stdout.decode()}"
-                f"{done.stderr.decode()}"
+                f"{done.stderr.decode()}{log.read_text() if log.exists() else ''}"
             )
 
     def start(self) -> PgCluster:

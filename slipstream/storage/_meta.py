@@ -443,11 +443,26 @@ class SqliteMetaStore(MetaStore):
             self._db.execute("PRAGMA synchronous=FULL")
             if version == 0:
                 self._upgrade_unversioned()
-            # later schema changes: numbered migrations, each in one transaction with its
-            # version (none yet: version 1 is the schema below)
-            if version < SCHEMA_VERSION:
                 self._db.execute("DELETE FROM schema_version")
-                self._db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,))
+                self._db.execute("INSERT INTO schema_version VALUES (1)")
+                version = 1
+            # later schema changes: numbered migrations, each in one transaction with its
+            # version, so a crash leaves the catalog at one version or the next
+            for number, migration in enumerate(SQLITE_MIGRATIONS[version - 1 :], version + 1):
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    self._db.execute(migration)
+                    self._db.execute("UPDATE schema_version SET version = ?", (number,))
+                except sqlite3.Error as exc:
+                    self._db.execute("ROLLBACK")
+                    self._db.close()
+                    raise StorageError(
+                        f"migrating the catalog {path} from schema version {number - 1} to "
+                        f"{number} failed: {exc} (that step was rolled back)",
+                        schema_version=number - 1,
+                        supported=SCHEMA_VERSION,
+                    ) from exc
+                self._db.execute("COMMIT")
         if str(path) != ":memory:":
             self._reader = sqlite3.connect(str(path), check_same_thread=False)
             self._read_lock = threading.Lock()
@@ -1062,10 +1077,13 @@ def _no_subscription(name: str) -> SubscriptionNotFound:
     )
 
 
-#: the SQLite catalog's schema version this code reads and writes (table ``schema_version``):
-#: 1 is the schema below, reached from any earlier catalog by the column upgrades of
-#: ``SqliteMetaStore._upgrade_unversioned``
-SCHEMA_VERSION = 1
+#: SQLite catalog migrations after version 1, one SQL statement each: the first makes
+#: version 2 (append, never edit). Version 1 is the schema below, reached from any earlier
+#: catalog by the column upgrades of ``SqliteMetaStore._upgrade_unversioned``.
+SQLITE_MIGRATIONS: tuple[str, ...] = ()
+
+#: the SQLite catalog's schema version this code reads and writes (table ``schema_version``)
+SCHEMA_VERSION = 1 + len(SQLITE_MIGRATIONS)
 
 
 def schema_too_new(where: str, version: int, supported: int) -> StorageError:

@@ -869,8 +869,18 @@ def _migrate(conn: psycopg.Connection[Any], where: str) -> None:
             cur.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
         if version > SCHEMA_VERSION:
             raise schema_too_new(f"the catalog on PostgreSQL {where}", version, SCHEMA_VERSION)
-        for migration in _MIGRATIONS[version:]:
-            cur.execute(migration)
+        for number, migration in enumerate(_MIGRATIONS[version:], version + 1):
+            try:
+                cur.execute(migration)
+            except psycopg.DatabaseError as exc:
+                if isinstance(exc, psycopg.OperationalError):
+                    raise
+                raise StorageError(
+                    f"migrating the catalog on PostgreSQL {where} from schema version "
+                    f"{version} to {number} failed: {str(exc).strip()} (nothing was changed)",
+                    schema_version=version,
+                    supported=SCHEMA_VERSION,
+                ) from exc
         if version < SCHEMA_VERSION:
             cur.execute("DELETE FROM schema_version")
             cur.execute("INSERT INTO schema_version (version) VALUES (%s)", (SCHEMA_VERSION,))

@@ -178,7 +178,72 @@ def test_an_open_store_goes_on_after_the_server_restarts(
     assert store.settings("k") == {"a": b"1"}
 
 
+def pg_version(dsn: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute("SELECT version FROM schema_version").fetchall()
+
+
+def test_an_older_schema_is_migrated_forward_and_a_failed_migration_changes_nothing(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    meta = PostgresMetaStore(pg_dsn)
+    meta.create_stream("s/a", [SegmentRecord(0, 0, 0, 2**64 - 1, 0)], None, None, 1)
+    streams = meta.streams()
+    meta.close()
+    # this build's schema is version 1; a build with one more migration opens it
+    version = _meta_pg.SCHEMA_VERSION
+    broken = "ALTER TABLE streams ADD COLUMN note TEXT; ALTER TABLE nothing ADD COLUMN x TEXT"
+    monkeypatch.setattr(_meta_pg, "_MIGRATIONS", (*_meta_pg._MIGRATIONS, broken))
+    monkeypatch.setattr(_meta_pg, "SCHEMA_VERSION", version + 1)
+    before = tables(pg_dsn)
+    with pytest.raises(StorageError, match=f"from schema version {version} to {version + 1}"):
+        PostgresMetaStore(pg_dsn)
+    assert tables(pg_dsn) == before, "not even the first statement of the migration"
+    working = "ALTER TABLE streams ADD COLUMN note TEXT NOT NULL DEFAULT 'migrated'"
+    monkeypatch.setattr(_meta_pg, "_MIGRATIONS", (*_meta_pg._MIGRATIONS[:-1], working))
+    meta = PostgresMetaStore(pg_dsn)
+    try:
+        assert meta.streams() == streams
+    finally:
+        meta.close()
+    assert pg_version(pg_dsn) == [(version + 1,)]
+    with psycopg.connect(pg_dsn) as conn:
+        assert conn.execute("SELECT note FROM streams").fetchall() == [("migrated",)]
+
+
 # --- SQLite's schema versions ----------------------------------------------------------------
+
+
+def sqlite_version(path: Path) -> list[tuple[Any, ...]]:
+    with sqlite3.connect(path) as db:
+        rows = db.execute("SELECT version FROM schema_version").fetchall()
+    db.close()
+    return rows
+
+
+def test_an_older_sqlite_catalog_is_migrated_forward_one_step_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "meta.db"
+    meta = SqliteMetaStore(path)
+    meta.put_setting("k", "a", b"1")
+    meta.close()
+    assert sqlite_version(path) == [(1,)]
+    steps = (
+        "ALTER TABLE streams ADD COLUMN note TEXT NOT NULL DEFAULT 'migrated'",
+        "ALTER TABLE nothing ADD COLUMN x TEXT",  # fails: version 2 stays
+    )
+    monkeypatch.setattr(sqlite_meta, "SQLITE_MIGRATIONS", steps)
+    monkeypatch.setattr(sqlite_meta, "SCHEMA_VERSION", 3)
+    with pytest.raises(StorageError, match="from schema version 2 to 3"):
+        SqliteMetaStore(path)
+    assert sqlite_version(path) == [(2,)]
+    monkeypatch.setattr(sqlite_meta, "SQLITE_MIGRATIONS", steps[:1])
+    monkeypatch.setattr(sqlite_meta, "SCHEMA_VERSION", 2)
+    meta = SqliteMetaStore(path)
+    assert meta.settings("k") == {"a": b"1"}
+    meta.close()
+    assert sqlite_version(path) == [(2,)]
 
 
 def digest(path: Path) -> str:
