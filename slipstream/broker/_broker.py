@@ -17,6 +17,7 @@ Data directory layout (docs/operations.md says the same):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import logging
 import os
@@ -43,6 +44,7 @@ from ..storage import (
     ensure_dir,
     fsync_dir,
 )
+from ._audit_stream import audit_appender, open_audit_stream
 from ._container import (
     FSYNC_MODES,
     JOURNAL_CHECKPOINT_SECONDS,
@@ -70,6 +72,8 @@ DATA_FORMAT = 1
 #: how often the automatic scaler looks at the streams' rates (the rules' windows are 10 s
 #: and more: a pass a second answers a step up within about a second of a rule firing)
 SCALING_PASS_S = 1.0
+#: how long a stopping broker waits for queued audit records to reach the audit stream
+AUDIT_DRAIN_S = 5.0
 
 
 class BrokerFailed(Exception):
@@ -316,6 +320,14 @@ class Broker:
         try:
             # commits a crash interrupted are finished before anyone can read
             await self.coordinator.apply_pending()
+            # the audit stream and its chain's head, before any request can be audited
+            audit_stream = await open_audit_stream(self.controller, self.service.audit)
+            background.append(
+                loop.create_task(
+                    self.service.audit.run(audit_appender(self.controller, audit_stream)),
+                    name="audit",
+                )
+            )
             # the admin API (None without an http_port), first: a port in use fails the start
             http = await start_http(self)
             if http is not None:
@@ -367,6 +379,9 @@ class Broker:
             for session in list(self.sessions):
                 if session.transport is not None:
                     session.transport.close()
+            if failed is None:  # the last records into the audit stream (all in the log)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.service.audit.drained(), AUDIT_DRAIN_S)
             clean = failed is None
         finally:
             if failed is None and not clean:  # one that died before the broker listened

@@ -41,6 +41,7 @@ from ..streams import (
     ScalingPolicy,
     SegmentLoad,
     decide,
+    is_system_stream,
     merge_ranges,
     split_key_space,
     split_range,
@@ -200,7 +201,9 @@ class Controller:
             stream.add_segments(segments)
             stream.scaling = record.scaling
             self._register(stream)
-        totals = {"streams": len(self.streams), "batches": 0, "skipped": 0}
+        # the streams of users: the broker's own (the audit trail) are not news to them
+        users = sum(not is_system_stream(name) for name in self.streams)
+        totals = {"streams": users, "batches": 0, "skipped": 0}
         for container in self.containers:
             for key, value in container.recover().items():
                 totals[key] += value
@@ -230,14 +233,19 @@ class Controller:
         retention_ms: int | None,
         retention_bytes: int | None,
         scaling: str = "",
+        *,
+        system: bool = False,
     ) -> Stream:
         """Create a stream: stored in the catalog (on the catalog thread), then served.
+        ``system``: the broker's own stream in the reserved scope ``_system`` (the audit
+        stream), whose name users may not create.
         ``scaling``: a policy's text (``str(ScalingPolicy)``; "" for none: the segments stay
         as they are unless scaled by hand); the stream starts with at least its
         ``min_segments``. Raises InvalidName, InvalidArgument, StreamExists (also when a
         create of the same name ran first), StorageError / StorageFull when the catalog
         cannot be written."""
-        validate_stream_name(name)
+        if not (system and is_system_stream(name)):
+            validate_stream_name(name)
         if scaling:
             policy = ScalingPolicy.from_text(scaling)
             scaling = str(policy)
@@ -499,12 +507,14 @@ class Controller:
             self.long_term.delete_chunk(chunk.name)
 
     def list_streams(self, scope: str | None) -> list[Stream]:
+        """The streams of ``scope``, or of every scope but the broker's own ``_system`` (the
+        audit trail is listed only when its scope is asked for, like a hidden file)."""
         if scope is not None:
             validate_scope(scope)
         return [
             s
             for name, s in sorted(self.streams.items())
-            if scope is None or name.split("/", 1)[0] == scope
+            if name.split("/", 1)[0] == scope or (scope is None and not is_system_stream(name))
         ]
 
     # --- positions -------------------------------------------------------------------------

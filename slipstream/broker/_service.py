@@ -80,7 +80,12 @@ from ..security._rules import (
 )
 from ..security._tokens import DEFAULT_EXPIRY_S
 from ..storage import QueueOptions, fsync_dir
-from ..streams import parse_positions, validate_scope, validate_stream_name
+from ..streams import (
+    is_system_stream,
+    parse_positions,
+    validate_scope,
+    validate_stream_name,
+)
 from ._browse import EventsPage, events_after, events_before
 from ._find import Finder, FoundEvents, check_find_arguments
 from ._groups import Subscriptions
@@ -381,6 +386,15 @@ class Service:
         stream = await self.controller.create_stream(
             name, segments, retention_ms, retention_bytes, scaling
         )
+        self._audited(
+            caller,
+            "stream_created",
+            stream=name,
+            segments=len(stream.segments),
+            retention_ms=retention_ms,
+            retention_bytes=retention_bytes,
+            scaling=stream.scaling,
+        )
         return stream.info()
 
     async def update_stream(
@@ -399,18 +413,29 @@ class Service:
         InvalidArgument (a negative or too large limit), StorageError / StorageFull."""
         self._authorize(caller, Action.MANAGE, name)
         if scaling is not None:
+            self._refuse_system(name, "scale")
             await self.controller.update_scaling(name, scaling)
         if scaling is None or retention_ms is not None or retention_bytes is not None:
             await self.controller.update_retention(name, retention_ms, retention_bytes)
+        self._audited(
+            caller,
+            "stream_updated",
+            stream=name,
+            retention_ms=retention_ms,
+            retention_bytes=retention_bytes,
+            scaling=scaling,
+        )
         return self.controller.stream(name).info()
 
     async def delete_stream(self, caller: Caller, name: str) -> None:
         """Delete a stream, its data and its subscriptions; its followers get StreamNotFound,
         its groups' members SubscriptionNotFound on their next poll."""
         self._authorize(caller, Action.MANAGE, name)
+        self._refuse_system(name, "delete")
         stream = self.controller.stream(name)
         await self.controller.delete_stream(name)
         self.subscriptions.forget_stream(stream)
+        self._audited(caller, "stream_deleted", stream=name)
 
     async def scale_stream(
         self, caller: Caller, name: str, segments: Sequence[int], into: int = 2
@@ -419,7 +444,9 @@ class Service:
         in a new epoch (see ``Controller.scale``). Waits for transactions that staged into
         them to end. Raises StreamNotFound, SegmentNotFound, InvalidArgument."""
         self._authorize(caller, Action.MANAGE, name)
+        self._refuse_system(name, "scale")
         stream = await self.controller.scale(name, segments, into, self.coordinator.touching)
+        self._audited(caller, "stream_scaled", stream=name, segments=list(segments), into=into)
         return stream.info()
 
     def scale_history(self, caller: Caller, name: str) -> list[ScaleEventInfo]:
@@ -466,6 +493,7 @@ class Service:
                 limit=self.max_batch_bytes,
             )
         self._authorize(caller, Action.PRODUCE, stream)
+        self._refuse_system(stream, "append to")
         target = self.controller.stream(stream).segment(segment)
         header = verify(batch)
         if header.batch_length != len(batch):
@@ -646,7 +674,10 @@ class Service:
                 for consumed in positions:
                     self._authorize(caller, Action.CONSUME, consumed.stream)
         if not (commit and positions and txn_id in self.coordinator.open):
-            return await self.coordinator.end(txn_id, commit, metadata, list(merge))
+            ended = await self.coordinator.end(txn_id, commit, metadata, list(merge))
+            if operator:
+                self._audited(caller, "transaction_aborted", txn_id=txn_id)
+            return ended
         # positions consumed: stored with the commit record if this caller's members still
         # hold those segments; if not (a zombie), the transaction aborts
         checked = False
@@ -702,7 +733,11 @@ class Service:
         queue = _queue_options(stream, options or {}) if mode != "ordered" else None
         if mode == "ordered" and options:
             raise InvalidArgument("options are for the queue modes; an ordered one has none")
-        return await self.subscriptions.create(stream, name, mode, start, queue)
+        info = await self.subscriptions.create(stream, name, mode, start, queue)
+        self._audited(
+            caller, "subscription_created", stream=stream, subscription=name, mode=mode, at=at
+        )
+        return info
 
     def list_subscriptions(self, caller: Caller, stream: str) -> list[SubscriptionInfo]:
         self._authorize(caller, Action.CONSUME, stream)
@@ -718,6 +753,7 @@ class Service:
     async def delete_subscription(self, caller: Caller, stream: str, name: str) -> None:
         self._authorize(caller, Action.MANAGE, stream)
         await self.subscriptions.delete(stream, name)
+        self._audited(caller, "subscription_deleted", stream=stream, subscription=name)
 
     async def reset_subscription(
         self,
@@ -731,7 +767,11 @@ class Service:
         """Move every position to ``at``; live members restart from there."""
         self._authorize(caller, Action.MANAGE, stream)
         start = await self._start(caller, stream, at, timestamp_ms, positions)
-        return await self.subscriptions.reset(stream, name, start)
+        info = await self.subscriptions.reset(stream, name, start)
+        self._audited(
+            caller, "subscription_reset", stream=stream, subscription=name, at=at, positions=start
+        )
+        return info
 
     async def _start(
         self,
@@ -1076,6 +1116,24 @@ class Service:
     def _token(self, producer_id: int, epoch: int) -> bytes:
         message = f"{producer_id}:{epoch}".encode()
         return hmac.new(self._key, message, hashlib.sha256).digest()[:_TOKEN_BYTES]
+
+    # --- audit -------------------------------------------------------------------------------
+
+    def _audited(self, caller: Caller, event: str, **details: object) -> None:
+        """An audit record of a change the caller made (security/_audit.py)."""
+        principal = caller.principal
+        subject = None if principal is None else principal.subject
+        self.audit.record(event, subject=subject, peer=caller.peer, **details)
+
+    def _refuse_system(self, stream: str, what: str) -> None:
+        """Streams of the reserved scope ``_system`` (the audit trail) are written only by
+        the broker: PermissionDenied for anyone else, the admin role included."""
+        if is_system_stream(stream):
+            raise PermissionDenied(
+                f"{stream} is the broker's own stream (scope '_system'): only the broker may "
+                f"{what} it; read it with 'slipstream audit tail'",
+                stream=stream,
+            )
 
 
 def rule_message(rule: Rule) -> AccessRule:

@@ -19,6 +19,7 @@ from ..broker import FSYNC_MODES, ConnectionLimits
 from ..protocol import StreamInfo
 from ..streams import parse_size_bytes
 from ._acl import acl_app
+from ._audit import audit_app
 from ._common import BrokerOption, connect, err, examples, out, print_json
 from ._quotas import quota_app
 from ._subscriptions import subscription_app
@@ -71,6 +72,7 @@ app.add_typer(txn_app, name="txn")
 app.add_typer(subscription_app, name="subscription")
 app.add_typer(quota_app, name="quota")
 app.add_typer(acl_app, name="acl")
+app.add_typer(audit_app, name="audit")
 app.add_typer(token_app, name="token")
 
 
@@ -1124,7 +1126,7 @@ def txn_status(
         )
 
 
-_help_in_whole_lines(app, stream_app, txn_app, subscription_app)
+_help_in_whole_lines(app, stream_app, txn_app, subscription_app, audit_app)
 
 
 def main() -> None:

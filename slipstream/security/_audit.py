@@ -1,28 +1,347 @@
-"""The audit trail: one structured record per authentication failure, refused request and
-change of streams, subscriptions, rules and tokens.
+"""The audit trail: one structured, hash-chained record per authentication failure, refused
+request and change of streams, subscriptions, rules and tokens.
 
-Every record goes to the ``slipstream.audit`` logger as one JSON object. Records never hold
-secrets: no token, key or password, only token ids and subjects."""
+Every record goes to the ``slipstream.audit`` logger as one JSON line, and (in a broker) to the
+stream ``_system/audit``, one event per record (its value the record's JSON, its timestamp the
+time of the append, no key). Records never hold secrets: no token, key or password, only token
+ids and subjects.
+
+Record layout (``AuditRecord``, JSON):
+
+    seq        int     1, 2, 3, ... with no gap: the record's place in the chain
+    time_ms    int     when ``record`` was called, milliseconds since the epoch
+    event      str     what happened: authentication_failed, denied, stream_created, ...
+    subject    str?    who did it (null: not authenticated, or authentication off)
+    peer       str     from where (host:port)
+    details    object  facts of the event (the stream, the rule, the token id, the reason)
+    prev_hash  str     ``hash`` of record seq-1, 64 hex digits; 64 zeros for seq 1
+    hash       str     sha256 (hex) of the canonical encoding of the other seven fields
+
+Canonical encoding (``canonical``): the record as a JSON object without ``hash``, keys sorted
+at every level, no whitespace, as ``msgspec.json.encode(..., order="sorted")`` writes it. A
+changed byte anywhere in a record changes its hash; a removed record leaves a gap in ``seq``
+and a ``prev_hash`` that names no record; a record put in another place breaks the ``seq``
+order and the links around it. What a chain cannot show alone is a rewrite of every record from
+some point on to its end with all hashes computed again: for that, keep the head ``hash`` that
+``slipstream audit verify`` prints somewhere else and compare later.
+
+Write path: ``record`` runs on the event loop and never waits. It assigns the next ``seq``,
+links and hashes the record (so the chain's order is the order of the calls), logs it, and
+queues it; ``run`` (a broker background task) appends what is queued to the stream, batching
+the records of a few milliseconds into one append, and drops them from the queue only once the
+append is durable. When an append fails (a full disk) the records stay queued, an error is
+logged, and the append is tried again every second: nothing is dropped silently. The queue is
+bounded (``MAX_PENDING``); past it the oldest queued records are dropped from the stream's
+future (an error says how many and which ``seq``), ``audit verify`` then reports the gap, and
+the records themselves remain in the log. A ``kill -9`` loses the records of the last few
+milliseconds that were not yet appended (they are in the log); the restarted broker continues
+the chain from the last record in the stream, so the stream has no fork.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
 import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 log = logging.getLogger("slipstream.audit")
 
+#: ``prev_hash`` of the first record (seq 1)
+GENESIS_HASH = "0" * 64
+#: records queued for the stream at most; past it the oldest are dropped (logged, and a gap
+#: that ``audit verify`` reports), so a broker whose disk is full does not run out of memory
+MAX_PENDING = 100_000
+#: records in one append at most
+MAX_RECORDS_PER_APPEND = 1000
+#: how long ``run`` gathers records before an append (one append, one fsync, for a burst)
+LINGER_S = 0.005
+#: wait between tries of a failed append
+RETRY_S = 1.0
+
+
+class AuditRecord(msgspec.Struct, frozen=True):
+    """One record of the audit trail (see the module docstring for the fields)."""
+
+    seq: int
+    time_ms: int
+    event: str
+    subject: str | None
+    peer: str
+    details: dict[str, Any]
+    prev_hash: str
+    hash: str
+
+
+def canonical(fields: dict[str, Any]) -> bytes:
+    """The bytes a record's hash covers: ``fields`` (every field but ``hash``) as JSON with
+    sorted keys at every level."""
+    return msgspec.json.encode(fields, order="sorted")
+
+
+def record_hash(record: AuditRecord) -> str:
+    """The hash ``record`` should carry: sha256 of the canonical encoding of its fields other
+    than ``hash``."""
+    fields = msgspec.structs.asdict(record)
+    del fields["hash"]
+    return hashlib.sha256(canonical(fields)).hexdigest()
+
+
+def decode_record(value: bytes) -> AuditRecord:
+    """A record from a stream event's value; raises msgspec.DecodeError /
+    msgspec.ValidationError for anything else."""
+    return msgspec.json.decode(value, type=AuditRecord)
+
 
 class AuditLog:
-    """Where the service writes audit records (``record``)."""
+    """Where the service writes audit records (``record``), and the writer that appends them
+    to the audit stream (``run``).
+
+    Until ``resume`` gives it the chain's head (the broker reads it from the stream at start),
+    records wait unchained; without a stream (``run`` never called) the chain starts at seq 1
+    and records only go to the log."""
+
+    def __init__(self, *, max_pending: int = MAX_PENDING) -> None:
+        self.seq = 0  # of the last record chained
+        self.head = GENESIS_HASH  # its hash
+        self._resumed = False
+        self._early: list[tuple[int, str, str | None, str, dict[str, Any]]] = []
+        self._pending: deque[tuple[int, bytes]] = deque()  # (seq, JSON) not yet appended
+        self._max_pending = max_pending
+        self._wake = asyncio.Event()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        #: records dropped from the stream because the queue was full (they were logged)
+        self.dropped = 0
+        #: records appended to the stream by ``run``
+        self.appended = 0
 
     def record(self, event: str, *, subject: str | None, peer: str, **details: Any) -> None:
         """Write one record: ``event`` says what happened (``authentication_failed``,
         ``denied``, ``stream_created``, ...), ``subject`` who did it (None: not
-        authenticated), ``peer`` from where; ``details`` are JSON-able facts."""
-        entry = {"time_ms": time.time_ns() // 1_000_000, "event": event, "subject": subject}
-        entry["peer"] = peer
-        entry.update(details)
-        log.info("%s", msgspec.json.encode(entry).decode())
+        authenticated), ``peer`` from where; ``details`` are JSON-able facts, never secrets.
+        Never blocks: the record is chained and logged now, appended to the stream soon."""
+        # through JSON and back: the hash must cover what a verifier decodes (int dict keys
+        # become strings, tuples lists, enums their values)
+        facts = msgspec.json.decode(msgspec.json.encode(details))
+        entry = (time.time_ns() // 1_000_000, event, subject, peer, facts)
+        if not self._resumed:
+            self._early.append(entry)
+            return
+        self._chain(*entry)
+
+    def resume(self, seq: int, head: str) -> None:
+        """Continue the chain after record ``seq`` whose hash is ``head`` (0 and GENESIS_HASH
+        for an empty trail); the records made before this call are chained now, in order."""
+        self.seq, self.head = seq, head
+        self._resumed = True
+        early, self._early = self._early, []
+        for entry in early:
+            self._chain(*entry)
+
+    def _chain(
+        self, time_ms: int, event: str, subject: str | None, peer: str, details: dict[str, Any]
+    ) -> None:
+        fields = {
+            "seq": self.seq + 1,
+            "time_ms": time_ms,
+            "event": event,
+            "subject": subject,
+            "peer": peer,
+            "details": details,
+            "prev_hash": self.head,
+        }
+        digest = hashlib.sha256(canonical(fields)).hexdigest()
+        fields["hash"] = digest
+        line = msgspec.json.encode(fields)
+        self.seq += 1
+        self.head = digest
+        log.info("%s", line.decode())
+        if len(self._pending) >= self._max_pending:
+            lost, _ = self._pending.popleft()
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.error(
+                    "audit queue full (%d records not yet in the audit stream): dropped record "
+                    "seq %d from the stream (it is in this log; %d dropped in all); "
+                    "'slipstream audit verify' will report the gap",
+                    len(self._pending) + 1,
+                    lost,
+                    self.dropped,
+                )
+        self._pending.append((self.seq, line))
+        self._drained.clear()
+        self._wake.set()
+
+    @property
+    def pending(self) -> int:
+        """Records chained but not yet durable in the audit stream."""
+        return len(self._pending)
+
+    async def drained(self) -> None:
+        """Return once every record made before the call is in the stream (or dropped)."""
+        await self._drained.wait()
+
+    async def run(
+        self,
+        append: Callable[[Sequence[bytes]], Awaitable[None]],
+        *,
+        linger_s: float = LINGER_S,
+        retry_s: float = RETRY_S,
+    ) -> None:
+        """Append queued records to the stream forever, in ``seq`` order: ``append(values)``
+        must make them durable in that order or raise (nothing of them acknowledged). A
+        failed append is logged and tried again after ``retry_s``, with the records that
+        arrived meanwhile; the records stay queued until an append holding them succeeds."""
+        failing = 0
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(linger_s)  # gather a burst into one append
+            self._wake.clear()
+            while self._pending:
+                batch = [line for _, line in _first(self._pending, MAX_RECORDS_PER_APPEND)]
+                first = self._pending[0][0]
+                try:
+                    await append(batch)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    failing += 1
+                    if failing == 1 or failing % 60 == 0:
+                        log.error(
+                            "audit records seq %d.. (%d queued) not yet in the audit stream, "
+                            "retrying every %gs: %s",
+                            first,
+                            len(self._pending),
+                            retry_s,
+                            exc,
+                        )
+                    await asyncio.sleep(retry_s)
+                    continue
+                if failing:
+                    log.warning("audit stream writable again after %d failed appends", failing)
+                    failing = 0
+                # the queue may have dropped its oldest records while the append ran
+                while self._pending and self._pending[0][0] <= first + len(batch) - 1:
+                    self._pending.popleft()
+                self.appended += len(batch)
+            self._drained.set()
+
+
+def _first(items: deque[tuple[int, bytes]], count: int) -> Iterable[tuple[int, bytes]]:
+    for index, item in enumerate(items):
+        if index >= count:
+            return
+        yield item
+
+
+# --- verification -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ChainReport:
+    """What ``verify_chain`` found. ``ok``: every record decodes, hashes to its ``hash`` and
+    links to the one before. ``records``: how many it checked (up to the problem);
+    ``first_seq`` / ``last_seq`` / ``head``: the first and last good record's seq and the
+    last good hash; ``mid_chain``: the history starts after seq 1 (retention trimmed it), so
+    the first record's ``prev_hash`` was taken on trust. ``problem``: what is wrong, at
+    ``problem_seq`` (None if ok, or if the bad record has no readable seq) and
+    ``problem_index`` (0-based position in the history)."""
+
+    ok: bool
+    records: int
+    first_seq: int | None
+    last_seq: int | None
+    head: str | None
+    mid_chain: bool
+    problem: str | None = None
+    problem_seq: int | None = None
+    problem_index: int | None = None
+
+
+def verify_chain(values: Iterable[bytes], *, trimmed: bool | None = None) -> ChainReport:
+    """Check a history of audit records (event values, oldest first): each decodes, its
+    ``hash`` is the hash of its content (else: edited), its ``seq`` is one more than the
+    previous one's (else: missing records, or out of order), its ``prev_hash`` is the previous
+    record's ``hash`` (else: forged or inserted). Stops at the first problem.
+
+    The first record must be seq 1 with the genesis ``prev_hash``, unless the history was
+    trimmed by retention: ``trimmed`` True (the stream no longer starts at offset 0) or None
+    (unknown) accepts a later first record and reports ``mid_chain``; False refuses it (records
+    at the start were removed). Pure: no I/O."""
+    count = 0
+    first_seq: int | None = None
+    last: AuditRecord | None = None
+    mid_chain = False
+
+    def bad(problem: str, seq: int | None) -> ChainReport:
+        return ChainReport(
+            False,
+            count,
+            first_seq,
+            None if last is None else last.seq,
+            None if last is None else last.hash,
+            mid_chain,
+            problem,
+            seq,
+            count,
+        )
+
+    for value in values:
+        try:
+            record = decode_record(value)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            after = "at the start" if last is None else f"after seq {last.seq}"
+            return bad(f"the record {after} is not an audit record ({exc})", None)
+        if record_hash(record) != record.hash:
+            return bad(
+                f"seq {record.seq} was edited: its hash does not match its content", record.seq
+            )
+        if last is None:
+            if record.seq == 1 and record.prev_hash != GENESIS_HASH:
+                return bad("seq 1 does not start the chain (its prev_hash is not the genesis)", 1)
+            if record.seq != 1:
+                if trimmed is False:
+                    return bad(
+                        f"the history starts at seq {record.seq}, not 1, though nothing was "
+                        f"trimmed: records 1..{record.seq - 1} are missing",
+                        record.seq,
+                    )
+                mid_chain = True
+            first_seq = record.seq
+        else:
+            if record.seq <= last.seq:
+                return bad(
+                    f"seq {record.seq} comes after seq {last.seq}: records out of order or "
+                    "repeated",
+                    record.seq,
+                )
+            if record.seq != last.seq + 1:
+                missing = (
+                    f"seq {last.seq + 1} is"
+                    if record.seq == last.seq + 2
+                    else f"seqs {last.seq + 1}..{record.seq - 1} are"
+                )
+                return bad(f"{missing} missing (gap before seq {record.seq})", record.seq)
+            if record.prev_hash != last.hash:
+                return bad(
+                    f"seq {record.seq} does not link to seq {last.seq} (its prev_hash is not "
+                    "that record's hash): forged, or an edited record's hash recomputed",
+                    record.seq,
+                )
+        last = record
+        count += 1
+    return ChainReport(
+        True,
+        count,
+        first_seq,
+        None if last is None else last.seq,
+        None if last is None else last.hash,
+        mid_chain,
+    )

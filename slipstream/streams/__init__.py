@@ -21,7 +21,10 @@ from ._idempotence import (
     next_sequence,
 )
 from ._names import (
+    AUDIT_STREAM,
     MAX_NAME_LENGTH,
+    SYSTEM_SCOPE,
+    is_system_stream,
     validate_scope,
     validate_stream_name,
     validate_subscription_name,
@@ -43,12 +46,14 @@ from ._scaling import (
 from ._units import human_bytes, parse_duration_ms, parse_size_bytes, relative_time_ms
 
 __all__ = [
+    "AUDIT_STREAM",
     "FULL_KEY_RANGE",
     "KEY_SPACE",
     "MAX_KEY_HASH",
     "MAX_NAME_LENGTH",
     "MAX_SEGMENTS",
     "SEQUENCE_MODULUS",
+    "SYSTEM_SCOPE",
     "WINDOW",
     "KeyRange",
     "Position",
@@ -71,6 +76,7 @@ __all__ = [
     "decide",
     "format_positions",
     "human_bytes",
+    "is_system_stream",
     "key_hash",
     "manual_merge",
     "manual_split",
