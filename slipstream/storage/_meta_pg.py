@@ -142,14 +142,15 @@ _CHUNK = "stream_id, segment, base_offset, next_offset, bytes, min_timestamp, ma
 class PostgresMetaStore(MetaStore):
     """The catalog in PostgreSQL (``dsn``: ``postgresql://user:password@host:port/database``
     or a libpq key=value string). Opening checks the server, the credentials and the schema
-    version, migrating an older schema forward; any failure there is a StorageError saying
-    what to fix, raised before anything is written.
+    version: a server it cannot reach or log in to, or a schema newer than this code, is a
+    StorageError saying what to fix, raised before anything is written; an older schema is
+    migrated forward (all of it or none).
 
     Transactions run at READ COMMITTED with explicit row locks where SQLite relied on BEGIN
     IMMEDIATE's single writer, so that writers to different streams never wait for each other
     and nothing needs retrying (SERIALIZABLE would need every transaction replayable on a
     serialization failure). Locks are taken in this order, which is what keeps them free of
-    deadlocks: the stream's row (FOR UPDATE by delete and scale events, FOR SHARE by
+    deadlocks: the stream's row (FOR UPDATE by whatever changes the stream, FOR SHARE by
     ``add_chunks`` and ``create_subscription`` so that nothing is added to a stream being
     deleted), then its segments' rows in (stream, number) order, then subscriptions in
     (stream, name) order, then identities, counters, containers. A read of several tables
@@ -239,6 +240,8 @@ class PostgresMetaStore(MetaStore):
                     with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
                         cur.execute(_SNAPSHOT)
                         return query(cur)
+                except PoolTimeout:
+                    raise  # every connection busy: trying again would wait as long again
                 except psycopg.OperationalError:
                     if attempt == 2 or self._closed.is_set():
                         raise
