@@ -69,6 +69,8 @@ def test_a_bad_meta_is_an_error_at_start(broker_factory: type[BrokerProcess], pg
     broker = broker_factory("--meta", nothing)
     with pytest.raises(RuntimeError, match="cannot open the catalog on PostgreSQL"):
         broker.start(timeout=30)
+    with pytest.raises(RuntimeError, match="use a PostgreSQL URL"):
+        broker_factory("--meta", "mysql://root@127.0.0.1/catalog").start(timeout=30)
     # a data directory with a SQLite catalog of its own is not silently left behind
     sqlite_broker = broker_factory().start()
     sqlite_broker.stop()
