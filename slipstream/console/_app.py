@@ -19,8 +19,11 @@ Routes (the broker's HTTP server mounts them at ``/``; its JSON API lives under 
 
 Errors render a page with the error's text: 404 for an unknown stream, subscription or
 segment, 400 for a bad argument, 409 for any other refusal (the error's code is shown).
-The forms (reset, abort) act as an operator; until the broker authenticates callers (the
-security issue) anyone who reaches the port may use them, as with the binary protocol.
+The forms (reset, abort) act for the logged-in caller. With authentication on (``up
+--auth``) every page needs a token: ``GET /login`` shows a form, ``POST /login`` checks the
+token and keeps it in an HttpOnly, SameSite=Strict cookie (Secure over HTTPS) that lives as
+long as the token, ``POST /logout`` drops it; a page without a valid cookie (or ``Authorization:
+Bearer`` header) redirects to the login form (an htmx refresh gets 401 and ``HX-Redirect``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from starlette.staticfiles import StaticFiles
 
 from .. import __version__
 from .._errors import (
+    AuthenticationFailed,
     InvalidArgument,
     InvalidName,
     MalformedValue,
@@ -63,6 +67,8 @@ HERE = Path(__file__).parent
 STREAMS_PER_PAGE = 100
 EVENTS_PER_PAGE = 50
 MAX_FORM_BYTES = 16 * 1024
+#: the console's login cookie (HttpOnly, SameSite=Strict): the token a login form checked
+TOKEN_COOKIE = "slipstream_token"
 _BAD_REQUEST = (InvalidArgument, InvalidName, MalformedValue, OffsetOutOfRange)
 
 _templates = jinja2.Environment(
@@ -104,6 +110,9 @@ class Console:
             Route("/spark", page(self.spark_queries)),
             Route("/spark/rows", page(self.spark_rows)),
             Route("/transactions/abort", page(self.abort_transaction), methods=["POST"]),
+            Route("/login", self.login_form, methods=["GET"]),
+            Route("/login", self.login, methods=["POST"]),
+            Route("/logout", self.logout, methods=["POST"]),
             Mount("/static", StaticFiles(directory=HERE / "static"), name="console-static"),
         ]
 
@@ -120,6 +129,11 @@ class Console:
             peer = f"console {request.client.host if request.client else 'unknown'}"
             caller = self.service.connect(peer)
             try:
+                self.service.authenticate(caller, _credentials(request))
+            except AuthenticationFailed:
+                self.service.disconnect(caller)
+                return _to_login(request)
+            try:
                 return await handler(request, caller)
             except SlipstreamError as exc:
                 return _error_page(request, exc)
@@ -127,6 +141,53 @@ class Console:
                 self.service.disconnect(caller)
 
         return endpoint
+
+    # --- login (authentication on) ------------------------------------------------------------
+
+    async def login_form(self, request: Request) -> Response:
+        if not self.service.auth:
+            return RedirectResponse("/", status_code=303)
+        return render("login.html", request, next=_next_page(request), message="")
+
+    async def login(self, request: Request) -> Response:
+        """Check the token of the form and keep it in the console's cookie."""
+        try:
+            fields = await _form(request)
+        except SlipstreamError as exc:
+            return _error_page(request, exc)
+        token = fields.get("token", "").strip()
+        target = _next_page(request, fields.get("next"))
+        if not self.service.auth:
+            return RedirectResponse(target, status_code=303)
+        peer = f"console {request.client.host if request.client else 'unknown'}"
+        caller = self.service.connect(peer)
+        try:
+            self.service.authenticate(caller, {"token": token} if token else None)
+        except AuthenticationFailed as exc:
+            return render("login.html", request, status=401, next=target, message=exc.message)
+        finally:
+            self.service.disconnect(caller)
+        principal = caller.principal
+        assert principal is not None
+        response = RedirectResponse(target, status_code=303)
+        lifetime = None
+        if principal.expires_at is not None:
+            lifetime = max(1, principal.expires_at - int(time.time()))
+        response.set_cookie(
+            TOKEN_COOKIE,
+            token,
+            max_age=lifetime,
+            path="/",
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+        )
+        return response
+
+    async def logout(self, request: Request) -> Response:
+        response = RedirectResponse("/login" if self.service.auth else "/", status_code=303)
+        response.delete_cookie(TOKEN_COOKIE, path="/", httponly=True, samesite="strict")
+        return response
 
     # --- streams -----------------------------------------------------------------------------
 
@@ -389,6 +450,32 @@ def render(template: str, request: Request, status: int = 200, **context: Any) -
         request=request, version=__version__, path=request.url.path, **context
     )
     return HTMLResponse(html, status_code=status)
+
+
+def _credentials(request: Request) -> dict[str, str] | None:
+    """The console's token: its cookie, else an ``Authorization: Bearer`` header."""
+    token = request.cookies.get(TOKEN_COOKIE, "")
+    if not token:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        token = token if scheme.lower() == "bearer" else ""
+    return {"token": token.strip()} if token.strip() else None
+
+
+def _next_page(request: Request, given: str | None = None) -> str:
+    """Where to go after logging in: a path of this console only (never another site)."""
+    target = given if given is not None else request.query_params.get("next", "/")
+    if not target.startswith("/") or target.startswith("//") or "\\" in target:
+        return "/"
+    return target
+
+
+def _to_login(request: Request) -> Response:
+    """Not logged in: to the login form, back to this page after it."""
+    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    location = "/login?" + urlencode({"next": target})
+    if request.headers.get("hx-request"):  # an htmx refresh: the whole page must go
+        return Response(status_code=401, headers={"HX-Redirect": location})
+    return RedirectResponse(location, status_code=303)
 
 
 def _error_page(request: Request, exc: SlipstreamError) -> HTMLResponse:

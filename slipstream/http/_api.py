@@ -25,7 +25,7 @@ from .. import __version__
 from .._errors import InvalidArgument
 from ..broker._service import decision_message, rule_message
 from ..format import Event
-from ..protocol import AccessDecision, AccessRule, IdentityInfo, QuotaInfo
+from ..protocol import AccessDecision, AccessRule, IdentityInfo, QuotaInfo, TokenInfo, TokenIssued
 from ..streams import format_positions
 from ._schemas import (
     BrokerInfo,
@@ -593,6 +593,48 @@ async def set_quota(call: Call) -> Any:
 async def delete_quota(call: Call) -> Any:
     """Remove a scope's quota: no limits from now on."""
     await call.service.set_quota(call.caller, QuotaInfo(call.request.path_params["scope"]))
+
+
+# --- tokens (authentication on; admin only) ---------------------------------------------------
+
+
+class CreateTokenBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A token for ``subject``: ``role`` admin or user, ``scope`` (null: every scope),
+    ``expires_s`` its lifetime in seconds (0: 30 days), ``algorithm`` EdDSA or HS256."""
+
+    subject: str
+    role: str = "user"
+    scope: str | None = None
+    expires_s: int = 0
+    algorithm: str = "EdDSA"
+
+
+TokenView = object_view(TokenInfo)
+TokenIssuedView = object_view(TokenIssued)
+
+
+@operation(
+    "POST", "/api/tokens", TokenIssuedView, body=CreateTokenBody, errors=(400, 403), status=201
+)
+async def create_token(call: Call) -> Any:
+    """Create a token: the answer holds it, once (the broker keeps only its id and claims)."""
+    body: CreateTokenBody = call.body
+    issued = await call.service.create_token(
+        call.caller, body.subject, body.role, body.scope, body.expires_s, body.algorithm
+    )
+    return view(issued)
+
+
+@operation("GET", "/api/tokens", _list_of(TokenView), errors=(400, 403))
+async def list_tokens(call: Call) -> Any:
+    """Tokens issued through the API (ids and claims, never tokens) and revoked ids."""
+    return [view(t) for t in call.service.list_tokens(call.caller)]
+
+
+@operation("DELETE", "/api/tokens/{token_id}", None, errors=(400, 403), status=204)
+async def revoke_token(call: Call) -> Any:
+    """Revoke a token by id: refused from now on, its open connections closed."""
+    await call.service.revoke_token(call.caller, call.request.path_params["token_id"])
 
 
 # --- broker ----------------------------------------------------------------------------------

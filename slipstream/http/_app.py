@@ -6,6 +6,12 @@ protocol, plus the HTTP layer's own: ``malformed_json`` (400), ``request_too_lar
 ``not_found`` (404, no such route), ``method_not_allowed`` (405) and ``internal`` (500, a bug:
 logged with its traceback). A request body is read up to ``MAX_BODY_BYTES``; past that the
 answer is 413 without reading the rest.
+
+Authentication (a broker with ``--auth``): every API request and ``/metrics`` carries
+``Authorization: Bearer <token>``; without one, or with a bad one, the answer is 401 with the
+typed body (``authentication_failed``, the reason in ``details``) and ``WWW-Authenticate:
+Bearer``. The API never takes the console's cookie, so a page of another site cannot act
+through a logged-in browser. ``/api/openapi.json`` stays public.
 """
 
 from __future__ import annotations
@@ -143,6 +149,7 @@ def _endpoint(op: Operation) -> Any:
         peer = f"http {request.client.host}:{request.client.port}" if request.client else "http"
         caller = broker.service.connect(peer)
         try:
+            broker.service.authenticate(caller, bearer_credentials(request))
             result = await op.handler(Call(request, broker, caller, body))
         finally:
             broker.service.disconnect(caller)
@@ -154,13 +161,24 @@ def _endpoint(op: Operation) -> Any:
     return endpoint
 
 
+def bearer_credentials(request: Request) -> dict[str, str] | None:
+    """``{"token": T}`` from ``Authorization: Bearer T`` (None without one)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return {"token": token.strip()}
+
+
 async def _slipstream_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, SlipstreamError)
     status = status_of(exc)
     if status >= 500:
         log.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
     details = msgspec.to_builtins(exc.details, enc_hook=str)
-    return error_response(status, exc.code, exc.message, details)
+    response = error_response(status, exc.code, exc.message, details)
+    if status == 401:
+        response.headers["WWW-Authenticate"] = 'Bearer realm="slipstream"'
+    return response
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -195,6 +213,28 @@ class _AsgiEndpoint:
         await self.app(scope, receive, send)
 
 
+def _authenticated(broker: Broker, app: ASGIApp) -> ASGIApp:
+    """``app`` behind the bearer token check (when the broker's authentication is on)."""
+
+    async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
+        service = broker.service
+        if service.auth:
+            request = Request(scope)
+            peer = f"http {request.client.host}:{request.client.port}" if request.client else "http"
+            caller = service.connect(peer)
+            try:
+                service.authenticate(caller, bearer_credentials(request))
+            except SlipstreamError as exc:
+                response = await _slipstream_error(request, exc)
+                await response(scope, receive, send)
+                return
+            finally:
+                service.disconnect(caller)
+        await app(scope, receive, send)
+
+    return guarded
+
+
 def create_app(broker: Broker) -> Starlette:
     """The admin API (``/api/...``, described at ``/api/openapi.json``), ``/metrics`` where
     the broker has metrics, and the console at ``/`` where ``slipstream.console`` is
@@ -212,7 +252,7 @@ def create_app(broker: Broker) -> Starlette:
     if metrics is not None:
         # a Route, not a Mount: /metrics itself, without a redirect to /metrics/. Not
         # prometheus_client.make_asgi_app: Metrics.asgi_app formats the text off the loop
-        routes.append(Route("/metrics", _AsgiEndpoint(metrics.asgi_app())))
+        routes.append(Route("/metrics", _AsgiEndpoint(_authenticated(broker, metrics.asgi_app()))))
     try:
         from ..console import routes as console_routes
     except ImportError:

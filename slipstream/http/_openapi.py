@@ -17,6 +17,8 @@ from ._schemas import ErrorBody
 _REF = "#/components/schemas/{name}"
 _REASONS = {
     400: "Bad request: invalid_argument, invalid_name, malformed_json, offset_out_of_range",
+    401: "Unauthorized: authentication_failed (a broker with --auth: no Authorization: Bearer "
+    "token, or a bad one; details.reason says which)",
     403: "Forbidden: permission_denied (no access rule allows it)",
     404: "Not found: stream_not_found, subscription_not_found, segment_not_found, "
     "transaction_not_found",
@@ -33,6 +35,7 @@ _PATH_SCHEMAS: dict[str, dict[str, Any]] = {
     "name": _NAME,
     "subscription": _NAME,
     "txn_id": {"type": "string", "pattern": "^[0-9]{1,18}$"},
+    "token_id": {"type": "string", "pattern": "^[0-9a-f]{1,64}$"},
 }
 
 
@@ -75,7 +78,8 @@ def openapi_document(operations: Sequence[Operation]) -> dict[str, Any]:
                 "description": "OK",
                 "content": {"application/json": {"schema": schema_of[_key(op.answer)]}},
             }
-        codes = set(op.errors) | ({400, 413} if op.body is not None else set())
+        # every operation answers 401 when the broker's authentication is on
+        codes = set(op.errors) | {401} | ({400, 413} if op.body is not None else set())
         for code in sorted(codes):
             responses[str(code)] = {"description": _REASONS[code], "content": error}
         entry: dict[str, Any] = {

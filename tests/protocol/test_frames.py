@@ -37,6 +37,7 @@ from slipstream.protocol import (
     CommitPositions,
     CreateStream,
     CreateSubscription,
+    CreateToken,
     Credit,
     Cut,
     Data,
@@ -70,6 +71,7 @@ from slipstream.protocol import (
     ListQuotas,
     ListStreams,
     ListSubscriptions,
+    ListTokens,
     ListTxns,
     Malformed,
     MemberInfo,
@@ -80,6 +82,7 @@ from slipstream.protocol import (
     QuotaInfo,
     QuotaList,
     ResetSubscription,
+    RevokeToken,
     ScaleEventInfo,
     ScaleHistory,
     ScaleStream,
@@ -92,6 +95,9 @@ from slipstream.protocol import (
     SubscriptionInfo,
     SubscriptionList,
     SubscriptionSegment,
+    TokenInfo,
+    TokenIssued,
+    TokenList,
     TxnBegun,
     TxnEnded,
     TxnInfo,
@@ -154,6 +160,16 @@ quota_infos = st.builds(
     consume_bytes=OPTIONAL_I64,
     requests=OPTIONAL_I64,
     connections=OPTIONAL_I64,
+)
+token_infos = st.builds(
+    TokenInfo,
+    token_id=TEXT,
+    subject=TEXT,
+    role=TEXT,
+    scope=st.none() | TEXT,
+    created_at=I64,
+    expires_at=I64,
+    revoked=st.booleans(),
 )
 POSITIONS = st.dictionaries(I64, OFFSETS, max_size=4)
 PAIRS = st.lists(st.lists(OFFSETS, min_size=2, max_size=2), max_size=3)
@@ -272,6 +288,18 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
     SetQuota: st.builds(SetQuota, quota=quota_infos),
     ListQuotas: st.builds(ListQuotas),
     QuotaList: st.builds(QuotaList, quotas=st.lists(quota_infos, max_size=3)),
+    CreateToken: st.builds(
+        CreateToken,
+        subject=TEXT,
+        role=TEXT,
+        scope=st.none() | TEXT,
+        expires_s=I64,
+        algorithm=TEXT,
+    ),
+    RevokeToken: st.builds(RevokeToken, token_id=TEXT),
+    ListTokens: st.builds(ListTokens),
+    TokenIssued: st.builds(TokenIssued, token=TEXT, info=token_infos),
+    TokenList: st.builds(TokenList, tokens=st.lists(token_infos, max_size=3)),
     EventsFound: st.builds(
         EventsFound,
         events=st.lists(
@@ -513,6 +541,7 @@ def test_kinds_are_a_bijection_covering_every_message() -> None:
         ScaleEventInfo,
         SegmentInfo,
         SubscriptionSegment,
+        TokenInfo,
         TxnInfo,
         TxnPositions,
         TxnRange,
