@@ -1198,6 +1198,22 @@ def test_a_catalog_from_before_elastic_streams_opens_with_everything(tmp_path: P
         meta.close()
 
 
+def test_names_and_keys_are_listed_in_the_order_of_their_bytes(meta: MetaStore) -> None:
+    # whatever the database's locale: "B" before "a", "a-b" before "ab"
+    names = ["s/B", "s/a", "s/a-b", "s/ab"]
+    for name in reversed(names):
+        create(meta, name)
+        meta.save_identity(Identity(name, 1, 0))
+        meta.put_setting("rules", name, b"")
+    assert [s.name for s in meta.streams()] == names
+    assert [i.transactional_id for i in meta.identities()] == names
+    assert list(meta.settings("rules")) == names
+    stream = meta.streams()[0].id
+    for name in reversed(names):
+        meta.create_subscription(subscription(stream, name))
+    assert [r.name for r in meta.subscriptions(stream)] == names
+
+
 def test_settings_round_trip_by_kind_in_key_order(meta: MetaStore) -> None:
     assert meta.settings("rules") == {}
     meta.put_setting("rules", "b", b"\x00two")
