@@ -57,24 +57,30 @@ def _positive(options: Mapping[str, str], key: str) -> int | None:
 
 @dataclass(frozen=True)
 class TlsOptions:
-    """``.option("tls", "true")``, ``tls_ca``, ``tls_cert``, ``tls_key``: what
-    ``slipstream.connect`` takes (docs/security.md); a CA or certificate implies TLS."""
+    """``.option("tls", "true")``, ``tls_ca``, ``tls_cert``, ``tls_key`` and ``token``: what
+    ``slipstream.connect`` takes (docs/security.md); a CA or certificate implies TLS. ``tls``
+    None (only a token given): the workers' SLIPSTREAM_TLS_* variables decide. Spark redacts
+    an option named ``token`` in its UI and plans (``spark.redaction.regex``)."""
 
-    tls: bool
+    tls: bool | None
     ca: str | None = None
     cert: str | None = None
     key: str | None = None
+    token: str | None = None
 
 
 def tls_option(options: Mapping[str, str]) -> TlsOptions | None:
-    """None when no TLS option is given: the workers' SLIPSTREAM_TLS_* variables apply."""
+    """None when no TLS or token option is given: the workers' SLIPSTREAM_TLS_* and
+    SLIPSTREAM_TOKEN variables apply."""
     ca, cert, key = (options.get(k) or None for k in ("tls_ca", "tls_cert", "tls_key"))
+    token = options.get("token") or None
     flag = options.get("tls")
-    if flag is None and not (ca or cert or key):
+    if flag is None and not (ca or cert or key or token):
         return None
     if flag is not None and flag.lower() not in ("true", "false"):
         raise InvalidArgument(f'option tls must be "true" or "false", not {flag!r}')
-    return TlsOptions(flag.lower() == "true" if flag else True, ca, cert, key)
+    tls = flag.lower() == "true" if flag else (True if ca or cert or key else None)
+    return TlsOptions(tls, ca, cert, key, token)
 
 
 def broker_option(options: Mapping[str, str]) -> str:

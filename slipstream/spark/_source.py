@@ -78,7 +78,7 @@ def connect_patiently(broker: str, tls: TlsOptions | None = None) -> Client:
     delay = 0.1
     while True:
         try:
-            if tls is None:  # the SLIPSTREAM_TLS_* variables apply
+            if tls is None:  # the SLIPSTREAM_TLS_* and SLIPSTREAM_TOKEN variables apply
                 return connect(broker, reconnect_timeout=BROKER_PATIENCE_S)
             return connect(
                 broker,
@@ -87,6 +87,7 @@ def connect_patiently(broker: str, tls: TlsOptions | None = None) -> Client:
                 ca=tls.ca,
                 cert=tls.cert,
                 key=tls.key,
+                token=tls.token,  # None: SLIPSTREAM_TOKEN
             )
         except BrokerUnavailable as exc:
             if time.monotonic() + delay > deadline:
