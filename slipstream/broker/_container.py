@@ -91,8 +91,9 @@ class ContainerConfig:
     #: memory for the batch indexes of chunks that reads looked up (ChunkCache): 16 MiB holds
     #: the indexes of about 8,000 chunks of 64 batches
     chunk_cache_bytes: int = 16 * 1024 * 1024
-    #: whether the mover builds each chunk's find index (storage/_index.py); off only to
-    #: measure what it costs (bench/find.py): SLIPSTREAM_FIND_INDEX=off. Finds then scan.
+    #: whether appends and recovery hash the journal's keys and the mover writes each chunk's
+    #: find index (storage/_index.py); off only to measure what it costs (bench/find.py):
+    #: SLIPSTREAM_FIND_INDEX=off. Finds then scan.
     find_index: bool = field(
         default_factory=lambda: os.environ.get("SLIPSTREAM_FIND_INDEX", "on") != "off"
     )
@@ -148,8 +149,6 @@ class Container:
         self._read_pool = read_pool
         self._io = ThreadPoolExecutor(1, thread_name_prefix=f"journal-{container_id}")
         self._mover = ThreadPoolExecutor(1, thread_name_prefix=f"mover-{container_id}")
-        #: hashes each group's keys for finds while the journal thread writes it
-        self._indexer = ThreadPoolExecutor(1, thread_name_prefix=f"keys-{container_id}")
         self._queue: list[_Append] = []
         self._wakeup = asyncio.Event()
         self._cached: deque[JournalBatch] = deque()
@@ -350,21 +349,20 @@ class Container:
             if not live:
                 continue
             entries = [(_SEGMENT_ID.pack(i.segment.global_id), i.batch) for i in live]
-            # The finds' key hashes of the group, made by their own thread while the journal
-            # thread writes and syncs (IO, without the GIL): ready before the sync, so an
-            # acknowledged batch is already indexed (bench/find.py measures the cost).
-            hashing = (
-                loop.run_in_executor(self._indexer, _group_keys, [i.batch for i in live])
+            writing = loop.run_in_executor(self._io, self._write_group, entries, sync)
+            # The finds' key hashes of the group, made here while the journal thread writes
+            # and syncs it (IO, without the GIL), so an acknowledged batch is already indexed.
+            # On the loop, not in a thread of their own: the same CPU either way (bench/find.py),
+            # but that thread spent most of its time waiting for the loop's GIL (py-spy), and
+            # each acknowledgement waited for it.
+            keys = (
+                _group_keys([i.batch for i in live])
                 if self.config.find_index
-                else None
+                else [None] * len(live)
             )
             try:
-                addresses, sealed = await loop.run_in_executor(
-                    self._io, self._write_group, entries, sync
-                )
+                addresses, sealed = await writing
             except Exception as exc:  # the loop must outlive any failure, typed or not
-                if hashing is not None:
-                    await hashing  # never raises; its batches are not stored
                 if not isinstance(exc, SlipstreamError):
                     log.exception("container %d: unexpected journal failure", self.id)
                     exc = StorageError(f"journal write failed: {exc}")
@@ -389,7 +387,6 @@ class Container:
                     else:
                         self._queue.append(item)
                 continue
-            keys = await hashing if hashing is not None else [None] * len(live)
             self._publish(live, addresses, keys)
             if sealed is not None:
                 self._rolled(sealed)
@@ -830,7 +827,6 @@ class Container:
         await loop.run_in_executor(self._io, self.journal.close)
         self._io.shutdown(wait=True)
         self._mover.shutdown(wait=True)
-        self._indexer.shutdown(wait=True)
 
 
 def _lost(segment: Segment, offset: int, resume: int) -> CorruptData:
@@ -899,7 +895,7 @@ _RECOVERY_HASH_GROUP = 1024
 
 
 def _group_keys(batches: list[Payload]) -> list[bytes | None]:
-    """The key hashes of a group being appended (the indexer thread's work): a batch whose
+    """The key hashes of a group being appended (on the loop): a batch whose
     body does not decode gets None (finds read it; the mover indexes no keys for it). Never
     raises: the hashes are an optimisation, never a reason to fail an append."""
     try:

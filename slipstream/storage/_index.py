@@ -1,10 +1,12 @@
 """The find index of a chunk: which of its batches hold a routing key, and when they were written.
 
-A chunk's batches are indexed once, by the mover, when a sealed journal file becomes chunks:
-never on the append path (the broker does not decode events there). The index is stored in the
-catalog next to the chunk's batch index (``ChunkRecord.finds``; ``MetaStore.chunk_finds``), so it
-is as durable as the chunk, is deleted with it, and costs no second file. Batch *ordinals* are
-positions in the chunk's batch index (``ChunkRecord.index``), in offset order.
+Each batch's key hashes are made once, at append (``batches_key_hashes``, for a whole group,
+decoding only the key column, while the journal writes the group), and again by recovery for
+batches still in the journal; the mover writes them into the index of the chunk the batch
+lands in. The index is stored in the catalog next to the chunk's batch index
+(``ChunkRecord.finds``; ``MetaStore.chunk_finds``), so it is as durable as the chunk, is
+deleted with it, and costs no second file. Batch *ordinals* are positions in the chunk's batch
+index (``ChunkRecord.index``), in offset order.
 
 Byte layout, version 1 (all integers little-endian; docs/format.md says the same):
 
