@@ -30,9 +30,12 @@ from slipstream.protocol import (
     KINDS,
     PREFIX_LENGTH,
     PROTOCOL_VERSION,
+    AccessDecision,
+    AccessRule,
     Append,
     AppendAck,
     BeginTxn,
+    CheckAccess,
     ClaimProducer,
     CommitPositions,
     CreateStream,
@@ -61,6 +64,7 @@ from slipstream.protocol import (
     GetCut,
     GetIdentity,
     GetScaleHistory,
+    GrantRule,
     GroupAssignment,
     GroupJoined,
     Hello,
@@ -69,6 +73,7 @@ from slipstream.protocol import (
     JoinGroup,
     LeaveGroup,
     ListQuotas,
+    ListRules,
     ListStreams,
     ListSubscriptions,
     ListTokens,
@@ -82,7 +87,9 @@ from slipstream.protocol import (
     QuotaInfo,
     QuotaList,
     ResetSubscription,
+    RevokeRule,
     RevokeToken,
+    RuleList,
     ScaleEventInfo,
     ScaleHistory,
     ScaleStream,
@@ -218,6 +225,8 @@ subscription_infos = st.builds(
     options=DETAILS,
 )
 
+access_rules = st.builds(AccessRule, subject=TEXT, action=TEXT, pattern=TEXT)
+
 MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
     CreateSubscription: st.builds(
         CreateSubscription,
@@ -333,6 +342,21 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
         EventsDelivered, deliveries=st.lists(st.lists(OFFSETS, min_size=3, max_size=3), max_size=3)
     ),
     Settled: st.builds(Settled, unknown=PAIRS),
+    GrantRule: st.builds(GrantRule, rule=access_rules),
+    RevokeRule: st.builds(RevokeRule, rule=access_rules),
+    ListRules: st.builds(ListRules),
+    CheckAccess: st.builds(
+        CheckAccess,
+        subject=TEXT,
+        action=TEXT,
+        stream=TEXT,
+        role=TEXT,
+        scope=st.none() | TEXT,
+    ),
+    RuleList: st.builds(RuleList, rules=st.lists(access_rules, max_size=3)),
+    AccessDecision: st.builds(
+        AccessDecision, allowed=st.booleans(), rule=st.none() | access_rules, reason=TEXT
+    ),
     Hello: st.builds(
         Hello,
         protocol_version=I64,
@@ -535,6 +559,7 @@ def test_kinds_are_a_bijection_covering_every_message() -> None:
     assert set(KINDS.values()) == set(MESSAGES)
     # these only travel inside other messages; every other message has a kind of its own
     assert set(Message.__subclasses__()) - set(KINDS.values()) == {
+        AccessRule,
         FoundEvent,
         MemberInfo,
         QuotaInfo,

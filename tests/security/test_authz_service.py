@@ -27,7 +27,7 @@ from slipstream import PermissionDenied, SlipstreamError
 from slipstream.broker import Broker, BrokerConfig, ContainerConfig
 from slipstream.broker._segment import Segment
 from slipstream.broker._service import Caller, Service
-from slipstream.protocol import TxnPositions
+from slipstream.protocol import QuotaInfo, TxnPositions
 from slipstream.security import Action, Principal, Role
 
 ALICE = Principal("alice")
@@ -169,6 +169,12 @@ OPERATIONS: dict[str, tuple[Action | str | None, Call]] = {
         Action.ADMIN,
         lambda w, c: w.service.check_access(c, "bob", "consume", "demo/orders"),
     ),
+    "create_token": (Action.ADMIN, lambda w, c: w.service.create_token(c, "bob")),
+    "revoke_token": (Action.ADMIN, lambda w, c: w.service.revoke_token(c, "some-id")),
+    "list_tokens": (Action.ADMIN, lambda w, c: w.service.list_tokens(c)),
+    "set_quota": (Action.ADMIN, lambda w, c: w.service.set_quota(c, QuotaInfo("demo", requests=9))),
+    "delete_quota": (Action.ADMIN, lambda w, c: w.service.delete_quota(c, "demo")),
+    "list_quotas": (Action.ADMIN, lambda w, c: w.service.list_quotas(c)),
 }
 
 #: operations that need a second action besides the one under test to get through
@@ -181,6 +187,8 @@ NOT_CHECKED = {
     "authenticate": "sets the caller's principal",
     "claim_producer": "re-claims an id this client was granted (its HMAC token proves it)",
     "list_streams": "filters: test_listing_streams_shows_only_those_the_caller_may_act_on",
+    "admit": "counts a connection against its scope's quota",
+    "quota_scope": "which scope's quota a request counts against",
 }
 
 
