@@ -20,7 +20,12 @@ torn file, someone's editor) is dropped and the block fetched again, so a damage
 serves wrong bytes. Files are written to a temporary name and renamed, so a crash or a failed
 fetch never leaves a partial block under a block's name. The cache is emptied when the store
 opens: it is an accelerator, not state, and the index of what it holds lives in memory. The
-total of cached bytes never exceeds ``cache_bytes`` (least recently used blocks go first).
+total of cached bytes stays within ``cache_bytes`` (least recently used blocks go first); while
+several reader threads write blocks at once, each may hold one more block on disk until its
+file is complete.
+
+``adopt_ranges`` cannot link a journal file into an object store: it copies the ranges (read
+into memory, up to one sealed journal file, then uploaded; see ``LongTermStore.copy_ranges``).
 
 Errors. A missing object is ``CorruptData`` naming the chunk (as LocalChunkStore says of a
 missing file); a range past an object's end is ``CorruptData`` "shorter than its catalog
@@ -446,13 +451,13 @@ class ObjectChunkStore(LongTermStore):
         ]
         path = self._block_path(*key)
         tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
-        # room first, so the bound holds even while this file is written
+        # room first, reserved, so the bound holds while the file is written; the block joins
+        # the index only once its file is complete (a reader never opens a half-written one)
         with self._lock:
-            evicted = self._make_room(size)
             old = self._blocks.pop(key, None)
             if old is not None:
                 self._cached_bytes -= old
-            self._blocks[key] = size
+            evicted = self._make_room(size)
             self._cached_bytes += size
         for victim in evicted:
             self._block_path(*victim).unlink(missing_ok=True)
@@ -462,10 +467,21 @@ class ObjectChunkStore(LongTermStore):
                 f.write(view)
             os.replace(tmp, path)
         except OSError:
-            # a full or broken cache disk costs speed, not reads: forget the block
+            # a full or broken cache disk costs speed, not reads: the block is not cached
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
-            self._drop(key)
+            with self._lock:
+                self._cached_bytes -= size
+            return
+        with self._lock:
+            raced = self._blocks.pop(key, None)  # the same block, fetched by another thread
+            if raced is not None:
+                self._cached_bytes -= raced
+            self._blocks[key] = size
+            # blocks reserved by other threads at once may have pushed the total over
+            evicted = self._make_room(0)
+        for victim in evicted:
+            self._block_path(*victim).unlink(missing_ok=True)
 
     def _make_room(self, size: int) -> list[tuple[str, int]]:
         """Blocks to evict (least recently used first) so that ``size`` more bytes fit; the

@@ -8,8 +8,10 @@ tests that stop their server, a SeaweedFS of their own.
 from __future__ import annotations
 
 import os
+import random
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -184,6 +186,37 @@ def test_cache_bound_holds_and_least_recently_used_blocks_go(
     # and the first chunk's blocks are gone
     assert store.read_chunk(chunk_name(1, 0, 0), 0, 10) == chunks[chunk_name(1, 0, 0)][:10]
     assert store.stats["fetches"] == fetched + 1
+
+
+def test_reader_threads_at_once_get_right_bytes_and_keep_the_bound(
+    seaweedfs: SeaweedFS, bucket: str, tmp_path: Path
+) -> None:
+    # the broker reads with four threads; same blocks fetched twice at once, evictions racing
+    cache = tmp_path / "cache"
+    store = seaweedfs.store(url(bucket), cache_dir=cache, cache_bytes=3 * BLOCK, block_bytes=BLOCK)
+    chunks = {chunk_name(1, 0, i): os.urandom(3 * BLOCK + 7) for i in range(3)}
+    for name, data in chunks.items():
+        store.write_chunk(name, [data])
+
+    def read(seed: int) -> int:
+        rng = random.Random(seed)
+        for _ in range(40):
+            name = rng.choice(list(chunks))
+            data = chunks[name]
+            at = rng.randrange(len(data))
+            length = rng.randint(1, min(BLOCK + 100, len(data) - at))
+            assert store.read_chunk(name, at, length) == data[at : at + length]
+        return seed
+
+    with ThreadPoolExecutor(4) as pool:
+        assert sorted(pool.map(read, range(8))) == list(range(8))
+    assert store.cached_bytes <= 3 * BLOCK
+    on_disk = cache_files(cache)
+    assert all(p.suffix == ".block" for p in on_disk), "no temporary file left"
+    assert sum(p.stat().st_size for p in on_disk) <= 3 * BLOCK + len(on_disk) * 4 * (
+        BLOCK // CACHE_PAGE
+    )
+    assert store.stats["damaged"] == 0
 
 
 def test_a_block_larger_than_the_cache_is_served_but_not_cached(
