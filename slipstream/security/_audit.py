@@ -36,6 +36,11 @@ future (an error says how many and which ``seq``), ``audit verify`` then reports
 the records themselves remain in the log. A ``kill -9`` loses the records of the last few
 milliseconds that were not yet appended (they are in the log); the restarted broker continues
 the chain from the last record in the stream, so the stream has no fork.
+
+Cost on the event loop (2-core VM, 2026-11-24): about 10 µs a record to normalise, hash and
+encode it, plus its log line (about 20 µs to a file handler). Records are control-plane events
+(changes, refusals), so even a client hammering refused requests costs the loop little more
+than the refusals themselves.
 """
 
 from __future__ import annotations
