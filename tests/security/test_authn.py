@@ -345,3 +345,22 @@ def test_a_client_certificate_is_an_identity(broker_factory: BrokerFactory, tmp_
     assert not any("authentication_failed" in line for line in broker.log().splitlines()), (
         broker.log()
     )
+
+
+def test_revocation_ends_an_open_follow(auth_broker: BrokerProcess) -> None:
+    admin = slipstream.connect(auth_broker.address, token=bootstrap(auth_broker)["token"])
+    admin.create_stream("demo/follow")
+    with admin.producer("demo/follow") as producer:
+        producer.send(b"first")
+    issued = admin.create_token("reader", "admin", expires_s=3600)
+    reader_client = slipstream.connect(auth_broker.address, token=issued.token)
+    events = iter(reader_client.reader("demo/follow", start="earliest"))  # follows the tail
+    assert next(events).value == b"first"
+    admin.revoke_token(issued.info.token_id)
+    with pytest.raises(AuthenticationFailed, match="revoked"):
+        next(events)
+    reader_client.close()
+    texts = [line.split("slipstream.audit: ", 1)[-1] for line in auth_broker.log().splitlines()]
+    events_logged = [json.loads(t)["event"] for t in texts if t.startswith("{")]
+    assert "token_created" in events_logged and "token_revoked" in events_logged
+    admin.close()
