@@ -7,6 +7,7 @@ event from the bucket. A bad --objects is a clear error at start, with the data 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,57 @@ def test_a_bad_objects_store_is_an_error_at_start_with_nothing_written(
     assert not broker.data_dir.exists(), "nothing written to the data directory"
     if problem != "bucket":
         assert seaweedfs.objects(bucket) == []
+
+
+@pytest.fixture
+def own_seaweedfs(tmp_path: Path) -> Iterator[SeaweedFS]:
+    server = SeaweedFS(tmp_path / "seaweedfs")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_the_store_down_under_a_running_broker_delays_moves_and_loses_nothing(
+    broker_factory: type[BrokerProcess], own_seaweedfs: SeaweedFS
+) -> None:
+    server = own_seaweedfs
+    bucket = server.create_bucket()
+    broker = with_keys(
+        broker_factory(
+            *("--objects", f"s3://{bucket}/p", "--s3-endpoint", server.endpoint),
+            *("--roll", "64KiB", "--roll-seconds", "0.2", "--containers", "1"),
+        )
+    )
+    broker.start(timeout=60)
+    with broker.client() as client:
+        client.create_stream("s3/down", segments=1)
+        with client.producer("s3/down") as producer:
+            for i in range(EVENTS // 2):
+                producer.send(f"{i:06d}".encode() + b"x" * 200)
+        server.stop()
+        # journals are local: appends are acknowledged while the store is down
+        with client.producer("s3/down") as producer:
+            for i in range(EVENTS // 2, EVENTS):
+                producer.send(f"{i:06d}".encode() + b"x" * 200)
+        for _ in range(600):  # a bound, not a timing
+            if "failed, will retry" in broker.log():
+                break
+            time.sleep(0.05)
+        assert "failed, will retry" in broker.log(), "the mover tried, failed and keeps trying"
+        server.start()
+        for _ in range(600):  # the mover's next rounds upload what waited
+            if len(list((broker.data_dir / "journal" / "0").glob("*.journal"))) <= 1:
+                break
+            time.sleep(0.05)
+        assert len(list((broker.data_dir / "journal" / "0").glob("*.journal"))) <= 1
+        # the data produced while the store was down is in a chunk of its own now
+        bases = [int(key.rsplit("/", 1)[1]) for key in server.objects(bucket, "p/")]
+        assert max(bases) >= EVENTS // 2
+    broker.kill()
+    broker.start(timeout=60)
+    with broker.client() as client:
+        events = list(client.reader("s3/down", end=client.tail("s3/down")))
+    assert [int(e.value[:6]) for e in events] == list(range(EVENTS)), "every event, in order"
+    assert local_chunks(broker.data_dir) == []
