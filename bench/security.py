@@ -365,12 +365,45 @@ def _crypto_limits(table: list[dict], speed: dict[str, float], megabytes: float)
     return out
 
 
+def authz_cost(sizes: dict[str, int], rounds: int, root: Path) -> dict:
+    """Authorization (issue 19: under 3%): a broker with ``--auth`` whose clients carry a user
+    token that access rules allow (``bench`` may produce, consume and manage ``bench/*``, among
+    200 rules of other subjects), against one without authentication."""
+    from slipstream.security import TokenKeys
+
+    class AuthSide(Side):
+        def peer(self, data_dir: Path) -> SlipstreamPeer:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            keys = TokenKeys.load(data_dir)  # the broker uses the keys it finds there
+            self.connect = {"token": keys.issue("bench", "user").token}
+            admin_token = keys.issue("ops", "admin").token
+            peer = super().peer(data_dir)
+            start = peer.start
+
+            def start_and_grant() -> None:
+                start()
+                with peer.slipstream.connect(f"127.0.0.1:{peer.port}", token=admin_token) as ops:
+                    for n in range(200):
+                        ops.grant(f"user{n}", "consume", f"scope{n}/*")
+                    for action in ("produce", "consume", "manage"):
+                        ops.grant("bench", action, "bench/*")
+
+            peer.start = start_and_grant  # type: ignore[method-assign]
+            return peer
+
+    off, on = Side("auth-off"), AuthSide("auth-on", ["--auth"])
+    runs = compare(off, on, sizes, rounds, root)
+    table = print_table("authorization (ratio = auth-on / auth-off)", off.name, on.name, runs)
+    return {"table": table}
+
+
 # A scenario: (sizes, rounds, scratch directory) -> what goes into the JSON. The authorization
 # cost (a broker with --auth, clients with a token, against one without) goes here as "auth",
 # built on Side/compare/print_table like tls_cost; the noisy-tenant quota bench as "noisy", a
 # function of its own in this file.
 SCENARIOS: dict[str, Callable[[dict[str, int], int, Path], dict]] = {
     "tls": tls_cost,
+    "auth": authz_cost,
 }
 
 
