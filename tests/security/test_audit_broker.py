@@ -228,3 +228,35 @@ def test_verify_reports_a_tampered_copy(
     assert result.returncode == 1 and not json.loads(result.stdout)["ok"]
     # the real trail is intact
     assert cli(broker, "audit", "verify").returncode == 0
+
+
+def test_verify_starts_mid_chain_after_retention_trimmed_the_trail(
+    broker_factory: type[BrokerProcess],
+) -> None:
+    broker = broker_factory(
+        "--roll", "2KiB", "--roll-seconds", "0.2", "--retention-check-seconds", "0.2"
+    ).start()
+    with broker.client() as client:
+        for n in range(40):
+            client.create_stream(f"demo/s{n}")
+        wait_for_records(client, 40)
+        client.update_stream(AUDIT, retention_time=1)  # ms: every chunk moved out is old
+        deadline = time.monotonic() + 30
+        while client.describe_stream(AUDIT).segments[0].start_offset == 0:
+            assert time.monotonic() < deadline, "retention never trimmed the audit stream"
+            time.sleep(0.1)
+        client.update_stream(AUDIT, retention_time=0)  # forever again: later records stay
+        client.create_stream("demo/after")
+        deadline = time.monotonic() + 15
+        while (records := audit_records(client))[-1].details.get("stream") != "demo/after":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        first = client.describe_stream(AUDIT).segments[0].start_offset
+        assert records[0].seq == first + 1  # offset n holds seq n + 1
+    result = cli(broker, "audit", "verify", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] and report["mid_chain"]
+    assert report["first_seq"] == first + 1 and report["last_seq"] == records[-1].seq
+    result = cli(broker, "audit", "verify")
+    assert f"started mid-chain at seq {first + 1}" in result.stdout
