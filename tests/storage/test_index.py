@@ -114,6 +114,7 @@ def reference_hash(key: bytes) -> int:
     return (x ^ (x >> 31)) & 0xFFFFFFFF
 
 
+@settings(deadline=None)  # the first example imports pandas (pa.array): seconds under load
 @given(st.lists(st.one_of(st.none(), st.binary(max_size=300)), max_size=40), st.integers(0, 5))
 def test_column_key_hashes_are_the_documented_hash_of_each_key(
     keys: list[bytes | None], cut: int
@@ -155,6 +156,7 @@ def event_message(rows: Sequence[Row], tag: str, compression: str | None = None)
     return bytearray(header + b"".join(bytes(part) for part in body))
 
 
+@settings(deadline=None)
 @given(
     st.lists(
         st.tuples(
