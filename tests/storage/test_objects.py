@@ -142,6 +142,26 @@ def test_check_writable_leaves_nothing_in_the_bucket(server: S3Server) -> None:
     assert PROBE_NAME not in store.list_chunks()
 
 
+@pytest.mark.parametrize("cache_bytes", [0, 8 * BLOCK])
+def test_a_store_that_did_not_write_the_chunk_finds_its_end(
+    server: S3Server, tmp_path: Path, cache_bytes: int
+) -> None:
+    # a broker restarted on a bucket knows no object's size: a range past the end is still
+    # CorruptData "shorter", never fewer bytes than asked
+    bucket = server.create_bucket()
+    data = os.urandom(BLOCK + 100)
+    server.store(f"s3://{bucket}/p").write_chunk("1/0/0", [data])
+    for start, length in ((0, len(data) + 1), (BLOCK, 101), (len(data), 1), (len(data) + 5, 3)):
+        fresh = server.store(
+            f"s3://{bucket}/p", cache_dir=tmp_path / "c", cache_bytes=cache_bytes, block_bytes=BLOCK
+        )
+        with pytest.raises(CorruptData, match="shorter"):
+            fresh.read_chunk("1/0/0", start, length)
+    fresh = server.store(f"s3://{bucket}/p", cache_dir=tmp_path / "c", cache_bytes=cache_bytes)
+    assert fresh.read_chunk("1/0/0", BLOCK, 100) == data[BLOCK:]
+    assert bytes(server.store(f"s3://{bucket}/p").read_chunk("1/0/0", 7)) == data[7:]
+
+
 # --- big chunks: multipart uploads -------------------------------------------------------------
 
 
