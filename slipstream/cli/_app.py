@@ -275,7 +275,7 @@ def up(
         auth=auth,
         objects=objects,
         s3_endpoint=s3_endpoint,
-        objects_cache_bytes=parse_size_bytes(objects_cache),
+        objects_cache_bytes=0 if objects_cache.strip() == "0" else parse_size_bytes(objects_cache),
     )
 
 
