@@ -571,13 +571,13 @@ class QuotaBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     connections: int | None = None
 
 
-@operation("GET", "/api/quotas", _list_of(QuotaView), errors=())
+@operation("GET", "/api/quotas", _list_of(QuotaView), errors=(403,))
 async def list_quotas(call: Call) -> Any:
     """Every scope's quota, by scope (admin only with authentication on)."""
     return [view(q) for q in call.service.list_quotas(call.caller)]
 
 
-@operation("PUT", "/api/quotas/{scope}", _list_of(QuotaView), body=QuotaBody)
+@operation("PUT", "/api/quotas/{scope}", _list_of(QuotaView), body=QuotaBody, errors=(400, 403))
 async def set_quota(call: Call) -> Any:
     """Set (replace) a scope's quota; stored before the answer, in force at once. A tenant
     over a rate is slowed down, not refused. Answers every quota."""
@@ -589,7 +589,7 @@ async def set_quota(call: Call) -> Any:
     return [view(q) for q in await call.service.set_quota(call.caller, quota)]
 
 
-@operation("DELETE", "/api/quotas/{scope}", None, status=204)
+@operation("DELETE", "/api/quotas/{scope}", None, errors=(400, 403), status=204)
 async def delete_quota(call: Call) -> Any:
     """Remove a scope's quota: no limits from now on."""
     await call.service.set_quota(call.caller, QuotaInfo(call.request.path_params["scope"]))

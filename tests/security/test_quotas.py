@@ -24,7 +24,7 @@ import pytest
 from conftest import BrokerProcess
 
 import slipstream
-from slipstream import InvalidArgument, InvalidName, LimitExceeded
+from slipstream import InvalidArgument, InvalidName, LimitExceeded, PermissionDenied
 
 EVENT = 10_000  # bytes of each event's value (random: lz4 cannot shrink it)
 
@@ -164,6 +164,10 @@ def test_connections_past_the_scope_quota_are_refused(
     with slipstream.connect(broker.address, token=admin) as ops:
         ops.set_quota("demo", connections=2)
         first = slipstream.connect(broker.address, token=tenant)
+        with pytest.raises(PermissionDenied):  # quotas are for admins
+            first.set_quota("demo", connections=100)
+        with pytest.raises(PermissionDenied):
+            first.quotas()
         second = slipstream.connect(broker.address, token=tenant)
         with pytest.raises(LimitExceeded, match="'demo' has 2 connections open"):
             slipstream.connect(broker.address, token=tenant).list_streams()
