@@ -851,6 +851,11 @@ class Service:
 
     # --- access rules ------------------------------------------------------------------------
 
+    def authorize(self, caller: Caller, action: Action | None, stream: str | None) -> None:
+        """The access check every operation makes, for a protocol's own endpoints
+        (``/metrics``): raises PermissionDenied, audited, unless allowed (``_authorize``)."""
+        self._authorize(caller, action, stream)
+
     def _authorize(self, caller: Caller, action: Action | None, stream: str | None) -> None:
         """Raise PermissionDenied (and write a ``denied`` audit record) unless the caller may
         do ``action`` on ``stream`` (None: a broker-wide operation). ``action`` None: any of

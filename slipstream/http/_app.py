@@ -29,6 +29,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .._errors import SlipstreamError
+from ..security import Action
 from ._api import OPERATIONS, Call, Operation
 from ._openapi import openapi_document
 
@@ -224,6 +225,7 @@ def _authenticated(broker: Broker, app: ASGIApp) -> ASGIApp:
             caller = service.connect(peer)
             try:
                 service.authenticate(caller, bearer_credentials(request))
+                service.authorize(caller, Action.ADMIN, None)  # every stream's numbers
             except SlipstreamError as exc:
                 response = await _slipstream_error(request, exc)
                 await response(scope, receive, send)

@@ -473,6 +473,9 @@ def test_http_api(setup: Setup) -> None:
         assert http.delete("/api/streams/demo/orders", headers=alice).status_code == 403
         bad = http.post("/api/rules", json={**body, "pattern": "x"}, headers=admin)
         assert bad.status_code == 400 and bad.json()["error"] == "invalid_argument"
+        metrics = http.get("/metrics", headers=alice)  # every stream's numbers: admin only
+        assert metrics.status_code == 403 and metrics.json()["error"] == "permission_denied"
+        assert http.get("/metrics", headers=admin).status_code == 200
         revoked = http.post("/api/rules/revoke", json=body, headers=admin)
         assert revoked.json() == {"revoked": True}
         assert http.get("/api/streams/demo/orders", headers=alice).status_code == 403

@@ -187,6 +187,7 @@ NOT_CHECKED = {
     "authenticate": "sets the caller's principal",
     "claim_producer": "re-claims an id this client was granted (its HMAC token proves it)",
     "list_streams": "filters: test_listing_streams_shows_only_those_the_caller_may_act_on",
+    "authorize": "the check itself, for endpoints outside the operations (/metrics)",
     "admit": "counts a connection against its scope's quota",
     "quota_scope": "which scope's quota a request counts against",
 }
