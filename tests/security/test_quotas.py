@@ -187,3 +187,26 @@ def test_connections_past_the_scope_quota_are_refused(
         third.close()
         second.close()
         ops.delete_quota("demo")
+
+
+def test_a_queue_member_over_the_consume_quota_gets_every_event_later(
+    broker: BrokerProcess, client: slipstream.Client
+) -> None:
+    quota, total = 100_000, 500_000
+    client.create_stream("workers/jobs", segments=1)
+    client.create_subscription("workers/jobs", "work", mode="queue")
+    produce(client, "workers/jobs", total)
+    client.set_quota("workers", consume_bytes=quota)
+    seen: set[tuple[int, int]] = set()
+    started = time.monotonic()
+    with client.consumer("workers/jobs", "work", max_in_flight=8) as member:
+        for event in member:
+            seen.add((event.segment, event.offset))
+            event.ack()
+            if len(seen) == total // EVENT:
+                break
+    seconds = time.monotonic() - started
+    # each FetchEvents answer is held back for the bytes of its whole batches (32 KiB
+    # here): the burst plus the last answer come early, the rest at the quota
+    assert seconds >= 0.95 * (total - quota - 64 * 1024) / quota
+    assert throttled(broker)[("workers", "consume")] > 0
