@@ -360,7 +360,11 @@ def test_authentication_off_allows_everything(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
-def test_listing_streams_shows_only_those_the_caller_may_act_on(tmp_path: Path) -> None:
+def test_listing_streams_shows_only_those_the_caller_may_act_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="slipstream.audit")
+
     async def main() -> None:
         async with running(tmp_path / "data") as broker:
             service = broker.service
@@ -372,7 +376,9 @@ def test_listing_streams_shows_only_those_the_caller_may_act_on(tmp_path: Path) 
                 caller = service.connect("x", principal)
                 return [s.name for s in service.list_streams(caller, scope)]
 
+            denied = len(audit_records(caplog, "denied"))
             assert names(ALICE) == []
+            assert len(audit_records(caplog, "denied")) == denied  # a filter, not a refusal
             await service.grant(admin, "alice", "consume", "demo/*")
             await service.grant(admin, "alice", "produce", "*/b")
             assert names(ALICE) == ["demo/a", "demo/b", "prod/b"]
