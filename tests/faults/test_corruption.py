@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sqlite3
 import time
 from pathlib import Path
 
@@ -12,8 +14,23 @@ from conftest import BrokerProcess
 import slipstream
 
 
-def _journal_files(data_dir: Path) -> list[Path]:
-    return sorted(p for p in (data_dir / "journal").rglob("*.journal") if p.stat().st_size)
+def _catalog(data_dir: Path, stream: str) -> tuple[int, set[int]]:
+    """A stream's id and the containers of its segments, from the broker's catalog (other
+    streams, such as the broker's own ``_system/audit``, have journals and chunks too)."""
+    with contextlib.closing(sqlite3.connect(data_dir / "meta.db")) as db:
+        (stream_id,) = db.execute("SELECT id FROM streams WHERE name = ?", (stream,)).fetchone()
+        rows = db.execute("SELECT container FROM segments WHERE stream_id = ?", (stream_id,))
+        return stream_id, {container for (container,) in rows}
+
+
+def _journal_files(data_dir: Path, stream: str = "faults/torn") -> list[Path]:
+    _, containers = _catalog(data_dir, stream)
+    return sorted(
+        p
+        for container in containers
+        for p in (data_dir / "journal" / str(container)).glob("*.journal")
+        if p.stat().st_size
+    )
 
 
 def _logical_end(journal: Path) -> int:
@@ -35,10 +52,11 @@ def _fill(
         return [producer.send(f"event-{i}".encode(), key="k").result() for i in range(count)]
 
 
-def _wait_for_chunks(broker: BrokerProcess) -> list[Path]:
-    """The chunk files, once the mover has written at least one (fails after 10 s)."""
+def _wait_for_chunks(broker: BrokerProcess, stream: str = "faults/torn") -> list[Path]:
+    """The stream's chunk files, once the mover has written at least one (fails after 10 s)."""
+    stream_id, _ = _catalog(broker.data_dir, stream)
     for _ in range(100):
-        chunks = sorted((broker.data_dir / "chunks").rglob("*.chunk"))
+        chunks = sorted((broker.data_dir / "chunks" / str(stream_id)).rglob("*.chunk"))
         if chunks:
             return chunks
         time.sleep(0.1)
@@ -146,7 +164,7 @@ def test_corrupt_batch_among_large_ones_in_a_chunk_is_reported_after_the_good_on
             for b in range(6):  # six batches of 100 events of 1 KiB
                 producer.send_many([f"b{b}-{i:04d}".encode().ljust(1024, b".") for i in range(100)])
                 producer.flush()
-        chunks = _wait_for_chunks(broker)
+        chunks = _wait_for_chunks(broker, "faults/big")
     broker.stop()
     data = chunks[0].read_bytes()
     at = data.index(b"b1-0050")  # inside the second batch's Arrow body
