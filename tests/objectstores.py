@@ -116,6 +116,7 @@ class SeaweedFS(S3Server):
         p = self.ports
         return [
             weed_binary(),
+            f"-logdir={self.base}",  # glog's files, in /tmp otherwise
             "server",
             "-ip=127.0.0.1",
             "-ip.bind=127.0.0.1",
