@@ -9,10 +9,20 @@ Two kinds of metrics, chosen by what the hot path can afford:
 
 * **Counted as things happen**: produced and consumed events and bytes per stream (one lookup
   of the stream's counters per batch or data frame, never per event), append and fsync
-  latency histograms, ended transactions, rejected requests, scaling decisions.
+  latency histograms, ended transactions, rejected requests, scaling decisions, HTTP
+  requests by route and status with their latency.
 * **Computed at scrape** by ``_BrokerCollector`` from the state the broker keeps anyway, at
   no cost between scrapes: journal and chunk bytes per container, open connections, open
   transactions, open segments and retained bytes per stream, subscription lag.
+
+Consumed events carry a ``read`` label: ``consume`` for what applications read (follows and
+queue-mode fetches, counted by the binary protocol's Session, which pushes them), ``lookup``
+for what people look up (``Service.browse_events`` and ``Service.find_events``, counted there
+once for every protocol: the admin HTTP API, the console, the binary protocol's FindEvents).
+Two values, and a ``lookup`` series only for a stream someone looked into: at most twice the
+per-stream series, against a dashboard whose consume rate an operator would move by browsing
+the console. Redpanda labels its request bytes the same way (``redpanda_request``: produce or
+consume).
 
 Threads: the event loop updates every counter except the fsync histogram, which the
 containers' journal threads observe (``timed_fsync`` runs on them); prometheus_client's
@@ -42,6 +52,7 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
+    from ..format import Event
     from ._broker import Broker
     from ._groups import Member
     from ._segment import Segment
@@ -58,6 +69,14 @@ FSYNC_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
     0.5, 1.0, 2.5, 5.0,
 )  # fmt: skip
+#: an HTTP request, arrival to the end of its answer: 1 ms to 10 s
+HTTP_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+#: the ``read`` label of consumed events: applications' reads, and people's look-ups
+CONSUME, LOOKUP = "consume", "lookup"
+#: the ``route`` label of an HTTP request that matched no route (not its path: unbounded)
+UNMATCHED_ROUTE = "unmatched"
 #: bytes of a journal entry before its batch (the segment's global id)
 _ENTRY_PREFIX = 8
 
@@ -88,16 +107,19 @@ class Metrics:
         )
         self.consumed_events = Counter(
             "slipstream_consumed_events",
-            "Events sent to readers of the stream: by follows, the offsets the reader moved "
-            "over; by queue-mode fetches, the deliveries (a redelivery counts again)",
-            per_stream,
+            "Events sent to readers of the stream. read=consume: by follows, the offsets the "
+            "reader moved over; by queue-mode fetches, the deliveries (a redelivery counts "
+            "again). read=lookup: events a browse or find returned (HTTP API, console, "
+            "FindEvents)",
+            ["stream", "read"],
             registry=registry,
         )
         self.consumed_bytes = Counter(
             "slipstream_consumed_bytes",
-            "Bytes of record batches sent to readers of the stream (follows and queue-mode "
-            "fetches, which send the whole batches holding their deliveries)",
-            per_stream,
+            "Bytes sent to readers of the stream. read=consume: record batches (follows and "
+            "queue-mode fetches, which send the whole batches holding their deliveries); "
+            "read=lookup: keys, values and headers of the events a browse or find returned",
+            ["stream", "read"],
             registry=registry,
         )
         self.append_seconds = Histogram(
@@ -140,6 +162,21 @@ class Metrics:
             ["kind", "trigger"],
             registry=registry,
         )
+        self.http_requests = Counter(
+            "slipstream_http_requests",
+            "Requests to the admin HTTP server (API, console, /metrics), by route template "
+            "(not path), method and status",
+            ["route", "method", "status"],
+            registry=registry,
+        )
+        self.http_request_seconds = Histogram(
+            "slipstream_http_request_seconds",
+            "From an HTTP request's arrival to the end of its answer, by route template and method",
+            ["route", "method"],
+            registry=registry,
+            buckets=HTTP_BUCKETS,
+        )
+        self._looked_up: dict[str, tuple[Counter, Counter]] = {}
         self._produced: dict[str, tuple[Counter, Counter]] = {}
         self._consumed: dict[str, tuple[Counter, Counter]] = {}
         self._fsync: dict[int, Histogram] = {}
@@ -158,6 +195,8 @@ class Metrics:
             self.rejected_requests,
             self.scaling_decisions,
             self.throttled_seconds,
+            self.http_requests,
+            self.http_request_seconds,
         ]
         self._collector: _BrokerCollector | None = None
         if broker is not None:
@@ -168,12 +207,14 @@ class Metrics:
         self._loop_thread: int | None = None
 
     def attach(self, broker: Broker) -> None:
-        """Give the broker's parts (containers, controller, coordinator) these metrics; the
-        broker calls it in ``open`` on its loop thread, the only thread a scrape may run on."""
+        """Give the broker's parts (containers, controller, coordinator, service) these
+        metrics; the broker calls it in ``open`` on its loop thread, the only thread a scrape
+        may run on."""
         for container in broker.containers:
             container.metrics = self
         broker.controller.metrics = self
         broker.coordinator.metrics = self
+        broker.service.metrics = self
         self._loop_thread = threading.get_ident()
 
     # --- scraping ---------------------------------------------------------------------------
@@ -248,14 +289,40 @@ class Metrics:
         counted_events.inc(events)
         counted_bytes.inc(sum(map(len, batches)))
 
+    def looked_up(self, stream: str, events: Sequence[Event]) -> None:
+        """A browse or a find of ``stream`` returned ``events`` (the service layer, on the
+        loop, once per page): counted with ``read="lookup"``, bytes as keys, values and
+        header names and values (what the answer carries, uncompressed)."""
+        if not events:
+            return
+        pair = self._looked_up.get(stream)
+        if pair is None:
+            pair = self._looked_up[stream] = (
+                self.consumed_events.labels(stream, LOOKUP),
+                self.consumed_bytes.labels(stream, LOOKUP),
+            )
+        size = 0
+        for event in events:
+            size += len(event.value) + (len(event.key) if event.key is not None else 0)
+            for name, value in event.headers.items():
+                size += len(name.encode()) + len(value)
+        pair[0].inc(len(events))
+        pair[1].inc(size)
+
     def _consumers(self, stream: str) -> tuple[Counter, Counter]:
         pair = self._consumed.get(stream)
         if pair is None:
             pair = self._consumed[stream] = (
-                self.consumed_events.labels(stream),
-                self.consumed_bytes.labels(stream),
+                self.consumed_events.labels(stream, CONSUME),
+                self.consumed_bytes.labels(stream, CONSUME),
             )
         return pair
+
+    def http_requested(self, route: str, method: str, status: int, seconds: float) -> None:
+        """An HTTP request to ``route`` (its template, or UNMATCHED_ROUTE) was answered with
+        ``status`` after ``seconds`` (on the loop)."""
+        self.http_requests.labels(route, method, str(status)).inc()
+        self.http_request_seconds.labels(route, method).observe(seconds)
 
     def appended(self, started: float) -> None:
         """An append was acknowledged; ``started``: ``time.perf_counter()`` at its arrival."""
@@ -292,13 +359,14 @@ class Metrics:
 
     def forget_stream(self, stream: str) -> None:
         """Drop a deleted stream's counters, so its series end with it."""
-        for counters, cache in (
-            ((self.produced_events, self.produced_bytes), self._produced),
-            ((self.consumed_events, self.consumed_bytes), self._consumed),
+        for counters, cache, labels in (
+            ((self.produced_events, self.produced_bytes), self._produced, (stream,)),
+            ((self.consumed_events, self.consumed_bytes), self._consumed, (stream, CONSUME)),
+            ((self.consumed_events, self.consumed_bytes), self._looked_up, (stream, LOOKUP)),
         ):
             if cache.pop(stream, None) is not None:
                 for counter in counters:
-                    counter.remove(stream)
+                    counter.remove(*labels)
 
     def check_thread(self) -> None:
         """Raise unless called on the broker's loop thread (where the collector must run)."""

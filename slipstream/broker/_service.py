@@ -89,6 +89,7 @@ from ..streams import (
 from ._browse import EventsPage, events_after, events_before
 from ._find import Finder, FoundEvents, check_find_arguments
 from ._groups import Subscriptions
+from ._metrics import DETACHED, Metrics
 
 if TYPE_CHECKING:
     from ._container import Container
@@ -167,6 +168,8 @@ class Service:
 
     Errors are the typed ``SlipstreamError`` subclasses, raised (or set on the returned
     future, for appends); a protocol turns them into its own error replies."""
+
+    metrics: Metrics = DETACHED  #: the broker's (``Metrics.attach``): counts look-ups
 
     def __init__(
         self,
@@ -544,7 +547,8 @@ class Service:
         and offset. Reads only the batches the find indexes name (broker/_find.py says how,
         and the order across scaled segments). Raises StreamNotFound (also for a stream
         deleted meanwhile), InvalidArgument for a bad limit or window, CorruptData for
-        damaged bytes in a batch it must read."""
+        damaged bytes in a batch it must read. The events returned count as consumed, with
+        ``read="lookup"`` (docs/metrics.md)."""
         self._authorize(caller, Action.CONSUME, stream)
         if isinstance(key, str):
             key = key.encode()
@@ -552,7 +556,7 @@ class Service:
         segments = list(self.controller.stream(stream).segments.values())
         if self._finder is None:
             self._finder = Finder(self.controller.meta, self.containers, self.controller.read_pool)
-        return await self._finder.find(
+        found = await self._finder.find(
             segments,
             key=key,
             start_ms=start_ms,
@@ -560,6 +564,8 @@ class Service:
             limit=limit,
             newest_first=newest_first,
         )
+        self.metrics.looked_up(stream, found.events)  # consumed, read="lookup"
+        return found
 
     async def browse_events(
         self,
@@ -578,7 +584,8 @@ class Service:
         page from ``cut(at, timestamp_ms)`` on ("earliest", "time"). A cut is ``{segment:
         offset}`` or its text form ``0:12,1:40`` (streams.parse_positions). Raises
         StreamNotFound, InvalidArgument (a bad cut or ``limit``, not 1..500, or both
-        ``before`` and ``after``), CorruptData for damaged bytes it must read."""
+        ``before`` and ``after``), CorruptData for damaged bytes it must read. The page's
+        events count as consumed, with ``read="lookup"`` (docs/metrics.md)."""
         if before is not None and after is not None:
             raise InvalidArgument("browse before a cut or after one, not both")
         self._authorize(caller, Action.CONSUME, stream)
@@ -588,12 +595,15 @@ class Service:
         if isinstance(after, str):
             after = parse_positions(after)
         if before is not None:
-            return await events_before(self, caller, info, before, limit)
-        if after is None:
-            if at == "latest":
-                return await events_before(self, caller, info, None, limit)
-            after = await self.cut(caller, stream, at, timestamp_ms)
-        return await events_after(self, caller, info, after, limit)
+            page = await events_before(self, caller, info, before, limit)
+        elif after is None and at == "latest":
+            page = await events_before(self, caller, info, None, limit)
+        else:
+            if after is None:
+                after = await self.cut(caller, stream, at, timestamp_ms)
+            page = await events_after(self, caller, info, after, limit)
+        self.metrics.looked_up(stream, page.events)  # consumed, read="lookup"
+        return page
 
     # --- producers ---------------------------------------------------------------------------
 

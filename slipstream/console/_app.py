@@ -136,6 +136,9 @@ class Console:
             try:
                 return await handler(request, caller)
             except SlipstreamError as exc:
+                metrics = getattr(self.broker, "metrics", None)
+                if metrics is not None:  # counted as the API's error answers are
+                    metrics.rejected(exc.code)
                 return _error_page(request, exc)
             finally:
                 self.service.disconnect(caller)
@@ -606,14 +609,15 @@ def _page_links(page: EventPage) -> dict[str, str | None]:
 
 def _consumed_events(broker: Broker, stream: str) -> int | None:
     """Events delivered to the stream's readers since the broker started (followers, groups,
-    queues, Spark), from the broker's ``slipstream_consumed_events`` counter; None for a
-    broker without metrics. Reads the counter's series without creating one (``labels``
+    queues, Spark), from the broker's ``slipstream_consumed_events`` counter (its
+    ``read="consume"`` series: what this console's own browsing reads is ``lookup``); None for
+    a broker without metrics. Reads the counter's series without creating one (``labels``
     would), on the loop thread like every other update of it."""
     counter: Any = getattr(getattr(broker, "metrics", None), "consumed_events", None)
     series = getattr(counter, "_metrics", None)
     if series is None:
         return None
-    child = series.get((stream,))
+    child = series.get((stream, "consume"))
     return 0 if child is None else int(child._value.get())
 
 

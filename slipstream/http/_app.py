@@ -5,7 +5,9 @@ that follows the code (``STATUS_BY_CODE``): the ``SlipstreamError`` codes of the
 protocol, plus the HTTP layer's own: ``malformed_json`` (400), ``request_too_large`` (413),
 ``not_found`` (404, no such route), ``method_not_allowed`` (405) and ``internal`` (500, a bug:
 logged with its traceback). A request body is read up to ``MAX_BODY_BYTES``; past that the
-answer is 413 without reading the rest.
+answer is 413 without reading the rest. Every error answer counts into
+``slipstream_rejected_requests_total`` by its code, and every request into
+``slipstream_http_requests_total`` by route and status (``CountRequests``, http/_metrics.py).
 
 Authentication (a broker with ``--auth``): every API request and ``/metrics`` carries
 ``Authorization: Bearer <token>``; without one, or with a bad one, the answer is 401 with the
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -31,6 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .._errors import SlipstreamError
 from ..security import Action
 from ._api import OPERATIONS, Call, Operation
+from ._metrics import CountRequests
 from ._openapi import openapi_document
 
 if TYPE_CHECKING:
@@ -170,8 +174,17 @@ def bearer_credentials(request: Request) -> dict[str, str] | None:
     return {"token": token.strip()}
 
 
+def count_rejected(request: Request, code: str) -> None:
+    """Count an error answer into ``slipstream_rejected_requests_total`` (by ``code``), as the
+    binary protocol counts its Error replies."""
+    metrics = getattr(request.app.state.broker, "metrics", None)
+    if metrics is not None:
+        metrics.rejected(code)
+
+
 async def _slipstream_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, SlipstreamError)
+    count_rejected(request, exc.code)
     status = status_of(exc)
     if status >= 500:
         log.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
@@ -184,12 +197,14 @@ async def _slipstream_error(request: Request, exc: Exception) -> Response:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
+    count_rejected(request, exc.code)
     return error_response(STATUS_BY_CODE[exc.code], exc.code, exc.message, exc.details)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    count_rejected(request, code)
     message = {
         404: f"no such resource: {request.url.path} (the API is described at /api/openapi.json)",
         405: f"{request.method} is not allowed on {request.url.path}",
@@ -201,6 +216,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    count_rejected(request, "internal")
     return error_response(500, "internal", f"internal error: {type(exc).__name__}", {})
 
 
@@ -263,6 +279,8 @@ def create_app(broker: Broker) -> Starlette:
         routes.extend(console_routes(broker))
     app = Starlette(
         routes=routes,
+        # every request counted by route and status (http/_metrics.py)
+        middleware=[Middleware(CountRequests, metrics=metrics)] if metrics is not None else [],
         exception_handlers={
             SlipstreamError: _slipstream_error,
             ApiError: _api_error,

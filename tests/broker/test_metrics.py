@@ -68,7 +68,11 @@ class ServedBroker:
 
     def __init__(self, data_dir: Path, **container: int) -> None:
         self.config = BrokerConfig(
-            data_dir=data_dir, port=0, containers=2, container=ContainerConfig(**container)
+            data_dir=data_dir,
+            port=0,
+            http_port=0,
+            containers=2,
+            container=ContainerConfig(**container),
         )
         self.ready = threading.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -94,6 +98,12 @@ class ServedBroker:
         if self.failure is not None:
             raise self.failure
         return self
+
+    @property
+    def http_url(self) -> str:
+        assert self.broker is not None and self.broker.http_address is not None
+        host, port = self.broker.http_address
+        return f"http://{host}:{port}"
 
     @property
     def address(self) -> str:
@@ -172,7 +182,7 @@ def test_produced_and_consumed_events_and_bytes_per_stream(
     assert scrape.value("slipstream_produced_events_total", stream="m/other") == 7
     assert scrape.value("slipstream_produced_bytes_total", stream="m/orders") == orders_bytes
     assert scrape.value("slipstream_stream_retained_bytes", stream="m/orders") == orders_bytes
-    assert scrape.value("slipstream_consumed_events_total", stream="m/orders") == 0
+    assert scrape.value("slipstream_consumed_events_total", stream="m/orders", read="consume") == 0
     # every acknowledged append was timed, and the group commits synced (fsync=always)
     assert scrape.value("slipstream_append_seconds_count") >= 1
     assert scrape.value("slipstream_append_seconds_bucket", le="+Inf") == scrape.value(
@@ -187,9 +197,14 @@ def test_produced_and_consumed_events_and_bytes_per_stream(
     events = list(client.reader("m/orders", "earliest", client.tail("m/orders")))
     assert len(events) == 300
     scrape = served.scrape()
-    assert scrape.value("slipstream_consumed_events_total", stream="m/orders") == 300
-    assert scrape.value("slipstream_consumed_bytes_total", stream="m/orders") == orders_bytes
-    assert scrape.value("slipstream_consumed_events_total", stream="m/other") == 0
+    assert (
+        scrape.value("slipstream_consumed_events_total", stream="m/orders", read="consume") == 300
+    )
+    assert (
+        scrape.value("slipstream_consumed_bytes_total", stream="m/orders", read="consume")
+        == orders_bytes
+    )
+    assert scrape.value("slipstream_consumed_events_total", stream="m/other", read="consume") == 0
 
 
 def test_queue_deliveries_count_as_consumed(
@@ -216,10 +231,10 @@ def test_queue_deliveries_count_as_consumed(
             )
         )
     scrape = served.scrape()
-    assert scrape.value("slipstream_consumed_events_total", stream="m/jobs") == 25
-    assert scrape.value("slipstream_consumed_bytes_total", stream="m/jobs") >= stored_bytes(
-        client, "m/jobs"
-    )
+    assert scrape.value("slipstream_consumed_events_total", stream="m/jobs", read="consume") == 25
+    assert scrape.value(
+        "slipstream_consumed_bytes_total", stream="m/jobs", read="consume"
+    ) >= stored_bytes(client, "m/jobs")
 
 
 def test_open_segments_and_scaling_decisions(
@@ -246,7 +261,10 @@ def test_a_deleted_streams_series_go_with_it(
     client.create_stream("m/gone", 1)
     produce(client, "m/gone", 5)
     list(client.reader("m/gone", "earliest", client.tail("m/gone")))
-    assert served.scrape().value("slipstream_consumed_events_total", stream="m/gone") == 5
+    assert (
+        served.scrape().value("slipstream_consumed_events_total", stream="m/gone", read="consume")
+        == 5
+    )
     client.delete_stream("m/gone")
     assert 'stream="m/gone"' not in served.scrape().text
 
@@ -429,8 +447,10 @@ def test_metrics_over_http_from_a_broker_process(broker: BrokerProcess) -> None:
             scrape = Scrape(gzip.decompress(reply.read()).decode())
     assert scrape.value("slipstream_produced_events_total", stream="m/http") == 50
     assert scrape.value("slipstream_produced_bytes_total", stream="m/http") == stored
-    assert scrape.value("slipstream_consumed_events_total", stream="m/http") == 50
-    assert scrape.value("slipstream_consumed_bytes_total", stream="m/http") == stored
+    assert scrape.value("slipstream_consumed_events_total", stream="m/http", read="consume") == 50
+    assert (
+        scrape.value("slipstream_consumed_bytes_total", stream="m/http", read="consume") == stored
+    )
     assert scrape.value("slipstream_rejected_requests_total", code="stream_not_found") == 1
     assert scrape.value("slipstream_stream_open_segments", stream="m/http") == 2
     assert scrape.value("slipstream_connections") >= 1
@@ -487,6 +507,7 @@ def test_every_metric_the_grafana_dashboard_queries_exists(
     list(client.reader("m/dash", "earliest", client.tail("m/dash")))
     with pytest.raises(StreamNotFound):
         client.describe_stream("m/nothing")
+    http_get(served.http_url + "/api/streams/m/dash/events?limit=2")
     client.scale_stream("m/dash", split=0)
     with client.transaction("dash") as txn:
         txn.send("m/dash", b"x")
@@ -496,3 +517,81 @@ def test_every_metric_the_grafana_dashboard_queries_exists(
     }
     assert queried, "the dashboard queries no slipstream metric"
     assert sorted(queried - names) == []
+
+
+# --- reads through the HTTP API and the console, HTTP requests -------------------------------
+
+
+def http_get(url: str) -> tuple[int, bytes]:
+    """GET ``url``: (status, body), error statuses included."""
+    try:
+        with urllib.request.urlopen(url, timeout=30) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, exc.read()
+
+
+def test_browse_and_find_through_http_count_as_consumed_lookups(
+    served: ServedBroker, client: slipstream.Client
+) -> None:
+    """A browse or a find through the admin API, the console or the binary protocol moves
+    ``slipstream_consumed_*_total{read="lookup"}`` by the events it returned (and their keys'
+    and values' bytes); applications' ``read="consume"`` series stay where they were."""
+    client.create_stream("m/look", 2)
+    with client.producer("m/look", linger_ms=1) as producer:
+        for i in range(30):  # 2-byte keys, 8-byte values: 10 bytes an event
+            producer.send(b"event %02d" % i, key=f"k{i % 3}")
+    lookup = {"stream": "m/look", "read": "lookup"}
+    consume = {"stream": "m/look", "read": "consume"}
+    assert served.scrape().value("slipstream_consumed_events_total", **lookup) == 0
+
+    status, body = http_get(served.http_url + "/api/streams/m/look/events?limit=7")
+    assert status == 200 and len(json.loads(body)["events"]) == 7
+    scrape = served.scrape()
+    assert scrape.value("slipstream_consumed_events_total", **lookup) == 7
+    assert scrape.value("slipstream_consumed_bytes_total", **lookup) == 70
+
+    status, body = http_get(served.http_url + "/api/streams/m/look/events?key=k1&limit=100")
+    assert status == 200 and len(json.loads(body)["events"]) == 10
+    status, _ = http_get(served.http_url + "/events?stream=m/look&limit=4")  # the console
+    assert status == 200
+    assert len(client.find("m/look", key="k2", limit=3)) == 3  # FindEvents
+    scrape = served.scrape()
+    assert scrape.value("slipstream_consumed_events_total", **lookup) == 7 + 10 + 4 + 3
+    assert scrape.value("slipstream_consumed_bytes_total", **lookup) == 240
+    assert scrape.value("slipstream_consumed_events_total", **consume) == 0
+
+    list(client.reader("m/look", "earliest", client.tail("m/look")))
+    scrape = served.scrape()
+    assert scrape.value("slipstream_consumed_events_total", **consume) == 30
+    assert scrape.value("slipstream_consumed_events_total", **lookup) == 24
+    client.delete_stream("m/look")
+    assert 'stream="m/look"' not in served.scrape().text
+
+
+def test_http_requests_by_route_and_status_and_rejections_by_code(served: ServedBroker) -> None:
+    """Each HTTP request counts once under its route template (not its path), method and
+    status, with a latency observation; error answers count into the rejected counter by
+    code, as the binary protocol's do."""
+    url = served.http_url
+    assert http_get(url + "/api/streams")[0] == 200
+    assert http_get(url + "/api/streams")[0] == 200
+    assert http_get(url + "/api/streams/m/none")[0] == 404
+    assert http_get(url + "/api/streams/m/other")[0] == 404
+    assert http_get(url + "/no/such/page")[0] == 404
+    assert http_get(url + "/stream?name=m/none")[0] == 404  # the console's error page
+    scrape = served.scrape()
+    requests = "slipstream_http_requests_total"
+    assert scrape.value(requests, route="/api/streams", method="GET", status="200") == 2
+    stream = "/api/streams/{scope}/{name}"
+    assert scrape.value(requests, route=stream, method="GET", status="404") == 2
+    assert scrape.value(requests, route="unmatched", method="GET", status="404") == 1
+    assert scrape.value(requests, route="/stream", method="GET", status="404") == 1
+    assert 'route="/api/streams/m/none"' not in scrape.text
+    seconds = "slipstream_http_request_seconds_count"
+    assert scrape.value(seconds, route="/api/streams", method="GET") == 2
+    assert scrape.value(seconds, route=stream, method="GET") == 2
+    rejected = "slipstream_rejected_requests_total"
+    assert scrape.value(rejected, code="stream_not_found") == 3
+    assert scrape.value(rejected, code="not_found") == 1
