@@ -80,9 +80,11 @@ from ..protocol import (
     GrantRule,
     GroupJoined,
     Hello,
+    IdentityList,
     InitProducer,
     JoinGroup,
     LeaveGroup,
+    ListIdentities,
     ListQuotas,
     ListRules,
     ListStreams,
@@ -669,6 +671,8 @@ class Session(asyncio.BufferedProtocol):
                 return TxnList(service.list_txns(caller))
             case GetIdentity(transactional_id):
                 return service.identity(caller, transactional_id)
+            case ListIdentities(prefix):
+                return IdentityList(service.list_identities(caller, prefix))
             case SetQuota(quota):
                 return QuotaList(await service.set_quota(caller, quota))
             case ListQuotas():

@@ -1126,6 +1126,33 @@ def txn_status(
         )
 
 
+@txn_app.command(
+    "identities",
+    epilog=examples(
+        "slipstream txn identities",
+        "slipstream txn identities --prefix spark: --json",
+    ),
+)
+def txn_identities(
+    prefix: Annotated[
+        str, typer.Option(help="Only the transactional ids that start with this.")
+    ] = "",
+    as_json: JsonFlag = False,
+    broker: BrokerOption = "",
+) -> None:
+    """Transactional ids the broker knows, sorted: producer id, epoch, the last committed
+    transaction, when, and the metadata stored with it (the Spark sink's queries are the
+    ids under 'spark:'). Needs the admin action when the broker has --auth."""
+    from ._txns import identities_table, identity_dict
+
+    with connect(broker) as client:
+        identities = client.identities(prefix)
+    if as_json:
+        print_json([identity_dict(i) for i in identities])
+    else:
+        out.print(identities_table(identities, prefix))
+
+
 _help_in_whole_lines(app, stream_app, txn_app, subscription_app, audit_app)
 
 

@@ -65,7 +65,9 @@ from ..protocol import (
     GetScaleHistory,
     GrantRule,
     IdentityInfo,
+    IdentityList,
     InitProducer,
+    ListIdentities,
     ListQuotas,
     ListRules,
     ListStreams,
@@ -729,6 +731,16 @@ class AsyncClient:
         reply = await self._request(ListTxns())
         assert isinstance(reply, TxnList)
         return reply.txns
+
+    async def identities(self, prefix: str = "") -> list[IdentityInfo]:
+        """Every transactional id starting with ``prefix`` ("" for all), sorted: producer
+        id, epoch, last committed transaction, its metadata (bytes) and commit time
+        (``last_txn_id`` -1 for an id that never committed). The Spark sink's queries are
+        the ids under ``spark:``. Raises PermissionDenied without the admin action (with
+        authentication on)."""
+        reply = await self._request(ListIdentities(prefix))
+        assert isinstance(reply, IdentityList)
+        return reply.identities
 
     async def abort_transaction(self, txn_id: int) -> None:
         """Abort an open transaction by id (an operator's tool: its owner's commit fails)."""
@@ -1430,6 +1442,10 @@ class Client:
     def transactions(self) -> list[TxnInfo]:
         """Open transactions on the broker (id, transactional id, state, age, events, bytes)."""
         return self._loop.run(self._async.transactions())
+
+    def identities(self, prefix: str = "") -> list[IdentityInfo]:
+        """Transactional ids starting with ``prefix``; see ``AsyncClient.identities``."""
+        return self._loop.run(self._async.identities(prefix))
 
     def abort_transaction(self, txn_id: int) -> None:
         """Abort an open transaction by id."""

@@ -707,6 +707,22 @@ class AccessDecision(Message, frozen=True):
     reason: str
 
 
+# --- transactional ids (docs/protocol.md "Transactions"): request 43, reply 93 ---------------
+
+
+class ListIdentities(Message, frozen=True):
+    """-> ``IdentityList``: every transactional id starting with ``prefix`` ("" for all),
+    sorted, each with its producer id, epoch and last commit (as ``GetIdentity`` answers; the
+    Spark sink's queries are the ids under ``spark:``). A snapshot: a commit that ends
+    meanwhile is in it or not, never half. Admin only with authentication on."""
+
+    prefix: str = ""
+
+
+class IdentityList(Message, frozen=True):
+    identities: list[IdentityInfo]
+
+
 KINDS: dict[int, type[Message]] = {
     1: Hello,
     2: CreateStream,
@@ -748,6 +764,7 @@ KINDS: dict[int, type[Message]] = {
     39: CheckAccess,
     40: SetQuota,
     41: ListQuotas,
+    43: ListIdentities,
     64: Welcome,
     65: Error,
     66: Done,
@@ -776,5 +793,6 @@ KINDS: dict[int, type[Message]] = {
     89: RuleList,
     90: AccessDecision,
     91: QuotaList,
+    93: IdentityList,
 }
 KIND_OF: dict[type[Message], int] = {cls: kind for kind, cls in KINDS.items()}

@@ -126,6 +126,7 @@ def test_end_cut_resumes_exactly_where_consume_stopped(broker: BrokerProcess) ->
         ["txn", "list"],
         ["txn", "abort"],
         ["txn", "status"],
+        ["txn", "identities"],
     ],
 )
 def test_help_teaches_with_an_example(command: list[str]) -> None:
@@ -177,3 +178,38 @@ def test_txn_list_status_and_abort(broker: BrokerProcess) -> None:
         assert unknown.returncode == 1 and "no open transaction" in unknown.stderr
         with pytest.raises(slipstream.TransactionAborted):
             open_txn.commit()
+
+
+def test_txn_identities_over_the_binary_protocol(broker: BrokerProcess) -> None:
+    """ListIdentities (kind 43) through the client and ``slipstream txn identities``: every
+    transactional id under a prefix, sorted, with its last commit's metadata; an id that
+    began but never committed has last_txn_id -1."""
+    with broker.client() as client:
+        client.create_stream("cli/ids", segments=1)
+        for query, batch in (("spark:q-b", 4), ("spark:q-a", 9)):
+            with client.transaction(query) as txn:
+                txn.send("cli/ids", b"x")
+                txn.metadata = {"batch": batch}
+        client.transaction("spark:q-c", timeout=300).abort()  # began, never committed
+        with client.transaction("other") as txn:
+            txn.send("cli/ids", b"y")
+        spark = client.identities("spark:")
+        assert [i.transactional_id for i in spark] == ["spark:q-a", "spark:q-b", "spark:q-c"]
+        assert [i.last_txn_id >= 0 for i in spark] == [True, True, False]
+        assert json.loads(spark[0].last_metadata) == {"batch": 9}
+        assert {i.transactional_id for i in client.identities()} >= {"other", "spark:q-a"}
+        assert client.identities("nobody") == []
+
+    listed = json.loads(
+        run("txn", "identities", "--prefix", "spark:", "--json", broker=broker).stdout
+    )
+    assert [(i["transactional_id"], i["metadata"]) for i in listed] == [
+        ("spark:q-a", {"batch": 9}),
+        ("spark:q-b", {"batch": 4}),
+        ("spark:q-c", None),
+    ]
+    assert listed[2]["last_txn_id"] == -1 and listed[2]["committed"] is None
+    table = run("txn", "identities", "--prefix", "spark:", broker=broker)
+    assert table.returncode == 0, table.stderr
+    assert "3 transactional ids" in table.stdout and "spark:q-b" in table.stdout
+    assert "other" not in table.stdout and "never" in table.stdout

@@ -69,9 +69,11 @@ from slipstream.protocol import (
     GroupJoined,
     Hello,
     IdentityInfo,
+    IdentityList,
     InitProducer,
     JoinGroup,
     LeaveGroup,
+    ListIdentities,
     ListQuotas,
     ListRules,
     ListStreams,
@@ -462,6 +464,10 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
         committed_ms=I64,
     ),
 }
+MESSAGES[ListIdentities] = st.builds(ListIdentities, prefix=TEXT)
+MESSAGES[IdentityList] = st.builds(
+    IdentityList, identities=st.lists(MESSAGES[IdentityInfo], max_size=3)
+)
 messages = st.one_of(*MESSAGES.values())
 
 
@@ -552,6 +558,22 @@ def test_append_frame_head_is_the_documented_golden_bytes() -> None:
         "93 ab 64656d6f2f6f7264657273 01 c0"  # ["demo/orders", 1, None]: no transaction
     )
     assert bytes(encode_frame(Append("demo/orders", 1), 7, payload_length=1048)) == golden_head
+
+
+def test_list_identities_and_its_answer_round_trip_as_kinds_43_and_93() -> None:
+    request = ListIdentities("spark:")
+    wire = bytes(encode_frame(request, correlation_id=5))
+    assert wire[4:6] == (43).to_bytes(2, "little")
+    assert wire[16:] == bytes.fromhex("91 a6 737061726b3a")  # ["spark:"]
+    identity = IdentityInfo("spark:q1", 7, 2, 1042, b'{"batch": 3}', 1_700_000_000_000)
+    answer = IdentityList([identity, IdentityInfo("spark:q2", 8, 0, -1, b"", 0)])
+    decoder = FrameDecoder()
+    decoder.feed(wire + bytes(encode_frame(answer, correlation_id=5)))
+    assert decoder.next_item() == Frame(5, request, bytearray())
+    assert decoder.next_item() == Frame(5, answer, bytearray())
+    assert KIND_OF[IdentityList] == 93
+    decoder.feed(bytes(encode_frame(ListIdentities(), correlation_id=6)))  # prefix "" default
+    assert decoder.next_item() == Frame(6, ListIdentities(""), bytearray())
 
 
 def test_kinds_are_a_bijection_covering_every_message() -> None:

@@ -57,6 +57,7 @@ from slipstream.protocol import (
     InitProducer,
     JoinGroup,
     LeaveGroup,
+    ListIdentities,
     ListQuotas,
     ListRules,
     ListStreams,
@@ -229,6 +230,7 @@ def requests(s: Setup) -> dict[str, tuple[Message, bytes]]:
         "EndTxn (operator)": (EndTxn(s.txn, False, operator=True), b""),
         "ListTxns": (ListTxns(), b""),
         "GetIdentity": (GetIdentity("spark:q"), b""),
+        "ListIdentities": (ListIdentities("spark:"), b""),  # admin only
         "UpdateStream": (UpdateStream("demo/orders", 1000), b""),
         "CreateSubscription": (CreateSubscription("demo/orders", "new"), b""),
         "ListSubscriptions": (ListSubscriptions("demo/orders"), b""),
