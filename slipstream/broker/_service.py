@@ -109,6 +109,8 @@ TOKENS_SETTING = "tokens"  # token id -> TokenInfo (msgpack): issued through the
 REVOKED_SETTING = "revoked"  # token id -> {"revoked_at": seconds} (JSON)
 QUOTAS_SETTING = "quotas"
 RULES_SETTING = "rules"
+#: transactional id -> the subject that owns it (UTF-8), with authentication on (docs/security.md)
+TXN_OWNERS_SETTING = "txn-owners"
 #: (action, stream) decisions one caller keeps; past this the cache starts over
 MAX_ACCESS_CACHE = 1024
 
@@ -206,6 +208,10 @@ class Service:
             [decode_rule(v) for v in controller.meta.settings(RULES_SETTING).values()]
         )
         self._rules_version = 0  # callers' cached decisions hold while it is unchanged
+        self._txn_owners: dict[str, str] = {
+            tid: subject.decode()
+            for tid, subject in controller.meta.settings(TXN_OWNERS_SETTING).items()
+        }
 
     # --- callers -----------------------------------------------------------------------------
 
@@ -613,8 +619,12 @@ class Service:
         """A producer id and epoch owned by ``caller``, and the token that claims them from
         another connection. With a transactional id: its stable id and the next epoch, which
         fences the older producers of the id and aborts their open transaction. With
-        authentication on, the caller must be allowed to produce to some stream."""
+        authentication on, the caller must be allowed to produce to some stream, and a
+        transactional id belongs to the subject that first initialised it: another subject
+        gets PermissionDenied, nothing fenced (``_own_transactional_id``)."""
         self._authorize_somewhere(caller, Action.PRODUCE)
+        if transactional_id is not None:
+            await self._own_transactional_id(caller, transactional_id)
         producer_id, epoch = await self.coordinator.init_producer(transactional_id)
         self._own(caller, producer_id)
         return producer_id, epoch, self._token(producer_id, epoch)
@@ -622,13 +632,17 @@ class Service:
     def claim_producer(self, caller: Caller, producer_id: int, epoch: int, token: bytes) -> None:
         """Make ``caller`` the owner of a producer id it was granted on an earlier connection
         (or before a broker restart). Raises NotOwner for a wrong token, ProducerFenced when a
-        newer producer took the id's transactional id."""
+        newer producer took the id's transactional id; with authentication on,
+        PermissionDenied when that transactional id belongs to another subject."""
         if not hmac.compare_digest(token, self._token(producer_id, epoch)):
             raise NotOwner(
                 f"the token does not match producer {producer_id} epoch {epoch}; claim only ids "
                 "this client was granted (InitProducer), or ask for a new one",
                 producer_id=producer_id,
             )
+        transactional_id = self.coordinator.transactional_id(producer_id)
+        if transactional_id is not None:
+            self._check_transactional_id(caller, transactional_id)
         self.coordinator.check_epoch(producer_id, epoch)
         self._own(caller, producer_id)
 
@@ -708,9 +722,38 @@ class Service:
 
     def identity(self, caller: Caller, transactional_id: str) -> IdentityInfo:
         """A transactional id's last commit (with authentication on, the caller must be
-        allowed to produce to some stream, as for ``init_producer``)."""
+        allowed to produce to some stream, and own the id if someone does, as for
+        ``init_producer``)."""
         self._authorize_somewhere(caller, Action.PRODUCE)
+        self._check_transactional_id(caller, transactional_id)
         return self.coordinator.identity(transactional_id)
+
+    async def hand_over_identity(self, caller: Caller, transactional_id: str, subject: str) -> None:
+        """Make ``subject`` the owner of a transactional id (authentication on: admin only;
+        see ``_own_transactional_id``), stored before it returns. Producers running with it
+        are not fenced: the new owner's InitProducer does that. Raises PermissionDenied,
+        InvalidArgument (an id not 1 to 255 characters, a bad subject)."""
+        self._authorize(caller, Action.ADMIN, None)
+        if not 0 < len(transactional_id) <= 255:
+            raise InvalidArgument("a transactional id is 1 to 255 characters")
+        if subject == "*":
+            raise InvalidArgument("a transactional id is handed over to one subject, not '*'")
+        make_rule(subject, Action.PRODUCE, "*")  # the rules' check of a subject name
+        previous = self._txn_owners.get(transactional_id)
+        await self.controller.in_catalog(
+            self.controller.meta.put_setting,
+            TXN_OWNERS_SETTING,
+            transactional_id,
+            subject.encode(),
+        )
+        self._txn_owners[transactional_id] = subject
+        self._audited(
+            caller,
+            "transactional_id_handed_over",
+            transactional_id=transactional_id,
+            previous_owner=previous,
+            owner=subject,
+        )
 
     def list_identities(self, caller: Caller, prefix: str = "") -> list[IdentityInfo]:
         """Every transactional id that starts with ``prefix`` ("" for all), sorted: its
@@ -1123,6 +1166,62 @@ class Service:
                 txn_id=txn_id,
                 producer_id=producer_id,
             )
+
+    async def _own_transactional_id(self, caller: Caller, transactional_id: str) -> None:
+        """With authentication on: make the caller's subject the owner of a transactional id
+        nobody owns yet (stored before the id is initialised, so that a restart keeps it),
+        else check that it owns it (``_check_transactional_id``). Invalid ids are left to
+        the coordinator's error."""
+        principal = caller.principal
+        if principal is None or not 0 < len(transactional_id) <= 255:
+            return
+        if transactional_id in self._txn_owners:
+            self._check_transactional_id(caller, transactional_id)
+            return
+        # taken before the write: another subject's InitProducer meanwhile is refused
+        self._txn_owners[transactional_id] = principal.subject
+        try:
+            await self.controller.in_catalog(
+                self.controller.meta.put_setting,
+                TXN_OWNERS_SETTING,
+                transactional_id,
+                principal.subject.encode(),
+            )
+        except BaseException:
+            if self._txn_owners.get(transactional_id) == principal.subject:
+                del self._txn_owners[transactional_id]
+            raise
+        self._audited(caller, "transactional_id_owned", transactional_id=transactional_id)
+
+    def _check_transactional_id(self, caller: Caller, transactional_id: str) -> None:
+        """PermissionDenied (audited) unless the caller's subject owns the transactional id,
+        nobody does, or the caller may administer the broker. Authentication off: allowed."""
+        principal = caller.principal
+        if principal is None:
+            return
+        owner = self._txn_owners.get(transactional_id)
+        if owner is None or owner == principal.subject:
+            return
+        if self.rules.decide(principal, Action.ADMIN, None).allowed:
+            return
+        self.audit.record(
+            "denied",
+            subject=principal.subject,
+            peer=caller.peer,
+            action="transactional_id",
+            stream=None,
+            transactional_id=transactional_id,
+            reason=f"transactional id owned by {owner}",
+        )
+        raise PermissionDenied(
+            f"{principal.subject} may not use transactional id {transactional_id!r}: it "
+            f"belongs to {owner}, the subject that first initialised it; use another "
+            f"transactional id, or an administrator hands it over with: slipstream txn "
+            f"hand-over '{transactional_id}' {principal.subject}",
+            subject=principal.subject,
+            action="transactional_id",
+            transactional_id=transactional_id,
+        )
 
     def _not_owner(self, caller: Caller, producer_id: int) -> NotOwner:
         return NotOwner(

@@ -79,6 +79,7 @@ from ..protocol import (
     GetScaleHistory,
     GrantRule,
     GroupJoined,
+    HandOverIdentity,
     Hello,
     IdentityList,
     InitProducer,
@@ -671,6 +672,9 @@ class Session(asyncio.BufferedProtocol):
                 return TxnList(service.list_txns(caller))
             case GetIdentity(transactional_id):
                 return service.identity(caller, transactional_id)
+            case HandOverIdentity(transactional_id, subject):
+                await service.hand_over_identity(caller, transactional_id, subject)
+                return Done()
             case ListIdentities(prefix):
                 return IdentityList(service.list_identities(caller, prefix))
             case SetQuota(quota):

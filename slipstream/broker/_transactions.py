@@ -347,6 +347,10 @@ class Coordinator:
                 current_epoch=current,
             )
 
+    def transactional_id(self, producer_id: int) -> str | None:
+        """The transactional id ``producer_id`` belongs to (None: an id without one)."""
+        return self._tid_of.get(producer_id)
+
     def list_identities(self, prefix: str = "") -> list[IdentityInfo]:
         """The transactional ids starting with ``prefix`` that ever began, sorted by id, each
         with its epoch and last committed transaction (from memory: the MetaStore's

@@ -1088,6 +1088,20 @@ def txn_abort(
     err.print(f"aborted transaction {txn_id}")
 
 
+@txn_app.command("hand-over", epilog=examples("slipstream txn hand-over spark:orders-enricher bob"))
+def txn_hand_over(
+    transactional_id: Annotated[str, typer.Argument(help="The transactional id.")],
+    subject: Annotated[str, typer.Argument(help="The subject that owns it from now on.")],
+    broker: BrokerOption = "",
+) -> None:
+    """With authentication on, a transactional id belongs to the subject that first
+    initialised it: hand it to another subject (admin only). Its running producer is not
+    fenced; the new owner's next start does that."""
+    with connect(broker) as client:
+        client.hand_over(transactional_id, subject)
+    err.print(f"transactional id {transactional_id} now belongs to {subject}")
+
+
 @txn_app.command(
     "status",
     epilog=examples("slipstream txn status enricher-1", "slipstream txn status enricher-1 --json"),

@@ -64,6 +64,7 @@ from ..protocol import (
     GetIdentity,
     GetScaleHistory,
     GrantRule,
+    HandOverIdentity,
     IdentityInfo,
     IdentityList,
     InitProducer,
@@ -742,6 +743,13 @@ class AsyncClient:
         assert isinstance(reply, IdentityList)
         return reply.identities
 
+    async def hand_over(self, transactional_id: str, subject: str) -> None:
+        """Make ``subject`` the owner of ``transactional_id``: with authentication on, only
+        its owner (at first, the subject that initialised it) and admins may use it. Its
+        running producers are not fenced. Raises PermissionDenied without the admin
+        action."""
+        await self._request(HandOverIdentity(transactional_id, subject))
+
     async def abort_transaction(self, txn_id: int) -> None:
         """Abort an open transaction by id (an operator's tool: its owner's commit fails)."""
         await self._request(EndTxn(txn_id, False, operator=True))
@@ -1412,6 +1420,10 @@ class Client:
     def last_commit(self, transactional_id: str) -> CommitInfo | None:
         """The last committed transaction of ``transactional_id`` and its metadata, or None."""
         return self._loop.run(self._async.last_commit(transactional_id))
+
+    def hand_over(self, transactional_id: str, subject: str) -> None:
+        """Make ``subject`` the owner of ``transactional_id``; see ``AsyncClient.hand_over``."""
+        self._loop.run(self._async.hand_over(transactional_id, subject))
 
     def grant(self, subject: str, action: str, pattern: str) -> AccessRule:
         """Add an access rule; see ``AsyncClient.grant``. Admin only."""

@@ -723,6 +723,18 @@ class IdentityList(Message, frozen=True):
     identities: list[IdentityInfo]
 
 
+# --- transactional id owners (docs/security.md "Transactional ids"): request 44 ----------------
+
+
+class HandOverIdentity(Message, frozen=True):
+    """-> ``Done``: make ``subject`` the owner of ``transactional_id`` (with authentication
+    on, only its owner, or an admin, may InitProducer, ClaimProducer or GetIdentity it).
+    Admin only with authentication on; stored before the answer."""
+
+    transactional_id: str
+    subject: str
+
+
 KINDS: dict[int, type[Message]] = {
     1: Hello,
     2: CreateStream,
@@ -765,6 +777,7 @@ KINDS: dict[int, type[Message]] = {
     40: SetQuota,
     41: ListQuotas,
     43: ListIdentities,
+    44: HandOverIdentity,
     64: Welcome,
     65: Error,
     66: Done,

@@ -53,6 +53,7 @@ from slipstream.protocol import (
     GetIdentity,
     GetScaleHistory,
     GrantRule,
+    HandOverIdentity,
     Hello,
     InitProducer,
     JoinGroup,
@@ -255,6 +256,7 @@ def requests(s: Setup) -> dict[str, tuple[Message, bytes]]:
         "CheckAccess": (CheckAccess("alice", "consume", "demo/orders"), b""),
         "SetQuota": (SetQuota(QuotaInfo("demo", requests=1)), b""),
         "ListQuotas": (ListQuotas(), b""),
+        "HandOverIdentity": (HandOverIdentity("spark:q", "alice"), b""),  # admin only
     }
 
 

@@ -127,6 +127,10 @@ OPERATIONS: dict[str, tuple[Action | str | None, Call]] = {
     "list_txns": (Action.ADMIN, lambda w, c: w.service.list_txns(c)),
     "identity": (SOMEWHERE, lambda w, c: w.service.identity(c, "tid")),
     "list_identities": (Action.ADMIN, lambda w, c: w.service.list_identities(c)),
+    "hand_over_identity": (
+        Action.ADMIN,
+        lambda w, c: w.service.hand_over_identity(c, "tid", "bob"),
+    ),
     "create_subscription": (
         Action.MANAGE,
         lambda w, c: w.service.create_subscription(c, "demo/orders", "new"),
