@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -23,6 +25,34 @@ from slipstream.torture._powerfs import PowerFS, fuse_unusable
 pytest_plugins = ["objectstores"]
 
 _handed_out: set[int] = set()
+
+
+def stream_storage(data_dir: Path, stream: str) -> tuple[int, set[int]]:
+    """A stream's id and the containers of its segments, from the broker's catalog: tests
+    that damage or count journal and chunk files must pick their stream's (the broker's own
+    ``_system/audit`` stream has journal entries and chunks too)."""
+    with contextlib.closing(sqlite3.connect(data_dir / "meta.db")) as db:
+        (stream_id,) = db.execute("SELECT id FROM streams WHERE name = ?", (stream,)).fetchone()
+        rows = db.execute("SELECT container FROM segments WHERE stream_id = ?", (stream_id,))
+        return stream_id, {container for (container,) in rows}
+
+
+def journal_files(data_dir: Path, stream: str) -> list[Path]:
+    """The journal files with data of the containers that hold ``stream``'s segments (other
+    streams' entries may share them)."""
+    _, containers = stream_storage(data_dir, stream)
+    return sorted(
+        path
+        for container in containers
+        for path in (data_dir / "journal" / str(container)).glob("*.journal")
+        if path.stat().st_size
+    )
+
+
+def chunk_files(data_dir: Path, stream: str) -> list[Path]:
+    """``stream``'s chunk files."""
+    stream_id, _ = stream_storage(data_dir, stream)
+    return sorted((data_dir / "chunks" / str(stream_id)).rglob("*.chunk"))
 
 
 def free_port() -> int:

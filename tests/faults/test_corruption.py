@@ -2,35 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sqlite3
 import time
 from pathlib import Path
 
 import pytest
-from conftest import BrokerProcess
+from conftest import BrokerProcess, chunk_files, journal_files
 
 import slipstream
 
 
-def _catalog(data_dir: Path, stream: str) -> tuple[int, set[int]]:
-    """A stream's id and the containers of its segments, from the broker's catalog (other
-    streams, such as the broker's own ``_system/audit``, have journals and chunks too)."""
-    with contextlib.closing(sqlite3.connect(data_dir / "meta.db")) as db:
-        (stream_id,) = db.execute("SELECT id FROM streams WHERE name = ?", (stream,)).fetchone()
-        rows = db.execute("SELECT container FROM segments WHERE stream_id = ?", (stream_id,))
-        return stream_id, {container for (container,) in rows}
-
-
 def _journal_files(data_dir: Path, stream: str = "faults/torn") -> list[Path]:
-    _, containers = _catalog(data_dir, stream)
-    return sorted(
-        p
-        for container in containers
-        for p in (data_dir / "journal" / str(container)).glob("*.journal")
-        if p.stat().st_size
-    )
+    return journal_files(data_dir, stream)
 
 
 def _logical_end(journal: Path) -> int:
@@ -54,9 +37,8 @@ def _fill(
 
 def _wait_for_chunks(broker: BrokerProcess, stream: str = "faults/torn") -> list[Path]:
     """The stream's chunk files, once the mover has written at least one (fails after 10 s)."""
-    stream_id, _ = _catalog(broker.data_dir, stream)
     for _ in range(100):
-        chunks = sorted((broker.data_dir / "chunks" / str(stream_id)).rglob("*.chunk"))
+        chunks = chunk_files(broker.data_dir, stream)
         if chunks:
             return chunks
         time.sleep(0.1)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BrokerProcess
+from conftest import BrokerProcess, journal_files
 
 import slipstream
 
@@ -36,7 +36,7 @@ def _fill(client: slipstream.Client, batches: int, events: int) -> list[slipstre
 def _seal_and_damage(data_dir: Path, batch: int) -> Path:
     """Seal the only journal file with data (an empty next file, as a roll leaves it) and
     flip a byte inside the Arrow body of batch ``batch``."""
-    (journal,) = [p for p in (data_dir / "journal").rglob("*.journal") if p.stat().st_size]
+    (journal,) = journal_files(data_dir, STREAM)
     (journal.parent / f"{int(journal.stem) + 1:016d}.journal").touch()
     data = journal.read_bytes()
     at = data.index(f"b{batch:02d}-0000".encode()) + 20
@@ -148,7 +148,7 @@ def test_rot_in_the_synced_part_of_the_active_file_is_a_hole(
         time.sleep(1.2)  # the next sync writes a checkpoint covering all of it
         positions += _fill(client, 1, 10)
     broker.stop()
-    (journal,) = [p for p in (broker.data_dir / "journal").rglob("*.journal") if p.stat().st_size]
+    (journal,) = journal_files(broker.data_dir, STREAM)
     data = journal.read_bytes()
     at = data.index(b"b03-0000") + 20
     with open(journal, "r+b") as f:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from checker import Sent, check_history, encode, produce_and_record
-from conftest import BrokerProcess, needs_fuse
+from conftest import BrokerProcess, chunk_files, needs_fuse
 
 import slipstream
 from slipstream.torture._powerfs import PowerFS
@@ -252,7 +252,7 @@ def test_events_moved_to_chunks_survive_a_power_failure(machine: Machine) -> Non
         acknowledged = {value: receipt.result() for value, receipt in receipts}
 
     def moved() -> bool:  # both segments have chunks, and no journal holds a sealed file
-        segments = {p.parent for p in (data / "chunks").rglob("*.chunk")}
+        segments = {p.parent for p in chunk_files(data, STREAM)}
         journals = [len(list(d.glob("*.journal"))) for d in (data / "journal").iterdir()]
         return len(segments) == 2 and all(n <= 1 for n in journals)
 

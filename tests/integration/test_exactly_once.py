@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import BrokerProcess
+from conftest import BrokerProcess, chunk_files
 from raw import RawConnection, batch
 
 import slipstream
@@ -103,11 +103,10 @@ def test_dedup_state_survives_the_move_to_chunks(broker_factory: type[BrokerProc
     ]
     for i, payload in enumerate(batches):
         assert _append(raw, 10 + i, payload) == AppendAck(i, 1)
-    chunk_dir = broker.data_dir / "chunks"
     deadline = time.monotonic() + 10
-    while not list(chunk_dir.rglob("*.chunk")) and time.monotonic() < deadline:
+    while not chunk_files(broker.data_dir, "eo/raw") and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert list(chunk_dir.rglob("*.chunk")), "the journal was never moved to chunks"
+    assert chunk_files(broker.data_dir, "eo/raw"), "the journal was never moved to chunks"
     raw.close()
     broker.restart()
     raw = RawConnection(broker.address)

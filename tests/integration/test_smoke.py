@@ -7,7 +7,7 @@ import sys
 import textwrap
 import time
 
-from conftest import BrokerProcess
+from conftest import BrokerProcess, chunk_files
 
 import slipstream
 
@@ -69,7 +69,7 @@ def test_large_batches_read_back_from_chunk_files_whole_and_bounded(
                 producer.send_many(expected[start : start + 100])
                 producer.flush()
         for _ in range(100):
-            if len(list((broker.data_dir / "chunks").rglob("*.chunk"))) >= 6:
+            if len(chunk_files(broker.data_dir, "smoke/big")) >= 6:
                 break
             time.sleep(0.1)
         end = client.tail("smoke/big")

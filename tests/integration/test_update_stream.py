@@ -10,15 +10,15 @@ import time
 from collections.abc import Callable
 
 import pytest
-from conftest import BrokerProcess
+from conftest import BrokerProcess, chunk_files
 
 import slipstream
 
 DAY_MS = 86_400_000
 
 
-def _chunk_files(broker: BrokerProcess) -> int:
-    return sum(1 for _ in (broker.data_dir / "chunks").rglob("*.chunk"))
+def _chunk_files(broker: BrokerProcess, stream: str) -> int:
+    return len(chunk_files(broker.data_dir, stream))
 
 
 def _wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
@@ -44,7 +44,7 @@ def test_update_is_described_kept_across_restarts_and_applied_by_retention(
         with client.producer(stream, batch_bytes=4096, compression=None) as producer:
             for _ in range(300):
                 producer.send(b"v" * 400, timestamp=old)
-        _wait_for(lambda: _chunk_files(broker) >= 3, "the mover never made chunks")
+        _wait_for(lambda: _chunk_files(broker, stream) >= 3, "the mover never made chunks")
         assert client.describe_stream(stream).segments[0].start_offset == 0
 
         info = client.update_stream(stream, retention_time="1s")
