@@ -25,7 +25,7 @@ import ssl
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -36,6 +36,7 @@ from .._tls import ServerTls
 from ..security import TokenKeys
 from ..storage import (
     FileJournal,
+    Journal,
     LocalChunkStore,
     LongTermStore,
     MetaStore,
@@ -54,7 +55,7 @@ from ._container import (
     batch_checks_out,
 )
 from ._controller import Controller
-from ._faults import FAULT, SCALING_SPEEDUP
+from ._faults import FAULT, SCALING_SPEEDUP, crash_point
 from ._metrics import Metrics
 from ._service import Service, load_producer_key
 from ._session import ConnectionLimits
@@ -104,9 +105,6 @@ class BrokerConfig:
     #: or a client certificate (docs/security.md); the token keys are made on first start
     auth: bool = False
 
-    #: the catalog on PostgreSQL (``up --meta postgresql://...``; storage/_meta_pg.py); None:
-    #: SQLite in the data directory (meta.db)
-    meta: str | None = None
     #: chunks in an S3-compatible object store (``up --objects s3://bucket/prefix``;
     #: storage/_objects.py); None: files in the data directory (chunks/)
     objects: str | None = None
@@ -114,6 +112,10 @@ class BrokerConfig:
     s3_endpoint: str | None = None
     #: the bound of the object store's local read cache (<data-dir>/chunk-cache)
     objects_cache_bytes: int = 1024 * 1024 * 1024
+    #: where containers' journals live (``up --journal``): "files" in the data directory, or
+    #: "objects" in the --objects store with their records in the catalog
+    #: (storage/_journal_objects.py; needs --objects and fsync "always")
+    journal: str = "files"
 
 
 class _Layout(msgspec.Struct):
@@ -129,6 +131,20 @@ class Broker:
             raise InvalidArgument(
                 f"fsync must be one of {', '.join(FSYNC_MODES)}, not {config.container.fsync!r}"
             )
+        if config.journal not in JOURNALS:
+            raise InvalidArgument(
+                f"journal must be one of {', '.join(JOURNALS)}, not {config.journal!r}"
+            )
+        if config.journal == "objects" and (
+            config.objects is None or config.container.fsync != "always"
+        ):
+            raise InvalidArgument(
+                "--journal objects needs --objects s3://... and fsync 'always' (an object "
+                "journal acknowledges an append once its object is stored and recorded)"
+            )
+        if config.container.journal_group_ms is None:
+            group_ms = OBJECT_JOURNAL_GROUP_MS if config.journal == "objects" else 0
+            config = replace(config, container=replace(config.container, journal_group_ms=group_ms))
         self.config = config
         self.sessions: set[Session] = set()
         self._stop = asyncio.Event()
@@ -209,6 +225,22 @@ class Broker:
             )
         return layout
 
+    def _object_journals(self, containers: int) -> list[Journal]:
+        """Object journals in the --objects store (refused over a data directory whose file
+        journals still hold entries: those would be forgotten)."""
+        from ..storage._journal_objects import ObjectJournal
+
+        files = self.config.data_dir / "journal"
+        if files.exists() and any(p.stat().st_size for p in files.rglob("*.journal")):
+            raise InvalidArgument(
+                f"{files} holds journal files: this broker ran with --journal files, and its "
+                "acknowledged appends not yet in chunks are there. Start it with --journal files"
+            )
+        return [
+            ObjectJournal(self.long_term, self.meta, cid, fault=_journal_crash_point)
+            for cid in range(containers)
+        ]
+
     def open(self) -> dict[str, int]:
         """Lock the data directory and recover everything in it; returns what was recovered.
 
@@ -244,16 +276,28 @@ class Broker:
             else _object_chunks(self.config, cache=True)
         )
         self.read_pool = ThreadPoolExecutor(4, thread_name_prefix="reader")
-        self.journals = [
-            FileJournal(
-                data_dir / "journal" / str(cid),
-                fsync=do_sync,
-                check=batch_checks_out,
-                resync=JOURNAL_RESYNC,
-                checkpoint_seconds=JOURNAL_CHECKPOINT_SECONDS,
+        self.journals: list[Journal] = (
+            self._object_journals(layout.containers)
+            if self.config.journal == "objects"
+            else [
+                FileJournal(
+                    data_dir / "journal" / str(cid),
+                    fsync=do_sync,
+                    check=batch_checks_out,
+                    resync=JOURNAL_RESYNC,
+                    checkpoint_seconds=JOURNAL_CHECKPOINT_SECONDS,
+                )
+                for cid in range(layout.containers)
+            ]
+        )
+        if self.config.journal == "files" and any(
+            self.meta.journal_objects(cid) for cid in range(layout.containers)
+        ):
+            raise InvalidArgument(
+                "the catalog lists journal objects: this broker ran with --journal objects, and "
+                "its acknowledged appends not yet in chunks are there. Start it with --journal "
+                "objects"
             )
-            for cid in range(layout.containers)
-        ]
         self.containers = [
             Container(
                 cid, journal, self.long_term, self.meta, self.read_pool, self.config.container
@@ -264,7 +308,8 @@ class Broker:
         self.coordinator = Coordinator(data_dir, self.meta, self.controller, fsync=do_sync)
         # the names of meta.db (SQLite syncs its WAL's name, not the database's) and of the
         # directories above, also where an older build created them without syncing
-        fsync_dir(data_dir / "journal")
+        if self.config.journal == "files":
+            fsync_dir(data_dir / "journal")
         fsync_dir(data_dir)
         self.service = Service(
             self.controller,
@@ -505,6 +550,17 @@ def _failure(task: asyncio.Task[None]) -> BaseException | None:
     if task.cancelled():
         return None
     return task.exception() or RuntimeError(f"{task.get_name()} returned, it should run forever")
+
+
+def _journal_crash_point(op: str) -> None:
+    """An object journal's fault hook: ``SLIPSTREAM_FAULT=journal.before_record`` kills the
+    broker between a group's upload and its record (an orphaned object)."""
+    crash_point(f"journal.before_{op}")
+
+
+#: an object journal's default group commit window (``ContainerConfig.journal_group_ms``)
+OBJECT_JOURNAL_GROUP_MS = 50
+JOURNALS = ("files", "objects")
 
 
 def _object_chunks(config: BrokerConfig, *, cache: bool) -> ObjectChunkStore:

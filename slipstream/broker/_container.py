@@ -87,6 +87,13 @@ class ContainerConfig:
     fsync_interval_ms: int = 50
     roll_bytes: int = 64 * 1024 * 1024
     roll_ms: int = 300_000
+    #: group commit's window: a group waits up to this long after its first append, or until
+    #: ``journal_group_bytes`` are queued, before it is written and synced, so that one sync
+    #: (one object of an object journal) carries many appends. 0: a group is whatever queued
+    #: while the previous one was written (file journals: an fsync is cheap to repeat). None:
+    #: the journal's default (the broker sets it: 50 for object journals, 0 for files)
+    journal_group_ms: int | None = None
+    journal_group_bytes: int = 4 * 1024 * 1024
     tail_cache_bytes: int = 64 * 1024 * 1024
     #: memory for the batch indexes of chunks that reads looked up (ChunkCache): 16 MiB holds
     #: the indexes of about 8,000 chunks of 64 batches
@@ -150,6 +157,8 @@ class Container:
         self._io = ThreadPoolExecutor(1, thread_name_prefix=f"journal-{container_id}")
         self._mover = ThreadPoolExecutor(1, thread_name_prefix=f"mover-{container_id}")
         self._queue: list[_Append] = []
+        self._queued_bytes = 0
+        self._first_queued = 0.0  # when the oldest append in the queue arrived (monotonic)
         self._wakeup = asyncio.Event()
         self._cached: deque[JournalBatch] = deque()
         self._cached_bytes = 0
@@ -281,7 +290,10 @@ class Container:
         queues batches without waiting finds them stored as a gap-free prefix: everything up to
         its first failure, nothing after it."""
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        if not self._queue:
+            self._first_queued = time.monotonic()
         self._queue.append(_Append(segment, batch, header, future, applying))
+        self._queued_bytes += len(batch)
         self._wakeup.set()
         return future
 
@@ -301,7 +313,10 @@ class Container:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
+            if self.config.journal_group_ms:
+                await self._gather_group()
             group, self._queue = self._queue, []
+            self._queued_bytes = 0
             live = []
             # idempotence state before this group, to roll back to if it fails to be stored
             saved: dict[tuple[Segment, int], ProducerState | None] = {}
@@ -386,10 +401,27 @@ class Container:
                         _fail(item.future, exc)
                     else:
                         self._queue.append(item)
+                self._queued_bytes = sum(len(item.batch) for item in self._queue)
+                self._first_queued = time.monotonic()
                 continue
             self._publish(live, addresses, keys)
             if sealed is not None:
                 self._rolled(sealed)
+
+    async def _gather_group(self) -> None:
+        """Let the queue fill until ``journal_group_bytes`` are queued or ``journal_group_ms``
+        have passed since its oldest append (a group that waited for the previous one's sync
+        that long goes at once)."""
+        deadline = self._first_queued + (self.config.journal_group_ms or 0) / 1000
+        while self._queued_bytes < self.config.journal_group_bytes:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except TimeoutError:
+                return
 
     def _write_group(
         self, entries: Sequence[tuple[bytes, Payload]], sync: bool
@@ -651,6 +683,7 @@ class Container:
 
     async def _move_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        await self._delete_orphans()
         while True:
             try:
                 await asyncio.wait_for(self._sealed.wait(), self.config.roll_ms / 1000)
@@ -816,6 +849,20 @@ class Container:
                 self._mover, lambda: [self.long_term.delete_chunk(name) for name in orphans]
             )
         await loop.run_in_executor(self._io, self.journal.delete_file, file_id)
+        await self._delete_orphans()
+
+    async def _delete_orphans(self) -> None:
+        """Delete what the journal stored but never recorded (an object journal's uploads cut
+        off by a crash before their record): on the journal thread, so never an upload whose
+        record is on its way. A failure is logged; the next move tries again."""
+        loop = asyncio.get_running_loop()
+        try:
+            orphans = await loop.run_in_executor(self._io, self.journal.delete_orphans)
+        except (SlipstreamError, OSError) as exc:
+            log.warning("container %d: deleting orphaned journal data failed: %s", self.id, exc)
+            return
+        if orphans:
+            log.info("container %d: deleted %d orphaned journal objects", self.id, len(orphans))
 
     async def close(self) -> None:
         """Sync what is written and stop the IO threads."""

@@ -4,7 +4,8 @@ kill itself with SIGKILL when it reaches that point (a crash at an exact step), 
 
 Points: ``txn.before_commit_record``, ``txn.after_commit_record``, ``txn.mid_apply``,
 ``txn.after_apply`` (a transaction's commit); ``scale.sealing``, ``scale.before_record``,
-``scale.after_record`` (a split or merge); ``broker.container_dies``.
+``scale.after_record`` (a split or merge); ``journal.before_record`` (an object journal's
+group uploaded, its record not yet committed); ``broker.container_dies``.
 
 ``SLIPSTREAM_SCALING_SPEEDUP=<factor>`` (a float > 0, default 1; for tests and demos) runs the
 broker's scaling clock that many times faster: see :func:`scaling_now_ms`.

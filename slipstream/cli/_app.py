@@ -219,6 +219,27 @@ def up(
     objects_cache: Annotated[
         str, typer.Option(help="Local read cache of --objects chunks, in --data-dir.")
     ] = "1GiB",
+    journal: Annotated[
+        str,
+        typer.Option(
+            help="Where appends are made durable before they are acknowledged: 'files' in "
+            "--data-dir (fsync), or 'objects': one object per group commit in the --objects "
+            'store, recorded in the catalog (docs/operations.md, "Journals in object '
+            'storage").'
+        ),
+    ] = "files",
+    journal_group_ms: Annotated[
+        int | None,
+        typer.Option(
+            help="Group commit window: a group waits this long after its first append (or "
+            "until --journal-group-bytes are queued) before one write and sync. Default: 50 "
+            "with --journal objects, 0 with files.",
+            show_default=False,
+        ),
+    ] = None,
+    journal_group_bytes: Annotated[
+        str, typer.Option(help="Group commit size that ends the window early.")
+    ] = "4MiB",
 ) -> None:
     """Start the broker in the foreground; Ctrl-C (SIGINT) or SIGTERM stops it cleanly,
     SIGHUP reloads the TLS certificate files."""
@@ -257,6 +278,18 @@ def up(
         raise typer.BadParameter("use s3://bucket/prefix", param_hint="--objects")
     if s3_endpoint is not None and objects is None:
         raise typer.BadParameter("needs --objects", param_hint="--s3-endpoint")
+    if journal not in ("files", "objects"):
+        raise typer.BadParameter("use files or objects", param_hint="--journal")
+    if journal == "objects" and objects is None:
+        raise typer.BadParameter("needs --objects s3://bucket/prefix", param_hint="--journal")
+    if journal == "objects" and fsync != "always":
+        raise typer.BadParameter(
+            "an object journal acknowledges only stored and recorded groups: use --fsync "
+            "always (the default)",
+            param_hint="--fsync",
+        )
+    if journal_group_ms is not None and not 0 <= journal_group_ms <= 10_000:
+        raise typer.BadParameter("use 0 to 10000 milliseconds", param_hint="--journal-group-ms")
     setup_logging(log_level)
     run_broker(
         data_dir,
@@ -276,6 +309,9 @@ def up(
         objects=objects,
         s3_endpoint=s3_endpoint,
         objects_cache_bytes=0 if objects_cache.strip() == "0" else parse_size_bytes(objects_cache),
+        journal=journal,
+        journal_group_ms=journal_group_ms,
+        journal_group_bytes=parse_size_bytes(journal_group_bytes),
     )
 
 

@@ -59,6 +59,9 @@ def run_broker(
     objects: str | None = None,
     s3_endpoint: str | None = None,
     objects_cache_bytes: int = 1024 * 1024 * 1024,
+    journal: str = "files",
+    journal_group_ms: int | None = None,
+    journal_group_bytes: int = 4 * 1024 * 1024,
 ) -> None:
     """Run a broker until a signal; raises SlipstreamError for a bad setup (locked dir) and
     SystemExit(70) if a background task died."""
@@ -69,7 +72,13 @@ def run_broker(
         containers=containers,
         max_batch_bytes=max_batch_bytes,
         retention_check_ms=retention_check_ms,
-        container=ContainerConfig(fsync=fsync, roll_bytes=roll_bytes, roll_ms=roll_ms),
+        container=ContainerConfig(
+            fsync=fsync,
+            roll_bytes=roll_bytes,
+            roll_ms=roll_ms,
+            journal_group_ms=journal_group_ms,
+            journal_group_bytes=journal_group_bytes,
+        ),
         connection=connection or ConnectionLimits(),
         http_port=http_port,
         tls=tls,
@@ -78,6 +87,7 @@ def run_broker(
         objects=objects,
         s3_endpoint=s3_endpoint,
         objects_cache_bytes=objects_cache_bytes,
+        journal=journal,
     )
     if not auth and not is_loopback(host):
         log.warning(

@@ -220,6 +220,12 @@ class Journal(ABC):
         """The local file holding a sealed file's bytes, if there is one (for zero-copy moves)."""
         return None
 
+    def delete_orphans(self) -> list[str]:
+        """Delete data the journal stored but never made part of it (an ObjectJournal's
+        objects whose record a crash cut off); returns what was deleted. Call it on the
+        thread that syncs. Files on disk are their own record: nothing to do."""
+        return []
+
     @abstractmethod
     def delete_file(self, file_id: int) -> None:
         """Remove a sealed file whose entries have all moved to long-term storage (or are no

@@ -109,6 +109,17 @@ class ChunkRecord(msgspec.Struct, frozen=True):
     finds: builtins.bytes = b""
 
 
+class JournalObject(msgspec.Struct, frozen=True):
+    """One object of a container's object journal (storage/_journal_objects.py): bytes
+    ``[start, start + size)`` of its journal file ``file_id``, stored as the object ``name``.
+    A record with ``start`` -1, ``size`` 0 and no name marks a file begun by a roll."""
+
+    file_id: int
+    start: int
+    size: int
+    name: str
+
+
 class SegmentChunks(msgspec.Struct, frozen=True):
     """What a segment's chunks add up to (``MetaStore.segment_chunks``): what the broker keeps
     in memory of them, whatever the retained history; the rest is looked up on demand."""
@@ -306,6 +317,21 @@ class MetaStore(ABC):
     @abstractmethod
     def moved_file(self, container: int) -> int:
         """The highest journal file id of a container whose entries are all in chunks (-1)."""
+
+    @abstractmethod
+    def add_journal_object(self, container: int, record: JournalObject) -> None:
+        """Record an object of ``container``'s object journal; once this returns (committed),
+        the object's entries are durable and recovery yields them. Raises StorageError (the
+        record's state is then unknown: it may have committed)."""
+
+    @abstractmethod
+    def journal_objects(self, container: int) -> list[JournalObject]:
+        """The recorded objects of ``container``'s object journal, by file and position."""
+
+    @abstractmethod
+    def remove_journal_objects(self, container: int, file_ids: Sequence[int]) -> None:
+        """Forget every object record of the given journal files of ``container`` (the mover,
+        after the files' entries are in chunks; the objects themselves are deleted after)."""
 
     @abstractmethod
     def remove_chunks_before(self, stream_id: int, cuts: Mapping[int, int]) -> list[ChunkRecord]:
@@ -782,6 +808,30 @@ class SqliteMetaStore(MetaStore):
                 (container, moved_file),
             )
 
+    def add_journal_object(self, container: int, record: JournalObject) -> None:
+        with self._transaction() as cur:
+            cur.execute(
+                "INSERT INTO journal_objects (container, file_id, start, size, name) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (container, *msgspec.structs.astuple(record)),
+            )
+
+    def journal_objects(self, container: int) -> list[JournalObject]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT file_id, start, size, name FROM journal_objects WHERE container = ? "
+                "ORDER BY file_id, start",
+                (container,),
+            ).fetchall()
+        return [JournalObject(*row) for row in rows]
+
+    def remove_journal_objects(self, container: int, file_ids: Sequence[int]) -> None:
+        with self._transaction() as cur:
+            cur.executemany(
+                "DELETE FROM journal_objects WHERE container = ? AND file_id = ?",
+                [(container, file_id) for file_id in file_ids],
+            )
+
     def moved_file(self, container: int) -> int:
         with self._lock:
             row = self._db.execute(
@@ -1080,7 +1130,12 @@ def _no_subscription(name: str) -> SubscriptionNotFound:
 #: SQLite catalog migrations after version 1, one SQL statement each: the first makes
 #: version 2 (append, never edit). Version 1 is the schema below, reached from any earlier
 #: catalog by the column upgrades of ``SqliteMetaStore._upgrade_unversioned``.
-SQLITE_MIGRATIONS: tuple[str, ...] = ()
+SQLITE_MIGRATIONS: tuple[str, ...] = (
+    # 2: the object journal's records (storage/_journal_objects.py)
+    "CREATE TABLE IF NOT EXISTS journal_objects (container INTEGER NOT NULL, "
+    "file_id INTEGER NOT NULL, start INTEGER NOT NULL, size INTEGER NOT NULL, name TEXT NOT NULL, "
+    "PRIMARY KEY (container, file_id, start))",
+)
 
 #: the SQLite catalog's schema version this code reads and writes (table ``schema_version``)
 SCHEMA_VERSION = 1 + len(SQLITE_MIGRATIONS)

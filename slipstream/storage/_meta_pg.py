@@ -40,6 +40,7 @@ from ._meta import (
     _SHIFT,
     ChunkRecord,
     Identity,
+    JournalObject,
     MetaStore,
     QueueSegment,
     ScaleRecord,
@@ -127,6 +128,17 @@ _MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (stream_id, epoch)
     );
     CREATE TABLE txn_commits (txn_id BIGINT PRIMARY KEY, record BYTEA NOT NULL);
+    """,
+    # 2: the object journal's records (storage/_journal_objects.py)
+    """
+    CREATE TABLE journal_objects (
+        container BIGINT NOT NULL,
+        file_id BIGINT NOT NULL,
+        start BIGINT NOT NULL,
+        size BIGINT NOT NULL,
+        name TEXT COLLATE "C" NOT NULL,
+        PRIMARY KEY (container, file_id, start)
+    );
     """,
 )
 
@@ -537,6 +549,32 @@ class PostgresMetaStore(MetaStore):
                 "INSERT INTO containers (id, moved_file) VALUES (%s, %s) "
                 "ON CONFLICT (id) DO UPDATE SET moved_file = excluded.moved_file",
                 (container, moved_file),
+            )
+
+    def add_journal_object(self, container: int, record: JournalObject) -> None:
+        with self._transaction() as cur:
+            cur.execute(
+                "INSERT INTO journal_objects (container, file_id, start, size, name) "
+                "VALUES (%s, %s, %s, %s, %s)",
+                (container, *msgspec.structs.astuple(record)),
+            )
+
+    def journal_objects(self, container: int) -> list[JournalObject]:
+        def query(cur: psycopg.Cursor[Any]) -> list[JournalObject]:
+            cur.execute(
+                "SELECT file_id, start, size, name FROM journal_objects WHERE container = %s "
+                "ORDER BY file_id, start",
+                (container,),
+            )
+            return [JournalObject(*row) for row in cur]
+
+        return self._read(query)
+
+    def remove_journal_objects(self, container: int, file_ids: Sequence[int]) -> None:
+        with self._transaction() as cur:
+            cur.execute(
+                "DELETE FROM journal_objects WHERE container = %s AND file_id = ANY(%s)",
+                (container, list(file_ids)),
             )
 
     def moved_file(self, container: int) -> int:

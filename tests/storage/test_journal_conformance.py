@@ -1,4 +1,6 @@
-"""One suite for every Journal: FileJournal on a temporary directory and MemoryJournal.
+"""One suite for every Journal: FileJournal on a temporary directory, MemoryJournal, and
+ObjectJournal on SeaweedFS with its records in SQLite or PostgreSQL (and, in the state machine,
+on the in-memory chunk store and catalog).
 
 The contract under test (slipstream/storage/_journal.py): ``append`` is not durable until
 ``sync``; a failed ``append`` leaves none of its entries behind; after a failed ``sync`` the
@@ -15,7 +17,7 @@ import errno
 import os
 import shutil
 import tempfile
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -30,10 +32,15 @@ from slipstream.storage import (
     FileJournal,
     Journal,
     JournalAddress,
+    MemoryChunkStore,
     MemoryJournal,
+    MetaStore,
+    SqliteMetaStore,
     _journal,
 )
 from slipstream.storage._journal import BLOCK, Buffer
+from slipstream.storage._journal_objects import ObjectJournal
+from slipstream.storage._meta_pg import PostgresMetaStore
 
 Entry = tuple[JournalAddress, bytes]
 
@@ -47,7 +54,7 @@ class Faults:
 
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()
-        self._armed: dict[str, dict[int, int]] = {"write": {}, "sync": {}}
+        self._armed: defaultdict[str, dict[int, int]] = defaultdict(dict)
 
     def fail(self, op: str, nth: int, code: int = errno.ENOSPC) -> None:
         self._armed[op][nth] = code
@@ -66,8 +73,9 @@ class Kit:
     """A journal under test plus how to restart it.
 
     ``reopen`` is a clean restart (everything appended was synced or discarded): a new
-    FileJournal on the same directory, or the same MemoryJournal recovered again (an embedded
-    broker restarting over its in-memory journal).
+    FileJournal on the same directory, a new ObjectJournal on the same bucket and catalog, or
+    the same MemoryJournal recovered again (an embedded broker restarting over its in-memory
+    journal).
     """
 
     def __init__(
@@ -85,7 +93,7 @@ class Kit:
         self.recovered = recover(self.journal)
 
     def reopen(self) -> list[Entry]:
-        if self.kind == "file":
+        if self.kind != "memory":
             self.journal.close()
             self.journal = self.make()
         self.recovered = recover(self.journal)
@@ -96,24 +104,40 @@ def recover(journal: Journal) -> list[Entry]:
     return [(address, bytes(payload)) for address, payload in journal.recover()]
 
 
-@pytest.fixture(params=["file", "memory"])
+@pytest.fixture(params=["file", "memory", "objects", "objects-pg"])
 def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
     faults = Faults()
     make: Callable[[], Journal]
+    closing: list[Callable[[], None]] = []
     if request.param == "file":
 
         def make() -> Journal:
             return FileJournal(tmp_path / "journal", fault=faults)
 
-    else:
+    elif request.param == "memory":
         memory = MemoryJournal(fault=faults)
 
         def make() -> Journal:
             return memory
 
+    else:
+        server = request.getfixturevalue("seaweedfs")
+        store = server.store(f"s3://{server.create_bucket()}/p")
+        meta: MetaStore = (
+            PostgresMetaStore(request.getfixturevalue("pg_dsn"))
+            if request.param == "objects-pg"
+            else SqliteMetaStore(tmp_path / "meta.db")
+        )
+        closing.append(meta.close)
+
+        def make() -> Journal:
+            return ObjectJournal(store, meta, 3, fault=faults)
+
     kit = Kit(request, request.param, make, faults)
     yield kit
     kit.journal.close()
+    for close in closing:
+        close()
 
 
 def payloads(count: int, size: int = 13, tag: bytes = b"e") -> list[bytes]:
@@ -1164,6 +1188,21 @@ class MemoryJournalMachine(JournalMachine):
         return self.journal
 
 
+class ObjectJournalMachine(JournalMachine):
+    """ObjectJournal on the in-memory chunk store and catalog: the same mapping of files onto
+    objects and records as on SeaweedFS, fast enough for a state machine."""
+
+    def open(self) -> Journal:
+        if not hasattr(self, "store"):
+            self.store = MemoryChunkStore()
+            self.meta = SqliteMetaStore(":memory:")
+        return ObjectJournal(self.store, self.meta, 0, cache_bytes=64, fault=self.faults)
+
+    def restart(self) -> Journal:
+        self.journal.close()
+        return self.open()
+
+
 _machine_settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 TestFileJournalMachine = FileJournalMachine.TestCase
 TestFileJournalMachine.settings = _machine_settings
@@ -1171,3 +1210,5 @@ TestDirectFileJournalMachine = DirectFileJournalMachine.TestCase
 TestDirectFileJournalMachine.settings = _machine_settings
 TestMemoryJournalMachine = MemoryJournalMachine.TestCase
 TestMemoryJournalMachine.settings = _machine_settings
+TestObjectJournalMachine = ObjectJournalMachine.TestCase
+TestObjectJournalMachine.settings = _machine_settings

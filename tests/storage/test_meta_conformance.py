@@ -28,6 +28,7 @@ from slipstream import (
     InvalidArgument,
     SegmentNotFound,
     StaleGeneration,
+    StorageError,
     StreamExists,
     StreamNotFound,
     SubscriptionExists,
@@ -37,6 +38,7 @@ from slipstream.storage import (
     ChunkRecord,
     CommitPart,
     Identity,
+    JournalObject,
     MetaStore,
     PositionCommit,
     QueueOptions,
@@ -318,6 +320,30 @@ def test_moved_file_is_per_container_and_set_with_the_chunks(meta: MetaStore) ->
     meta.add_chunks(0, 5, [chunk(stream, 0, 10), chunk(stream, 1, 0)])
     assert meta.moved_file(0) == 5
     assert meta.chunks() == [chunk(stream, 0, 0), chunk(stream, 0, 10), chunk(stream, 1, 0)]
+
+
+def test_journal_objects_are_per_container_in_order_and_removed_by_file(kit: Kit) -> None:
+    meta = kit.meta
+    assert meta.journal_objects(0) == []
+    records = [
+        JournalObject(1, 0, 100, "journal/0/0000000000000001/0000000000000000"),
+        JournalObject(1, -1, 0, ""),
+        JournalObject(0, -1, 0, ""),  # a file begun by a roll, nothing in it yet
+        JournalObject(1, 100, 50, "journal/0/0000000000000001/0000000000000100"),
+        JournalObject(2, 0, 7, "journal/0/0000000000000002/0000000000000000"),
+    ]
+    for record in records:
+        meta.add_journal_object(0, record)
+    meta.add_journal_object(1, JournalObject(1, 0, 9, "journal/1/0000000000000001/0"))
+    assert meta.journal_objects(0) == sorted(records, key=lambda r: (r.file_id, r.start))
+    with pytest.raises((kit.integrity_error, StorageError)):
+        meta.add_journal_object(0, JournalObject(1, 100, 1, "the same file and position"))
+    meta.remove_journal_objects(0, [0, 1])
+    assert meta.journal_objects(0) == [records[4]]
+    assert meta.journal_objects(1) == [JournalObject(1, 0, 9, "journal/1/0000000000000001/0")]
+    meta.remove_journal_objects(0, [5])  # nothing there: no error
+    if kit.durable:
+        assert kit.reopen().journal_objects(0) == [records[4]]
 
 
 def test_add_chunks_is_atomic(kit: Kit) -> None:

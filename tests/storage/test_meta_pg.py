@@ -91,7 +91,7 @@ def test_a_schema_newer_than_the_code_is_refused_and_left_as_it_was(pg_dsn: str)
         PostgresMetaStore(pg_dsn)
     assert f"schema version {newer}" in str(caught.value)
     assert f"({_meta_pg.SCHEMA_VERSION})" in str(caught.value)
-    assert caught.value.details == {"schema_version": newer, "supported": 1}
+    assert caught.value.details == {"schema_version": newer, "supported": newer - 1}
     assert tables(pg_dsn) == before
 
 
@@ -124,7 +124,9 @@ def test_brokers_opening_one_new_database_at_once_migrate_it_once(pg_dsn: str) -
         meta.close()
     assert failed == []
     with psycopg.connect(pg_dsn) as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(1,)]
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [
+            (_meta_pg.SCHEMA_VERSION,)
+        ]
 
 
 def test_lookups_do_not_wait_for_writes(pg_dsn: str) -> None:
@@ -190,7 +192,7 @@ def test_an_older_schema_is_migrated_forward_and_a_failed_migration_changes_noth
     meta.create_stream("s/a", [SegmentRecord(0, 0, 0, 2**64 - 1, 0)], None, None, 1)
     streams = meta.streams()
     meta.close()
-    # this build's schema is version 1; a build with one more migration opens it
+    # a build with one more migration opens this build's schema
     version = _meta_pg.SCHEMA_VERSION
     broken = "ALTER TABLE streams ADD COLUMN note TEXT; ALTER TABLE nothing ADD COLUMN x TEXT"
     monkeypatch.setattr(_meta_pg, "_MIGRATIONS", (*_meta_pg._MIGRATIONS, broken))
@@ -228,22 +230,24 @@ def test_an_older_sqlite_catalog_is_migrated_forward_one_step_at_a_time(
     meta = SqliteMetaStore(path)
     meta.put_setting("k", "a", b"1")
     meta.close()
-    assert sqlite_version(path) == [(1,)]
+    version = sqlite_meta.SCHEMA_VERSION
+    assert sqlite_version(path) == [(version,)]
     steps = (
+        *sqlite_meta.SQLITE_MIGRATIONS,
         "ALTER TABLE streams ADD COLUMN note TEXT NOT NULL DEFAULT 'migrated'",
-        "ALTER TABLE nothing ADD COLUMN x TEXT",  # fails: version 2 stays
+        "ALTER TABLE nothing ADD COLUMN x TEXT",  # fails: the one before stays
     )
     monkeypatch.setattr(sqlite_meta, "SQLITE_MIGRATIONS", steps)
-    monkeypatch.setattr(sqlite_meta, "SCHEMA_VERSION", 3)
-    with pytest.raises(StorageError, match="from schema version 2 to 3"):
+    monkeypatch.setattr(sqlite_meta, "SCHEMA_VERSION", version + 2)
+    with pytest.raises(StorageError, match=f"from schema version {version + 1} to {version + 2}"):
         SqliteMetaStore(path)
-    assert sqlite_version(path) == [(2,)]
-    monkeypatch.setattr(sqlite_meta, "SQLITE_MIGRATIONS", steps[:1])
-    monkeypatch.setattr(sqlite_meta, "SCHEMA_VERSION", 2)
+    assert sqlite_version(path) == [(version + 1,)]
+    monkeypatch.setattr(sqlite_meta, "SQLITE_MIGRATIONS", steps[:-1])
+    monkeypatch.setattr(sqlite_meta, "SCHEMA_VERSION", version + 1)
     meta = SqliteMetaStore(path)
     assert meta.settings("k") == {"a": b"1"}
     meta.close()
-    assert sqlite_version(path) == [(2,)]
+    assert sqlite_version(path) == [(version + 1,)]
 
 
 def digest(path: Path) -> str:
@@ -267,7 +271,7 @@ def test_a_sqlite_catalog_newer_than_the_code_is_refused_and_left_as_it_was(
     assert f"schema version {newer}" in str(caught.value)
     assert f"({sqlite_meta.SCHEMA_VERSION})" in str(caught.value)
     assert str(path) in str(caught.value)
-    assert caught.value.details == {"schema_version": newer, "supported": 1}
+    assert caught.value.details == {"schema_version": newer, "supported": newer - 1}
     assert digest(path) == before
 
 
@@ -279,14 +283,18 @@ def test_a_sqlite_catalog_from_before_schema_versions_is_upgraded_and_keeps_its_
     meta.put_setting("k", "a", b"1")
     meta.close()
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT version FROM schema_version").fetchall() == [(1,)]
+        assert db.execute("SELECT version FROM schema_version").fetchall() == [
+            (sqlite_meta.SCHEMA_VERSION,)
+        ]
         db.execute("DROP TABLE schema_version")  # as versions before schema versions left it
     db.close()
     meta = SqliteMetaStore(path)
     assert meta.settings("k") == {"a": b"1"}
     meta.close()
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT version FROM schema_version").fetchall() == [(1,)]
+        assert db.execute("SELECT version FROM schema_version").fetchall() == [
+            (sqlite_meta.SCHEMA_VERSION,)
+        ]
     db.close()
 
 

@@ -1,0 +1,219 @@
+"""ObjectJournal beyond the shared contract (tests/storage/test_journal_conformance.py runs that
+on SeaweedFS): what a crash between an upload and its record leaves (an orphan, never
+recovered, deleted by ``delete_orphans``), the object store failing during a sync and coming
+back, and the object layout that docs/format.md describes."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import crc32c
+import pytest
+from objectstores import SeaweedFS
+
+from slipstream import StorageError
+from slipstream.storage import MetaStore, SqliteMetaStore
+from slipstream.storage._journal_objects import ObjectJournal, journal_prefix, object_name
+from slipstream.storage._objects import ObjectChunkStore
+
+
+class Crash(Exception):
+    """The process 'dies' here: nothing after the fault point runs."""
+
+
+def crash_at(point: str) -> object:
+    def fault(op: str) -> None:
+        if op == point:
+            raise Crash(op)
+
+    return fault
+
+
+@pytest.fixture
+def meta(tmp_path: Path) -> Iterator[MetaStore]:
+    store = SqliteMetaStore(tmp_path / "meta.db")
+    yield store
+    store.close()
+
+
+def entries_of(journal: ObjectJournal) -> list[bytes]:
+    return [bytes(payload) for _, payload in journal.recover()]
+
+
+def test_objects_are_named_by_container_file_and_position_with_file_journal_framing(
+    seaweedfs: SeaweedFS, meta: MetaStore
+) -> None:
+    bucket = seaweedfs.create_bucket()
+    journal = ObjectJournal(seaweedfs.store(f"s3://{bucket}/p"), meta, 7)
+    assert entries_of(journal) == []
+    journal.append([[b"one"], [b"two", b"!"]])
+    journal.sync()
+    journal.append([[b"three"]])
+    journal.sync()
+    first, second = object_name(7, 0, 0), object_name(7, 0, 8 + 3 + 8 + 4)
+    assert first == "journal/7/0000000000000000/0000000000000000"
+    assert seaweedfs.objects(bucket) == [f"p/{first}", f"p/{second}"]
+    body = seaweedfs.client().get_object(Bucket=bucket, Key=f"p/{first}")["Body"].read()
+
+    def framed(payload: bytes) -> bytes:
+        return (
+            len(payload).to_bytes(4, "little")
+            + crc32c.crc32c(payload).to_bytes(4, "little")
+            + payload
+        )
+
+    assert body == framed(b"one") + framed(b"two!")
+    assert [(r.file_id, r.start, r.size) for r in meta.journal_objects(7)] == [
+        (0, 0, len(body)),
+        (0, len(body), 13),
+    ]
+
+
+def test_a_crash_between_upload_and_record_leaves_an_orphan_that_is_never_recovered(
+    seaweedfs: SeaweedFS, meta: MetaStore
+) -> None:
+    bucket = seaweedfs.create_bucket()
+    store = seaweedfs.store(f"s3://{bucket}/p")
+    journal = ObjectJournal(store, meta, 0, fault=crash_at("record"))
+    entries_of(journal)
+    journal.append([[b"acknowledged"]])
+    journal._fault = None
+    journal.sync()
+    journal._fault = crash_at("record")
+    journal.append([[b"uploaded, never recorded"]])
+    with pytest.raises(Crash):
+        journal.sync()
+    # the "process" is gone; a new one starts on the same bucket and catalog
+    orphan = f"p/{object_name(0, 0, 8 + len(b'acknowledged'))}"
+    assert orphan in seaweedfs.objects(bucket), "the upload happened"
+    restarted = ObjectJournal(store, meta, 0)
+    assert entries_of(restarted) == [b"acknowledged"], "recovery reads the catalog, not the bucket"
+    # another container's objects are not this journal's business
+    other = ObjectJournal(store, meta, 1)
+    entries_of(other)
+    other.append([[b"container 1"]])
+    other.sync()
+    assert restarted.delete_orphans() == [orphan.removeprefix("p/")]
+    assert seaweedfs.objects(bucket, "p/journal/0/") == [f"p/{object_name(0, 0, 0)}"]
+    assert len(seaweedfs.objects(bucket, "p/journal/1/")) == 1
+    assert restarted.delete_orphans() == []
+    # appends go on where the acknowledged ones ended, over the orphan's name
+    restarted.append([[b"after restart"]])
+    restarted.sync()
+    assert entries_of(ObjectJournal(store, meta, 0)) == [b"acknowledged", b"after restart"]
+
+
+def test_moved_files_are_deleted_with_their_records_first(
+    seaweedfs: SeaweedFS, meta: MetaStore
+) -> None:
+    bucket = seaweedfs.create_bucket()
+    store = seaweedfs.store(f"s3://{bucket}/p")
+    journal = ObjectJournal(store, meta, 0)
+    entries_of(journal)
+    for group in range(3):
+        journal.append([[b"g%d" % group]])
+        journal.sync()
+        journal.roll()
+    assert journal.sealed_files() == [0, 1, 2]
+    journal.delete_file(0)
+    assert {r.file_id for r in meta.journal_objects(0)} == {1, 2, 3}
+    assert len(seaweedfs.objects(bucket, f"p/{journal_prefix(0)}")) == 2
+    # a restart told file 1 is moved (its chunks committed) forgets it and deletes it unread
+    restarted = ObjectJournal(store, meta, 0)
+    assert [bytes(p) for _, p in restarted.recover(moved_through=1)] == [b"g2"]
+    assert restarted.sealed_files() == [2]
+    assert len(seaweedfs.objects(bucket, f"p/{journal_prefix(0)}")) == 1
+    assert {r.file_id for r in meta.journal_objects(0)} == {2, 3}
+
+
+class Proxy:
+    """A TCP proxy on loopback in front of the object store that can be cut (``down``: open
+    connections reset, new ones refused) and restored."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.up = True
+        self.open: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if not self.up:
+                client.close()
+                continue
+            upstream = socket.create_connection(self.target)
+            with self.lock:
+                self.open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        for s in (a, b):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def down(self) -> None:
+        self.up = False
+        with self.lock:
+            for s in self.open:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+            self.open.clear()
+
+    def close(self) -> None:
+        self.down()
+        self.listener.close()
+
+
+def test_the_store_failing_during_a_sync_fails_that_sync_and_the_next_one_works(
+    seaweedfs: SeaweedFS, meta: MetaStore
+) -> None:
+    bucket = seaweedfs.create_bucket()
+    host, port = seaweedfs.endpoint.removeprefix("http://").split(":")
+    proxy = Proxy((host, int(port)))
+    try:
+        store = ObjectChunkStore(
+            f"s3://{bucket}/p",
+            endpoint=f"http://127.0.0.1:{proxy.port}",
+            access_key_id="slipstream-test",
+            secret_access_key="slipstream-test-secret",
+            cache_bytes=0,
+            max_retries=1,
+            timeout=2.0,
+            connect_timeout=0.5,
+        )
+        journal = ObjectJournal(store, meta, 0)
+        entries_of(journal)
+        (before,) = journal.append([[b"before"]])
+        journal.sync()
+        proxy.down()
+        journal.append([[b"while down"]])
+        with pytest.raises(StorageError):
+            journal.sync()
+        journal.discard_unsynced()
+        assert meta.journal_objects(0) == [meta.journal_objects(0)[0]], "nothing recorded"
+        proxy.up = True
+        (after,) = journal.append([[b"after"]])
+        journal.sync()
+        assert journal.read(before) == b"before" and journal.read(after) == b"after"
+        assert entries_of(ObjectJournal(store, meta, 0)) == [b"before", b"after"]
+    finally:
+        proxy.close()
