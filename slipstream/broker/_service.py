@@ -18,7 +18,9 @@ would leave the two apart until a restart. The binary protocol's Session does so
 only follows when a connection closes); other protocols must too.
 
 Anonymous transactions (no transactional id) stay shared by design: any caller that knows the
-id may stage into, merge or abort them (a Spark job's tasks and driver). An operator may abort
+id may stage into, merge or abort them (a Spark job's tasks and driver); with authentication
+on, any caller of the subject that began them. A transactional id belongs to the subject
+that first initialised it (docs/security.md, "Transactional ids"). An operator may abort
 any open transaction (``end_txn(..., operator=True)``); until callers authenticate (the
 security issue), that flag is trusted as sent, and the broker logs who used it.
 """
@@ -212,6 +214,8 @@ class Service:
             tid: subject.decode()
             for tid, subject in controller.meta.settings(TXN_OWNERS_SETTING).items()
         }
+        #: open anonymous transaction -> the subject that began it (authentication on)
+        self._anonymous_owners: dict[int, str] = {}
 
     # --- callers -----------------------------------------------------------------------------
 
@@ -653,13 +657,23 @@ class Service:
     ) -> int:
         """Open a transaction of the caller's producer id (-1: anonymous, shared by id).
         With authentication on, the caller must be allowed to produce to some stream; each
-        append into it and its commit are checked against the streams they touch."""
+        append into it and its commit are checked against the streams they touch (what a
+        transaction can change is decided there), and an anonymous one is shared only by
+        connections of the subject that began it (``_check_anonymous_owner``)."""
         self._authorize_somewhere(caller, Action.PRODUCE)
         if producer_id >= 0:
             self.coordinator.check_epoch(producer_id, epoch)
             if producer_id not in caller.producers:
                 raise self._not_owner(caller, producer_id)
-        return await self.coordinator.begin(producer_id, epoch, timeout_ms, label)
+        txn_id = await self.coordinator.begin(producer_id, epoch, timeout_ms, label)
+        if producer_id < 0 and caller.principal is not None:
+            owners = self._anonymous_owners
+            if len(owners) > 2 * len(self.coordinator.open) + 1024:  # ended ones, now and then
+                self._anonymous_owners = owners = {
+                    t: s for t, s in owners.items() if t in self.coordinator.open
+                }
+            owners[txn_id] = caller.principal.subject
+        return txn_id
 
     async def end_txn(
         self,
@@ -692,6 +706,8 @@ class Service:
                 log.warning("transaction %d aborted by an operator (%s)", txn_id, caller)
         else:
             self._check_txn_owner(caller, txn_id)
+            for merged in merge:
+                self._check_anonymous_owner(caller, merged)
             if commit and caller.principal is not None:
                 for stream in self._staged_streams([txn_id, *merge]):
                     self._authorize(caller, Action.PRODUCE, stream)
@@ -1155,8 +1171,11 @@ class Service:
 
     def _check_txn_owner(self, caller: Caller, txn_id: int) -> None:
         txn = self.coordinator.open.get(txn_id)
-        if txn is None or txn.anonymous:
-            return  # the coordinator answers for ended and unknown ones; anonymous: shared
+        if txn is None:
+            return  # the coordinator answers for ended and unknown ones
+        if txn.anonymous:
+            self._check_anonymous_owner(caller, txn_id)
+            return
         producer_id = txn.identity.producer_id
         if producer_id not in caller.producers:
             raise NotOwner(
@@ -1166,6 +1185,34 @@ class Service:
                 txn_id=txn_id,
                 producer_id=producer_id,
             )
+
+    def _check_anonymous_owner(self, caller: Caller, txn_id: int) -> None:
+        """An anonymous transaction is shared by its id among the connections of the subject
+        that began it (a Spark job's tasks and driver); with authentication on, another
+        subject gets PermissionDenied (audited) unless it may administer the broker."""
+        principal = caller.principal
+        owner = self._anonymous_owners.get(txn_id)
+        if principal is None or owner is None or owner == principal.subject:
+            return
+        if self.rules.decide(principal, Action.ADMIN, None).allowed:
+            return
+        self.audit.record(
+            "denied",
+            subject=principal.subject,
+            peer=caller.peer,
+            action="transaction",
+            stream=None,
+            txn_id=txn_id,
+            reason=f"anonymous transaction begun by {owner}",
+        )
+        raise PermissionDenied(
+            f"{principal.subject} may not write to, merge, commit or abort transaction "
+            f"{txn_id}: {owner} began it; begin a transaction of your own (an administrator "
+            f"aborts it with: slipstream txn abort {txn_id})",
+            subject=principal.subject,
+            action="transaction",
+            txn_id=txn_id,
+        )
 
     async def _own_transactional_id(self, caller: Caller, transactional_id: str) -> None:
         """With authentication on: make the caller's subject the owner of a transactional id

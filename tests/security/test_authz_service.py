@@ -80,8 +80,11 @@ async def make_world(service: Service) -> World:
     await service.create_subscription(admin, "demo/orders", "q", mode="queue")
     member, _ = service.join_group(admin, "demo/orders", "sub", "ordered", "m", 10_000)
     queue_member, _ = service.join_group(admin, "demo/orders", "q", "queue", "qm", 10_000)
-    txn = await service.begin_txn(admin, -1, -1, 60_000)
-    staged, _ = service.append(admin, "demo/orders", 0, txn, bytearray(batch(1)))
+    # an anonymous transaction is shared only by the subject that began it (test_txn_owners):
+    # begun under alice's subject, so that what decides here is the actions' rules
+    driver = service.connect("alice's driver", Principal("alice", Role.ADMIN))
+    txn = await service.begin_txn(driver, -1, -1, 60_000)
+    staged, _ = service.append(driver, "demo/orders", 0, txn, bytearray(batch(1)))
     await staged
     segment = service.segment(admin, "demo/orders", 0)
     return World(service, admin, segment, member, queue_member, txn)

@@ -13,11 +13,14 @@ from dataclasses import dataclass
 
 import pytest
 from conftest import BrokerProcess
+from raw import batch
 from test_authz_broker import BrokerFactory, TokenConnection, _denied_records, cli
 
 import slipstream
 from slipstream import PermissionDenied
 from slipstream.protocol import (
+    Append,
+    BeginTxn,
     ClaimProducer,
     EndTxn,
     Error,
@@ -27,6 +30,8 @@ from slipstream.protocol import (
     InitProducer,
     Message,
     ProducerGrant,
+    TxnBegun,
+    TxnEnded,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -184,3 +189,35 @@ def test_the_first_initialiser_wins_and_an_admin_hand_over_needs_no_restart(
     finally:
         bob.close()
         alice.close()
+
+
+def test_an_anonymous_transaction_is_shared_only_by_the_subject_that_began_it(
+    tenants: Tenants,
+) -> None:
+    address = tenants.broker.address
+    with (
+        slipstream.connect(address, token=tenants.alice_token) as alice,
+        slipstream.connect(address, token=tenants.alice_token) as alice_task,
+    ):
+        task = alice_task.transaction(None, timeout=120)  # a Spark task's, on its own connection
+        task.send("alice/orders", b"from a task", key="k")
+        task.flush()
+        bob = TokenConnection(address, tenants.bob_token)
+        try:
+            bob.send(Append("bob/orders", 0, task.txn_id), 2, batch(1))
+            assert "alice began it" in refused(bob.receive().message)
+            refused(ask(bob, EndTxn(task.txn_id, False), 3))
+            begun = ask(bob, BeginTxn(-1, -1, 60_000), 4)
+            assert isinstance(begun, TxnBegun)
+            refused(ask(bob, EndTxn(begun.txn_id, True, merge=[task.txn_id]), 5))
+            not_refused = ask(bob, EndTxn(begun.txn_id, False), 6)  # his own: he may
+            assert isinstance(not_refused, TxnEnded)
+        finally:
+            bob.close()
+        # alice's other connection (the driver) merges it: nothing of bob's in it
+        driver = alice.transaction(TID)
+        driver.send("alice/orders", b"from the driver", key="k")
+        assert driver.commit(merge=[task.txn_id]).committed
+        end = slipstream.StreamCut("alice/orders", {0: 2})
+        values = [e.value for e in alice.reader("alice/orders", start="earliest", end=end)]
+    assert sorted(values) == [b"from a task", b"from the driver"]
