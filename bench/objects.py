@@ -16,6 +16,11 @@ it on 127.0.0.1 with its data in a temp dir). Two levels, in one run, ratios aga
   the public client: the first replay after a restart pays the broker's own warm-up too, so each
   pass is compared with the same pass on local chunks (first: s3 with a cold cache; second:
   s3 cached). Local chunks are in the page cache in both passes (written just before).
+* **journal**: where appends become durable, ``slipstream up`` with the default journal (local
+  files, fsync) and with ``--journal objects`` (one object per group commit on SeaweedFS,
+  recorded in the SQLite catalog; 50 ms grouping window): produce throughput (one event per
+  send, one producer) and append latency (``PRODUCERS`` producers each sending one event every
+  ``PACE_MS`` and waiting for its acknowledgement: send to ack, p50/p99).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -130,6 +136,74 @@ def broker_level(server: SeaweedFS, work: Path, events: int, size: int) -> dict:
     return {"events": events, "size": size, "results": results}
 
 
+PRODUCERS = 4
+PACE_MS = 5
+
+
+def append_latencies(address: str, seconds: float, size: int) -> list[float]:
+    """``PRODUCERS`` threads, each its own connection and producer (no linger), sending one
+    event every PACE_MS and waiting for its acknowledgement; the latencies in ms."""
+    import slipstream
+
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def run(n: int) -> None:
+        client = slipstream.connect(address)
+        try:
+            with client.producer("bench/latency", linger_ms=0) as producer:
+                mine = []
+                deadline = time.perf_counter() + seconds
+                while time.perf_counter() < deadline:
+                    start = time.perf_counter()
+                    producer.send(os.urandom(size), key=f"k{n}").result(timeout=30)
+                    mine.append((time.perf_counter() - start) * 1000)
+                    time.sleep(PACE_MS / 1000)
+            with lock:
+                latencies.extend(mine)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(PRODUCERS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sorted(latencies)
+
+
+def journal_level(server: SeaweedFS, work: Path, events: int, size: int, seconds: float) -> dict:
+    common = ["--http-port", "-1"]
+    results = {}
+    for label, extra in (
+        ("files", common),
+        (
+            "objects 50ms",
+            [
+                *common,
+                *("--objects", f"s3://{server.create_bucket()}/journal-bench"),
+                *("--s3-endpoint", server.endpoint, "--journal", "objects"),
+            ],
+        ),
+    ):
+        peer = SlipstreamPeer(work / f"journal-{label.split()[0]}", extra_args=extra)
+        peer.start()
+        try:
+            produced = peer.produce("bench/produce", size, events)
+            peer.client.create_stream("bench/latency", segments=4)
+            ms = append_latencies(f"127.0.0.1:{peer.port}", seconds, size)
+        finally:
+            peer.stop()
+        results[label] = {
+            "produce": produced,
+            "appends": len(ms),
+            "p50_ms": ms[len(ms) // 2],
+            "p99_ms": ms[min(len(ms) - 1, int(len(ms) * 0.99))],
+            "max_ms": ms[-1],
+        }
+    return {"events": events, "size": size, "results": results}
+
+
 def table(title: str, results: dict, base: str) -> None:
     print(f"\n{title}")
     print(f"  {'':14} {'MB/s':>9} {'x local':>8}")
@@ -141,6 +215,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--only", choices=["store", "broker", "journal"], help="run one level (default: all)"
+    )
     args = parser.parse_args()
     sizes = SIZES["quick" if args.quick else "full"]
     os.environ["AWS_ACCESS_KEY_ID"] = ACCESS_KEY  # for the broker subprocess
@@ -150,20 +227,51 @@ def main() -> None:
         server = SeaweedFS(work / "seaweedfs")
         server.start()
         try:
-            store = store_level(server, work, sizes["chunks"], sizes["chunk_mib"])
-            broker = broker_level(server, work, sizes["events"], sizes["size"])
+            store = broker = journal = None
+            if args.only in (None, "store"):
+                store = store_level(server, work, sizes["chunks"], sizes["chunk_mib"])
+            if args.only in (None, "broker"):
+                broker = broker_level(server, work, sizes["events"], sizes["size"])
+            if args.only in (None, "journal"):
+                seconds = 5.0 if args.quick else 15.0
+                journal = journal_level(server, work, sizes["events"] // 4, 256, seconds)
         finally:
             server.stop()
+    if store is not None:
+        print_store(store)
+    if broker is not None:
+        print_broker(broker)
+    if journal is not None:
+        print_journal(journal)
+    if args.json:
+        out = {"store": store, "broker": broker, "journal": journal}
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+def print_journal(journal: dict) -> None:
+    print(f"\njournal: produce {journal['events']:,} events of {journal['size']} B (one send each)")
+    print(f"  and append latency ({PRODUCERS} producers, one event each every {PACE_MS} ms)")
+    print(f"  {'':14} {'events/s':>9} {'MB/s':>6} {'appends':>8} {'p50 ms':>7} {'p99 ms':>7}")
+    for label, r in journal["results"].items():
+        p = r["produce"]
+        print(
+            f"  {label:14} {p['events_s']:9.0f} {p['mb_s']:6.1f} {r['appends']:8d} "
+            f"{r['p50_ms']:7.1f} {r['p99_ms']:7.1f}"
+        )
+
+
+def print_store(store: dict) -> None:
     table(f"store: {store['mb']:.0f} MB in {RANGE // MiB} MiB ranges", store["results"], "local")
     print(f"  (s3 cold: {store['results']['s3 cold']['gets']} GETs of 4 MiB blocks)")
+
+
+def print_broker(broker: dict) -> None:
     print(f"\nbroker replay: {broker['events']:,} events of {broker['size']} B, Arrow batches")
     print(f"  {'':22} {'local MB/s':>10} {'s3 MB/s':>9} {'s3/local':>8}")
     local, s3 = broker["results"]["local"], broker["results"]["s3"]
     for run, label in (("first", "first (s3: cold cache)"), ("second", "second (s3: cached)")):
         mine, theirs = s3[run]["mb_s"], local[run]["mb_s"]
         print(f"  {label:22} {theirs:10.1f} {mine:9.1f} {mine / theirs:8.2f}")
-    if args.json:
-        args.json.write_text(json.dumps({"store": store, "broker": broker}, indent=2))
 
 
 if __name__ == "__main__":
