@@ -195,21 +195,28 @@ def test_an_anonymous_transaction_is_shared_only_by_the_subject_that_began_it(
     tenants: Tenants,
 ) -> None:
     address = tenants.broker.address
+    tenants.admin.create_stream("common/events", segments=1)
+    tenants.admin.grant("*", "produce", "common/*")  # a stream both may write to
     with (
         slipstream.connect(address, token=tenants.alice_token) as alice,
         slipstream.connect(address, token=tenants.alice_token) as alice_task,
     ):
         task = alice_task.transaction(None, timeout=120)  # a Spark task's, on its own connection
-        task.send("alice/orders", b"from a task", key="k")
+        task.send("common/events", b"from a task", key="k")
         task.flush()
         bob = TokenConnection(address, tenants.bob_token)
         try:
             bob.send(Append("bob/orders", 0, task.txn_id), 2, batch(1))
             assert "alice began it" in refused(bob.receive().message)
             refused(ask(bob, EndTxn(task.txn_id, False), 3))
-            begun = ask(bob, BeginTxn(-1, -1, 60_000), 4)
+            mine = ask(bob, InitProducer("bob:merger"), 40)
+            assert isinstance(mine, ProducerGrant)
+            begun = ask(bob, BeginTxn(mine.producer_id, mine.epoch, 60_000), 4)
             assert isinstance(begun, TxnBegun)
-            refused(ask(bob, EndTxn(begun.txn_id, True, merge=[task.txn_id]), 5))
+            # bob may produce to every stream it staged into: only the subject check refuses
+            assert "alice began it" in refused(
+                ask(bob, EndTxn(begun.txn_id, True, merge=[task.txn_id]), 5)
+            )
             not_refused = ask(bob, EndTxn(begun.txn_id, False), 6)  # his own: he may
             assert isinstance(not_refused, TxnEnded)
         finally:
@@ -218,6 +225,7 @@ def test_an_anonymous_transaction_is_shared_only_by_the_subject_that_began_it(
         driver = alice.transaction(TID)
         driver.send("alice/orders", b"from the driver", key="k")
         assert driver.commit(merge=[task.txn_id]).committed
-        end = slipstream.StreamCut("alice/orders", {0: 2})
-        values = [e.value for e in alice.reader("alice/orders", start="earliest", end=end)]
-    assert sorted(values) == [b"from a task", b"from the driver"]
+    for stream, value in (("alice/orders", b"from the driver"), ("common/events", b"from a task")):
+        end = slipstream.StreamCut(stream, {0: 1})
+        reader = tenants.admin.reader(stream, start="earliest", end=end)
+        assert [e.value for e in reader] == [value]
