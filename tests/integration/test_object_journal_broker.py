@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from checker import check_history, produce_and_record
@@ -126,3 +128,45 @@ def test_a_crash_between_upload_and_record_leaves_an_orphan_the_restart_deletes(
         values = [e.value for e in client.reader(STREAM, end=client.tail(STREAM))]
     assert values == [b"acknowledged"]
     assert "deleted 1 orphaned journal objects" in broker.log()
+
+
+@pytest.fixture
+def own_seaweedfs(tmp_path: Path) -> Iterator[SeaweedFS]:
+    server = SeaweedFS(tmp_path / "seaweedfs")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_the_store_down_fails_the_group_unacknowledged_and_the_next_group_works(
+    broker_factory: type[BrokerProcess], own_seaweedfs: SeaweedFS
+) -> None:
+    server = own_seaweedfs
+    bucket = server.create_bucket()
+    broker = object_journal_broker(broker_factory, server, bucket, "--containers", "1")
+    broker.start(timeout=60)
+
+    def send(value: bytes) -> slipstream.Position:
+        with broker.client() as client, client.producer(STREAM) as producer:
+            return producer.send(value).result(timeout=60)
+
+    with broker.client() as client:
+        client.create_stream(STREAM, segments=1)
+    send(b"before")
+    server.stop()
+    with pytest.raises(slipstream.StorageError):
+        send(b"while the store is down")
+    assert "appends failed, none acknowledged" in broker.log()
+    server.start()
+    send(b"after")
+
+    def values() -> list[bytes]:
+        with broker.client() as client:
+            return [e.value for e in client.reader(STREAM, end=client.tail(STREAM))]
+
+    assert values() == [b"before", b"after"]
+    broker.kill()
+    broker.start(timeout=60)
+    assert values() == [b"before", b"after"], "after kill -9: the same, from the bucket"
