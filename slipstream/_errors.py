@@ -151,6 +151,24 @@ class DataDirLocked(SlipstreamError):
     code = "data_dir_locked"
 
 
+class LeaseLost(SlipstreamError):
+    """This broker no longer holds the lease of the container (docs/operations.md, "Leases and
+    fencing"): its lease expired or another broker took it over, so it acknowledges no append
+    to that container and makes no catalog write for it visible. Nothing of the refused
+    request was acknowledged; retry (against the container's new holder, once clients route)."""
+
+    code = "lease_lost"
+    retriable = True
+
+
+class LeaseHeld(SlipstreamError):
+    """Broker start only: another broker holds the lease of a container in the shared catalog
+    (``details``: container, holder, expires_ms). One broker per catalog until routing between
+    brokers exists: stop the other broker, or wait until its lease expires."""
+
+    code = "lease_held"
+
+
 class ProducerFenced(SlipstreamError):
     """A newer producer opened with the same transactional id; this one may not write."""
 

@@ -103,6 +103,7 @@ def test_error_hierarchy_and_retriable_flags() -> None:
         slipstream.StorageError,
         slipstream.BrokerUnavailable,
         slipstream.BrokerShuttingDown,
+        slipstream.LeaseLost,
         slipstream.TooManyRequests,
         slipstream.UnknownMember,
     }

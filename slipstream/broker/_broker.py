@@ -4,6 +4,7 @@ Data directory layout (docs/operations.md says the same):
 
     <data-dir>/LOCK                       flock'ed by the running broker; holds its pid
     <data-dir>/broker.json                format version and container count (fixed at creation)
+    <data-dir>/broker-id                  the random part of the default --broker-id
     <data-dir>/meta.db                    the catalog (SQLite, WAL)
     <data-dir>/journal/<container>/*.journal   tier 1: group-committed journals
     <data-dir>/journal/<container>/synced.checkpoint   how much of the active file is synced
@@ -21,6 +22,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import secrets
 import ssl
 import time
 from collections.abc import Callable
@@ -31,7 +33,15 @@ from typing import IO, TYPE_CHECKING
 
 import msgspec
 
-from .._errors import CorruptData, DataDirLocked, InvalidArgument, SlipstreamError, StorageError
+from .._errors import (
+    CorruptData,
+    DataDirLocked,
+    InvalidArgument,
+    LeaseHeld,
+    LeaseLost,
+    SlipstreamError,
+    StorageError,
+)
 from .._tls import ServerTls
 from ..security import TokenKeys
 from ..storage import (
@@ -112,6 +122,11 @@ class BrokerConfig:
     s3_endpoint: str | None = None
     #: the bound of the object store's local read cache (<data-dir>/chunk-cache)
     objects_cache_bytes: int = 1024 * 1024 * 1024
+    #: the holder's name of this broker's container leases (``up --broker-id``); None:
+    #: host:port and a random suffix, new at each start
+    broker_id: str | None = None
+    #: how long a container's lease lasts unless renewed (every third of it; ``--lease-ttl``)
+    lease_ttl_ms: int = 10_000
     #: where containers' journals live (``up --journal``): "files" in the data directory, or
     #: "objects" in the --objects store with their records in the catalog
     #: (storage/_journal_objects.py; needs --objects and fsync "always")
@@ -160,6 +175,8 @@ class Broker:
             self.http_tls = config.tls.context(require_client_cert=False)
         self.recovery: dict[str, int] = {}  # what open() recovered, for the admin API
         self.metrics = Metrics(self)  # served at /metrics by the admin HTTP server
+        #: the holder's name of this broker's container leases in the catalog (set by open())
+        self.broker_id = config.broker_id or ""
 
     def _lock(self, data_dir: Path) -> None:
         lock = open(data_dir / "LOCK", "a+")  # noqa: SIM115 - held for the broker's life
@@ -256,6 +273,8 @@ class Broker:
         ensure_dir(data_dir)
         self._lock(data_dir)
         layout = self._layout(data_dir)
+        if not self.config.broker_id:
+            self.broker_id = _default_broker_id(self.config, data_dir)
         do_sync = self.config.container.fsync != "never"
         catalog = data_dir / "meta.db"
         if self.config.meta is None and (data_dir / "journal").exists() and not catalog.exists():
@@ -304,6 +323,7 @@ class Broker:
             )
             for cid, journal in enumerate(self.journals)
         ]
+        self._take_leases()
         self.controller = Controller(self.meta, self.long_term, self.containers, self.read_pool)
         self.coordinator = Coordinator(data_dir, self.meta, self.controller, fsync=do_sync)
         # the names of meta.db (SQLite syncs its WAL's name, not the database's) and of the
@@ -329,6 +349,10 @@ class Broker:
             d.end - d.start for j in self.journals for d in j.report.damaged
         )
         totals["ms"] = int((time.monotonic() - started) * 1000)
+        # again after recovery, which may have outlasted the ttl: a new epoch, a fresh
+        # deadline, before any background task writes with them (LeaseHeld if another broker
+        # took a container meanwhile)
+        self._take_leases()
         for journal in self.journals:
             if journal.report.cut_reason:
                 log.warning(
@@ -404,6 +428,7 @@ class Broker:
             if ready is not None:
                 ready(self.address)
             background.append(loop.create_task(self._retention_loop(), name="retention"))
+            background.append(loop.create_task(self._lease_loop(), name="leases"))
             background.append(loop.create_task(self.coordinator.run(), name="transactions"))
             background.append(
                 loop.create_task(self.service.subscriptions.run(), name="group sessions")
@@ -479,9 +504,99 @@ class Broker:
             await container.close()
         self.read_pool.shutdown(wait=True)
         self.controller.close()  # queued catalog writes finish before the catalog closes
+        self._release_leases()
         self.meta.close()
         if self._lock_file is not None:
             self._lock_file.close()
+
+    # --- leases (docs/operations.md, "Leases and fencing") ----------------------------------
+
+    def _take_leases(self) -> None:
+        """Lease every container before recovery writes anything. On an embedded catalog
+        (SQLite) the data directory's lock already excludes every other broker: its leases are
+        taken over from whoever held them (a broker killed before it released them). On
+        PostgreSQL a container another broker holds is LeaseHeld, naming it, and the broker
+        does not start (one broker per catalog until clients route between brokers)."""
+        config = self.config
+        ttl = config.lease_ttl_ms
+        for container in self.containers:
+            asked = time.monotonic()
+            lease = self.meta.acquire_lease(
+                container.id, self.broker_id, ttl, take_over=config.meta is None
+            )
+            if lease is None:
+                self._release_leases()
+                holder = next(x for x in self.meta.leases() if x.container == container.id)
+                self.meta.close()
+                expires = time.strftime("%H:%M:%S", time.gmtime(holder.expires_ms / 1000))
+                raise LeaseHeld(
+                    f"container {container.id} is leased to broker {holder.owner!r} until "
+                    f"{expires}.{holder.expires_ms % 1000:03d} UTC by the catalog's clock, "
+                    "unless it renews: another broker is running on this catalog. Stop it, or "
+                    "wait for its lease to expire (one broker per catalog until brokers route "
+                    "clients to each other)",
+                    container=container.id,
+                    holder=holder.owner,
+                    expires_ms=holder.expires_ms,
+                )
+            container.hold(lease, asked + ttl / 1000)
+        log.info(
+            "leased containers 0-%d as broker %r (epochs %s, ttl %d ms)",
+            len(self.containers) - 1,
+            self.broker_id,
+            ",".join(str(c.lease.epoch) for c in self.containers if c.lease is not None),
+            ttl,
+        )
+
+    async def _lease_loop(self) -> None:
+        """Renew the containers' leases every third of their ttl. A renewal refused
+        (LeaseLost: expired, or another broker took the container) stops the container's
+        appends for good; one that fails otherwise (PostgreSQL unreachable) is tried again at
+        the next turn, and the container stops acknowledging when its lease, as last renewed,
+        expires (``Container.lease_error``)."""
+        loop = asyncio.get_running_loop()
+        ttl = self.config.lease_ttl_ms
+        # a thread of its own: renewals never queue behind other work of the default executor
+        renewer = ThreadPoolExecutor(1, thread_name_prefix="leases")
+        try:
+            while True:
+                await self._renew_leases(loop, renewer, ttl)
+                await asyncio.sleep(ttl / 3000)
+        finally:
+            renewer.shutdown(wait=False)
+
+    async def _renew_leases(
+        self, loop: asyncio.AbstractEventLoop, renewer: ThreadPoolExecutor, ttl: int
+    ) -> None:
+        for container in self.containers:
+            lease = container.lease
+            if lease is None or container.lease_lost is not None:
+                continue
+            asked = time.monotonic()  # the catalog's expiry is at least this + ttl
+            try:
+                renewed = await loop.run_in_executor(renewer, self.meta.renew_lease, lease, ttl)
+            except LeaseLost as exc:
+                container.lose(str(exc))
+            except SlipstreamError as exc:
+                log.warning(
+                    "container %d: its lease could not be renewed (%s); appends to it stop "
+                    "in %.1f s, when it expires, unless a renewal gets through before",
+                    container.id,
+                    exc,
+                    max(0.0, container.lease_deadline - time.monotonic()),
+                )
+            else:
+                container.hold(renewed, asked + ttl / 1000)
+
+    def _release_leases(self) -> None:
+        """Give the containers up at a clean stop, so that another broker (or this one
+        restarted) takes them at once instead of after the ttl."""
+        for container in self.containers:
+            if container.lease is not None and container.lease_lost is None:
+                try:
+                    self.meta.release_lease(container.lease)
+                except SlipstreamError as exc:  # it expires by itself
+                    log.warning("container %d: lease not released: %s", container.id, exc)
 
     @property
     def stopping(self) -> bool:
@@ -573,6 +688,25 @@ def _object_chunks(config: BrokerConfig, *, cache: bool) -> ObjectChunkStore:
         cache_dir=config.data_dir / "chunk-cache" if cache else None,
         cache_bytes=config.objects_cache_bytes if cache else 0,
     )
+
+
+def _default_broker_id(config: BrokerConfig, data_dir: Path) -> str:
+    """host:port and a random suffix made once per data directory (``broker-id``): a broker
+    restarted on its data directory (whose lock proves its predecessor dead) is the same
+    holder and takes its leases back at once, any other waits for them to expire."""
+    path = data_dir / "broker-id"
+    try:
+        suffix = path.read_text().strip()
+    except FileNotFoundError:
+        suffix = ""
+    if not suffix:
+        suffix = secrets.token_hex(4)
+        with open(path, "w") as file:
+            file.write(suffix + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        fsync_dir(data_dir)
+    return f"{config.host}:{config.port}-{suffix}"
 
 
 def _postgres_catalog(dsn: str, sqlite_catalog: Path) -> MetaStore:

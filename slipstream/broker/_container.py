@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import struct
 import time
@@ -32,6 +33,7 @@ import numpy as np
 from .._errors import (
     CorruptBatch,
     CorruptData,
+    LeaseLost,
     OffsetOutOfRange,
     SegmentSealed,
     SlipstreamError,
@@ -45,6 +47,7 @@ from ..storage import (
     ChunkRecord,
     Journal,
     JournalAddress,
+    Lease,
     LongTermStore,
     MetaStore,
     batch_key_hashes,
@@ -169,6 +172,11 @@ class Container:
         self.appended_batches = 0
         #: live segments of this container by global id; the controller keeps it current
         self.segments: dict[int, Segment] = {}
+        #: the container's lease (``hold``; None: not leased, e.g. a container made by a test)
+        #: and when it ends on this host's monotonic clock; why it was lost, once it was
+        self.lease: Lease | None = None
+        self.lease_deadline = math.inf
+        self.lease_lost: str | None = None
 
     # --- recovery --------------------------------------------------------------------------
 
@@ -277,6 +285,47 @@ class Container:
         )
         segment.next_offset = segment.pending_offset = until
 
+    # --- the lease (docs/operations.md, "Leases and fencing") ------------------------------
+
+    def hold(self, lease: Lease, deadline: float) -> None:
+        """The container is ``lease``'s until ``deadline`` (``time.monotonic()``), which the
+        broker sets no later than the catalog's expiry: the time it asked for the lease plus
+        the ttl (the catalog's clock starts the ttl after that)."""
+        if self.lease_lost is None:
+            self.lease, self.lease_deadline = lease, deadline
+
+    def lose(self, reason: str) -> None:
+        """The lease is gone for good (LeaseLost): every queued and later append fails with
+        LeaseLost, and the mover's catalog writes are refused by the catalog's fence."""
+        if self.lease_lost is None:
+            log.error(
+                "container %d: lease lost, appends to it are refused from now on "
+                "(restart the broker to take the container again): %s",
+                self.id,
+                reason,
+            )
+            self.lease_lost = reason
+            self.lease_deadline = -math.inf
+            self._wakeup.set()  # the commit loop fails what is queued
+
+    def lease_error(self) -> LeaseLost | None:
+        """LeaseLost if an append may not be acknowledged now: the lease was lost, or it was not
+        renewed in time and may have passed to another broker; else None."""
+        if self.lease is None:
+            return None
+        if self.lease_lost is not None:
+            return LeaseLost(
+                f"this broker lost the lease of container {self.id}: {self.lease_lost}",
+                container=self.id,
+            )
+        if time.monotonic() >= self.lease_deadline:
+            self.lose(
+                f"its lease (epoch {self.lease.epoch}) could not be renewed before it expired; "
+                "another broker may hold it now"
+            )
+            return self.lease_error()
+        return None
+
     # --- appends ---------------------------------------------------------------------------
 
     def append(
@@ -290,6 +339,10 @@ class Container:
         queues batches without waiting finds them stored as a gap-free prefix: everything up to
         its first failure, nothing after it."""
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        refused = self.lease_error()
+        if refused is not None:
+            future.set_exception(refused)
+            return future
         if not self._queue:
             self._first_queued = time.monotonic()
         self._queue.append(_Append(segment, batch, header, future, applying))
@@ -317,6 +370,11 @@ class Container:
                 await self._gather_group()
             group, self._queue = self._queue, []
             self._queued_bytes = 0
+            refused = self.lease_error()
+            if refused is not None:
+                for item in group:
+                    _fail(item.future, refused)
+                continue
             live = []
             # idempotence state before this group, to roll back to if it fails to be stored
             saved: dict[tuple[Segment, int], ProducerState | None] = {}
@@ -404,6 +462,13 @@ class Container:
                 self._queued_bytes = sum(len(item.batch) for item in self._queue)
                 self._first_queued = time.monotonic()
                 continue
+            # stored, but acknowledged only while the lease holds: once it may have passed to
+            # another broker, nothing more is (the batches stay in this broker's journal, as
+            # any batch whose acknowledgement was lost; lease_error() stops every later write)
+            refused = self.lease_error()
+            if refused is not None:
+                for item in live:
+                    _fail(item.future, refused)
             self._publish(live, addresses, keys)
             if sealed is not None:
                 self._rolled(sealed)
@@ -695,6 +760,8 @@ class Container:
                 try:
                     await self._move_file(file_id)
                 except (SlipstreamError, OSError) as exc:
+                    if isinstance(exc, LeaseLost):
+                        self.lose(str(exc))
                     log.error(
                         "container %d: moving journal file %d failed, will retry: %s",
                         self.id,
@@ -820,7 +887,10 @@ class Container:
                     finds,
                 )
                 plans.append((global_id, record))
-            self.meta.add_chunks(self.id, file_id, [record for _, record in plans])
+            # fenced: refused (LeaseLost) once another broker holds the container
+            self.meta.add_chunks(
+                self.id, file_id, [record for _, record in plans], lease=self.lease
+            )
             return plans
 
         plans = await loop.run_in_executor(self._mover, write_chunks)

@@ -219,6 +219,23 @@ def up(
     objects_cache: Annotated[
         str, typer.Option(help="Local read cache of --objects chunks, in --data-dir.")
     ] = "1GiB",
+    broker_id: Annotated[
+        str | None,
+        typer.Option(
+            help="This broker's name as the holder of its containers' leases in the catalog "
+            '(docs/operations.md, "Leases and fencing"). Default: host:port and a random '
+            "suffix made once per data directory.",
+            show_default=False,
+        ),
+    ] = None,
+    lease_ttl: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a container's lease lasts unless renewed (every third of it); a "
+            "broker that cannot renew stops acknowledging appends by then, and another may "
+            "take the containers over after it."
+        ),
+    ] = 10.0,
     journal: Annotated[
         str,
         typer.Option(
@@ -278,6 +295,10 @@ def up(
         raise typer.BadParameter("use s3://bucket/prefix", param_hint="--objects")
     if s3_endpoint is not None and objects is None:
         raise typer.BadParameter("needs --objects", param_hint="--s3-endpoint")
+    if not lease_ttl >= 0.1:
+        raise typer.BadParameter("must be at least 0.1 seconds", param_hint="--lease-ttl")
+    if broker_id is not None and not broker_id.strip():
+        raise typer.BadParameter("must not be empty", param_hint="--broker-id")
     if journal not in ("files", "objects"):
         raise typer.BadParameter("use files or objects", param_hint="--journal")
     if journal == "objects" and objects is None:
@@ -309,6 +330,8 @@ def up(
         objects=objects,
         s3_endpoint=s3_endpoint,
         objects_cache_bytes=0 if objects_cache.strip() == "0" else parse_size_bytes(objects_cache),
+        broker_id=broker_id,
+        lease_ttl_ms=int(lease_ttl * 1000),
         journal=journal,
         journal_group_ms=journal_group_ms,
         journal_group_bytes=parse_size_bytes(journal_group_bytes),

@@ -59,6 +59,8 @@ def run_broker(
     objects: str | None = None,
     s3_endpoint: str | None = None,
     objects_cache_bytes: int = 1024 * 1024 * 1024,
+    broker_id: str | None = None,
+    lease_ttl_ms: int = 10_000,
     journal: str = "files",
     journal_group_ms: int | None = None,
     journal_group_bytes: int = 4 * 1024 * 1024,
@@ -87,6 +89,8 @@ def run_broker(
         objects=objects,
         s3_endpoint=s3_endpoint,
         objects_cache_bytes=objects_cache_bytes,
+        broker_id=broker_id,
+        lease_ttl_ms=lease_ttl_ms,
         journal=journal,
     )
     if not auth and not is_loopback(host):

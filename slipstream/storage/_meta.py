@@ -14,15 +14,18 @@ from __future__ import annotations
 import builtins
 import sqlite3
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from .._errors import (
     InvalidArgument,
+    LeaseLost,
     SegmentNotFound,
     StaleGeneration,
     StorageError,
@@ -118,6 +121,19 @@ class JournalObject(msgspec.Struct, frozen=True):
     start: int
     size: int
     name: str
+
+
+class Lease(msgspec.Struct, frozen=True):
+    """A broker's hold on a container (``MetaStore.acquire_lease``): ``owner`` holds
+    ``container`` until ``expires_ms`` (milliseconds since 1970 on the catalog's clock: the
+    database server's on PostgreSQL, this host's on SQLite) unless it renews. ``epoch`` grows
+    by one with every acquisition: writes fenced by a lease commit only while its epoch is the
+    container's current one."""
+
+    container: int
+    owner: str
+    epoch: int
+    expires_ms: int
 
 
 class SegmentChunks(msgspec.Struct, frozen=True):
@@ -308,11 +324,51 @@ class MetaStore(ABC):
         """Every chunk record, by stream, segment and offset."""
 
     @abstractmethod
-    def add_chunks(self, container: int, moved_file: int, chunks: Sequence[ChunkRecord]) -> None:
+    def add_chunks(
+        self,
+        container: int,
+        moved_file: int,
+        chunks: Sequence[ChunkRecord],
+        *,
+        lease: Lease | None = None,
+    ) -> None:
         """Record new chunks and that journal file ``moved_file`` of ``container`` is moved.
         Each chunk is its segment's newest (a segment's chunks come in offset order): its
         ``producers`` becomes its segment's ``SegmentRecord.producers``, which retention's
-        ``remove_chunks_before`` leaves alone."""
+        ``remove_chunks_before`` leaves alone.
+
+        Fenced by ``lease`` when given: the write commits only if the lease's epoch is still
+        the container's current one, checked in the same transaction; else LeaseLost and
+        nothing changes."""
+
+    # --- leases (docs/operations.md, "Leases and fencing") ----------------------------------
+
+    @abstractmethod
+    def acquire_lease(
+        self, container: int, owner: str, ttl_ms: int, *, take_over: bool = False
+    ) -> Lease | None:
+        """Take ``container``'s lease for ``ttl_ms`` from the catalog's clock's now: granted
+        when the container is free (never leased, released or expired) or already ``owner``'s,
+        or with ``take_over`` (a broker that holds the data directory of an embedded catalog,
+        where no other can run) whoever holds it; else None (``leases()`` names the holder).
+        Every grant starts a new holding, its epoch one above the last: writes fenced by any
+        earlier lease of the container, the same owner's included, are refused from then on."""
+
+    @abstractmethod
+    def renew_lease(self, lease: Lease, ttl_ms: int) -> Lease:
+        """Extend a lease to ``ttl_ms`` from the catalog's clock's now, keeping its epoch.
+        Raises LeaseLost, changing nothing, if it expired (even if nobody took it since: a
+        broker that could not renew in time may have stopped acknowledging and must take the
+        container again) or another holding began."""
+
+    @abstractmethod
+    def release_lease(self, lease: Lease) -> None:
+        """Give the container up now (a broker that stops cleanly): it is free at once, and the
+        next grant's epoch is still one above this one. A lease no longer held is left alone."""
+
+    @abstractmethod
+    def leases(self) -> list[Lease]:
+        """Every container's last lease, by container (a released one with ``expires_ms`` 0)."""
 
     @abstractmethod
     def moved_file(self, container: int) -> int:
@@ -773,8 +829,17 @@ class SqliteMetaStore(MetaStore):
         )
         return [ChunkRecord(*row) for row in rows]
 
-    def add_chunks(self, container: int, moved_file: int, chunks: Sequence[ChunkRecord]) -> None:
+    def add_chunks(
+        self,
+        container: int,
+        moved_file: int,
+        chunks: Sequence[ChunkRecord],
+        *,
+        lease: Lease | None = None,
+    ) -> None:
         with self._transaction() as cur:
+            if lease is not None:
+                _check_lease(cur, lease)
             # max_timestamp_so_far: the newest event time of the chunk and every earlier one
             # still kept, which grows with the offset: what time lookups search (_TIME_INDEX)
             cur.executemany(
@@ -838,6 +903,55 @@ class SqliteMetaStore(MetaStore):
                 "SELECT moved_file FROM containers WHERE id = ?", (container,)
             ).fetchone()
         return -1 if row is None else int(row[0])
+
+    def acquire_lease(
+        self, container: int, owner: str, ttl_ms: int, *, take_over: bool = False
+    ) -> Lease | None:
+        _check_ttl(ttl_ms)
+        with self._transaction() as cur:
+            now = _wall_ms()
+            row = cur.execute(
+                "SELECT owner, epoch, expires_ms FROM leases WHERE container = ?", (container,)
+            ).fetchone()
+            granted = _grant(container, owner, ttl_ms, take_over, now, row)
+            if granted is not None:
+                cur.execute(
+                    "INSERT INTO leases (container, owner, epoch, expires_ms) "
+                    "VALUES (?, ?, ?, ?) ON CONFLICT (container) DO UPDATE SET "
+                    "owner = excluded.owner, epoch = excluded.epoch, "
+                    "expires_ms = excluded.expires_ms",
+                    msgspec.structs.astuple(granted),
+                )
+        return granted
+
+    def renew_lease(self, lease: Lease, ttl_ms: int) -> Lease:
+        _check_ttl(ttl_ms)
+        with self._transaction() as cur:
+            now = _wall_ms()
+            row = cur.execute(
+                "SELECT owner, epoch, expires_ms FROM leases WHERE container = ?",
+                (lease.container,),
+            ).fetchone()
+            renewed = _renewed(lease, ttl_ms, now, row)
+            cur.execute(
+                "UPDATE leases SET expires_ms = ? WHERE container = ?",
+                (renewed.expires_ms, lease.container),
+            )
+        return renewed
+
+    def release_lease(self, lease: Lease) -> None:
+        with self._transaction() as cur:
+            cur.execute(
+                "UPDATE leases SET expires_ms = 0 WHERE container = ? AND owner = ? AND epoch = ?",
+                (lease.container, lease.owner, lease.epoch),
+            )
+
+    def leases(self) -> list[Lease]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT container, owner, epoch, expires_ms FROM leases ORDER BY container"
+            ).fetchall()
+        return [Lease(*row) for row in rows]
 
     def remove_chunks_before(self, stream_id: int, cuts: Mapping[int, int]) -> list[ChunkRecord]:
         removed: list[ChunkRecord] = []
@@ -1091,6 +1205,70 @@ class SqliteMetaStore(MetaStore):
                 self._reader.close()
 
 
+def _wall_ms() -> int:
+    """This host's clock, for SQLite's leases (one host: the data directory's lock already
+    keeps a second broker off it; PostgreSQL's leases use the server's clock)."""
+    return time.time_ns() // 1_000_000
+
+
+def _check_ttl(ttl_ms: int) -> None:
+    if ttl_ms < 0:
+        raise InvalidArgument(f"a lease's ttl_ms must be 0 or more, not {ttl_ms}")
+
+
+def _grant(
+    container: int,
+    owner: str,
+    ttl_ms: int,
+    take_over: bool,
+    now_ms: int,
+    row: Sequence[Any] | None,
+) -> Lease | None:
+    """``acquire_lease``'s decision from the container's row (owner, epoch, expires_ms) at
+    ``now_ms``: the new lease, or None while someone else holds it."""
+    if row is None:
+        return Lease(container, owner, 1, now_ms + ttl_ms)
+    holder, epoch, expires_ms = str(row[0]), int(row[1]), int(row[2])
+    if holder != owner and expires_ms > now_ms and not take_over:
+        return None
+    return Lease(container, owner, epoch + 1, now_ms + ttl_ms)
+
+
+def _renewed(lease: Lease, ttl_ms: int, now_ms: int, row: Sequence[Any] | None) -> Lease:
+    """``renew_lease``'s decision, or LeaseLost saying why."""
+    if row is None or str(row[0]) != lease.owner or int(row[1]) != lease.epoch:
+        raise _lease_lost(lease, row)
+    if int(row[2]) <= now_ms:
+        raise LeaseLost(
+            f"the lease of container {lease.container} (epoch {lease.epoch}) expired "
+            f"{now_ms - int(row[2])} ms ago by the catalog's clock before it was renewed",
+            container=lease.container,
+            epoch=lease.epoch,
+        )
+    return Lease(lease.container, lease.owner, lease.epoch, now_ms + ttl_ms)
+
+
+def _lease_lost(lease: Lease, row: Sequence[Any] | None) -> LeaseLost:
+    holder = "nobody" if row is None else f"{row[0]} (epoch {row[1]})"
+    return LeaseLost(
+        f"container {lease.container} is no longer leased to {lease.owner} (epoch "
+        f"{lease.epoch}): it is now held by {holder}",
+        container=lease.container,
+        epoch=lease.epoch,
+    )
+
+
+def _check_lease(cur: sqlite3.Cursor, lease: Lease) -> None:
+    """A fenced write's check, in its transaction: LeaseLost unless ``lease`` is the
+    container's current holding (SQLite: BEGIN IMMEDIATE already excludes every writer)."""
+    row = cur.execute(
+        "SELECT owner, epoch, expires_ms FROM leases WHERE container = ?",
+        (lease.container,),
+    ).fetchone()
+    if row is None or row[0] != lease.owner or row[1] != lease.epoch:
+        raise _lease_lost(lease, row)
+
+
 def _check_scale(epoch: int, sealed: Mapping[int, int], created: Sequence[SegmentRecord]) -> None:
     """What a scale event must be, whatever the stream (see ``MetaStore.scale_stream``)."""
     if not sealed or not created:
@@ -1135,6 +1313,9 @@ SQLITE_MIGRATIONS: tuple[str, ...] = (
     "CREATE TABLE IF NOT EXISTS journal_objects (container INTEGER NOT NULL, "
     "file_id INTEGER NOT NULL, start INTEGER NOT NULL, size INTEGER NOT NULL, name TEXT NOT NULL, "
     "PRIMARY KEY (container, file_id, start))",
+    # 3: containers' leases to brokers (docs/operations.md, "Leases and fencing")
+    "CREATE TABLE IF NOT EXISTS leases (container INTEGER PRIMARY KEY, owner TEXT NOT NULL, "
+    "epoch INTEGER NOT NULL, expires_ms INTEGER NOT NULL)",
 )
 
 #: the SQLite catalog's schema version this code reads and writes (table ``schema_version``)

@@ -41,6 +41,7 @@ from ._meta import (
     ChunkRecord,
     Identity,
     JournalObject,
+    Lease,
     MetaStore,
     QueueSegment,
     ScaleRecord,
@@ -50,7 +51,11 @@ from ._meta import (
     SubscriptionRecord,
     TxnCommit,
     _check_scale,
+    _check_ttl,
+    _grant,
+    _lease_lost,
     _no_subscription,
+    _renewed,
     schema_too_new,
 )
 
@@ -140,6 +145,15 @@ _MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (container, file_id, start)
     );
     """,
+    # 3: containers' leases to brokers (docs/operations.md, "Leases and fencing")
+    """
+    CREATE TABLE leases (
+        container BIGINT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        epoch BIGINT NOT NULL,
+        expires_ms BIGINT NOT NULL
+    );
+    """,
 )
 
 #: the schema version this code writes and reads
@@ -208,6 +222,7 @@ class PostgresMetaStore(MetaStore):
             name=f"slipstream-catalog-{purpose}",
             timeout=30.0,
             check=check,
+            configure=_configure,
             open=True,
         )
 
@@ -505,8 +520,17 @@ class PostgresMetaStore(MetaStore):
         )
         return [_chunk(row) for row in cur.fetchall()]
 
-    def add_chunks(self, container: int, moved_file: int, chunks: Sequence[ChunkRecord]) -> None:
+    def add_chunks(
+        self,
+        container: int,
+        moved_file: int,
+        chunks: Sequence[ChunkRecord],
+        *,
+        lease: Lease | None = None,
+    ) -> None:
         with self._transaction() as cur:
+            if lease is not None:
+                _check_lease(cur, lease)
             # FOR SHARE: a stream being deleted waits for this, or this sees it gone
             cur.execute(
                 "SELECT id FROM streams WHERE id = ANY(%s) ORDER BY id FOR SHARE",
@@ -582,6 +606,72 @@ class PostgresMetaStore(MetaStore):
             cur.execute("SELECT moved_file FROM containers WHERE id = %s", (container,))
             row = cur.fetchone()
             return -1 if row is None else int(row[0])
+
+        return self._read(query)
+
+    # --- leases: the server's clock (now()), so brokers with skewed clocks agree -----------
+
+    def acquire_lease(
+        self, container: int, owner: str, ttl_ms: int, *, take_over: bool = False
+    ) -> Lease | None:
+        _check_ttl(ttl_ms)
+        with self._transaction() as cur:
+            # the row first (a never-leased container's, free), then its lock: two brokers
+            # acquiring together queue on it, the second sees the first's grant
+            cur.execute(
+                "INSERT INTO leases (container, owner, epoch, expires_ms) VALUES (%s, '', 0, 0) "
+                "ON CONFLICT (container) DO NOTHING",
+                (container,),
+            )
+            cur.execute(
+                f"SELECT owner, epoch, expires_ms, {_NOW_MS} FROM leases WHERE container = %s "
+                "FOR UPDATE",
+                (container,),
+            )
+            holder, epoch, expires_ms, now_ms = _one(cur)
+            granted = _grant(
+                container, owner, ttl_ms, take_over, now_ms, (holder, epoch, expires_ms)
+            )
+            if granted is not None:
+                cur.execute(
+                    "UPDATE leases SET owner = %s, epoch = %s, expires_ms = %s "
+                    "WHERE container = %s",
+                    (granted.owner, granted.epoch, granted.expires_ms, container),
+                )
+        return granted
+
+    def renew_lease(self, lease: Lease, ttl_ms: int) -> Lease:
+        _check_ttl(ttl_ms)
+        with self._transaction() as cur:
+            cur.execute(
+                f"SELECT owner, epoch, expires_ms, {_NOW_MS} FROM leases WHERE container = %s "
+                "FOR UPDATE",
+                (lease.container,),
+            )
+            row = cur.fetchone()
+            now_ms = 0 if row is None else int(row[3])
+            renewed = _renewed(lease, ttl_ms, now_ms, None if row is None else row[:3])
+            cur.execute(
+                "UPDATE leases SET expires_ms = %s WHERE container = %s",
+                (renewed.expires_ms, lease.container),
+            )
+        return renewed
+
+    def release_lease(self, lease: Lease) -> None:
+        with self._transaction() as cur:
+            cur.execute(
+                "UPDATE leases SET expires_ms = 0 "
+                "WHERE container = %s AND owner = %s AND epoch = %s",
+                (lease.container, lease.owner, lease.epoch),
+            )
+
+    def leases(self) -> list[Lease]:
+        def query(cur: psycopg.Cursor[Any]) -> list[Lease]:
+            cur.execute(
+                "SELECT container, owner, epoch, expires_ms FROM leases WHERE epoch > 0 "
+                "ORDER BY container"
+            )
+            return [Lease(*row) for row in cur.fetchall()]
 
         return self._read(query)
 
@@ -856,6 +946,33 @@ class PostgresMetaStore(MetaStore):
         self._closed.set()
         self._pool.close()
         self._lookups.close()
+
+
+#: how long the server lets a transaction sit idle before it ends the session (rolling back):
+#: a broker paused (SIGSTOP) or cut off inside a transaction would otherwise hold its row
+#: locks, and block a takeover of its containers' leases, for as long as it stays paused
+IDLE_IN_TRANSACTION_MS = 5000
+
+
+def _configure(conn: psycopg.Connection[Any]) -> None:
+    conn.execute(f"SET idle_in_transaction_session_timeout = {IDLE_IN_TRANSACTION_MS}")
+
+
+#: the server's clock in milliseconds since 1970, for leases
+_NOW_MS = "(extract(epoch FROM now()) * 1000)::bigint"
+
+
+def _check_lease(cur: psycopg.Cursor[Any], lease: Lease) -> None:
+    """A fenced write's check, first in its transaction: LeaseLost unless ``lease`` is the
+    container's current holding. FOR SHARE: a takeover (``acquire_lease``, FOR UPDATE) waits
+    until this write commits, or this write sees the new epoch and changes nothing."""
+    cur.execute(
+        "SELECT owner, epoch, expires_ms FROM leases WHERE container = %s FOR SHARE",
+        (lease.container,),
+    )
+    row = cur.fetchone()
+    if row is None or row[0] != lease.owner or row[1] != lease.epoch:
+        raise _lease_lost(lease, row)
 
 
 _SNAPSHOT = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"

@@ -16,6 +16,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import pytest
 
 from slipstream import (
     InvalidArgument,
+    LeaseLost,
     SegmentNotFound,
     StaleGeneration,
     StorageError,
@@ -39,6 +41,7 @@ from slipstream.storage import (
     CommitPart,
     Identity,
     JournalObject,
+    Lease,
     MetaStore,
     PositionCommit,
     QueueOptions,
@@ -1261,3 +1264,115 @@ def test_put_setting_replaces_and_delete_says_whether_there_was_one(meta: MetaSt
 def test_settings_survive_a_reopen(durable_kit: Kit) -> None:
     durable_kit.meta.put_setting("revoked", "t1", b"123")
     assert durable_kit.reopen().settings("revoked") == {"t1": b"123"}
+
+
+# --- leases and fencing (docs/operations.md, "Leases and fencing") ---------------------------
+
+
+def test_a_free_container_is_leased_and_refused_to_another_owner(kit: Kit) -> None:
+    meta = kit.meta
+    assert meta.leases() == []
+    lease = meta.acquire_lease(0, "broker-a", 60_000)
+    assert lease is not None
+    assert (lease.container, lease.owner, lease.epoch) == (0, "broker-a", 1)
+    assert meta.acquire_lease(0, "broker-b", 60_000) is None
+    assert meta.acquire_lease(1, "broker-b", 60_000) is not None  # leases are per container
+    assert [(x.container, x.owner, x.epoch) for x in meta.leases()] == [
+        (0, "broker-a", 1),
+        (1, "broker-b", 1),
+    ]
+    if kit.durable:
+        assert kit.reopen().leases()[0] == lease
+
+
+def test_every_grant_starts_a_new_holding_the_same_owners_too(meta: MetaStore) -> None:
+    first = meta.acquire_lease(0, "broker-a", 60_000)
+    again = meta.acquire_lease(0, "broker-a", 60_000)  # a restarted broker with the same id
+    assert first is not None and again is not None
+    assert again.epoch == first.epoch + 1
+    with pytest.raises(LeaseLost):
+        meta.renew_lease(first, 60_000)
+    assert meta.renew_lease(again, 60_000).epoch == again.epoch
+
+
+def test_an_expired_lease_is_taken_over_with_the_next_epoch(meta: MetaStore) -> None:
+    old = meta.acquire_lease(0, "broker-a", 0)  # expires at once on the catalog's clock
+    assert old is not None
+    new = meta.acquire_lease(0, "broker-b", 60_000)
+    assert new is not None
+    assert (new.owner, new.epoch) == ("broker-b", old.epoch + 1)
+    with pytest.raises(LeaseLost) as lost:
+        meta.renew_lease(old, 60_000)
+    assert lost.value.details == {"container": 0, "epoch": old.epoch}
+    assert "broker-b" in lost.value.message
+    assert meta.leases() == [new]  # the failed renewal changed nothing
+
+
+def test_renewing_an_expired_lease_is_lease_lost_even_if_nobody_took_it(meta: MetaStore) -> None:
+    lease = meta.acquire_lease(0, "broker-a", 0)
+    assert lease is not None
+    with pytest.raises(LeaseLost, match="expired"):
+        meta.renew_lease(lease, 60_000)
+    renewed = meta.renew_lease(held := meta.acquire_lease(0, "broker-a", 60_000) or lease, 1000)
+    assert (renewed.epoch, renewed.owner) == (held.epoch, "broker-a")
+
+
+def test_take_over_grants_a_held_lease_and_release_frees_it(meta: MetaStore) -> None:
+    held = meta.acquire_lease(0, "broker-a", 60_000)
+    taken = meta.acquire_lease(0, "broker-b", 60_000, take_over=True)
+    assert held is not None and taken is not None and taken.epoch == held.epoch + 1
+    meta.release_lease(held)  # no longer held: left alone
+    assert meta.leases() == [taken]
+    meta.release_lease(taken)
+    assert meta.leases()[0].expires_ms == 0
+    after = meta.acquire_lease(0, "broker-c", 60_000)
+    assert after is not None and after.epoch == taken.epoch + 1
+    with pytest.raises(InvalidArgument):
+        meta.acquire_lease(0, "broker-c", -1)
+
+
+def test_a_write_fenced_by_an_old_epoch_is_refused_and_changes_nothing(kit: Kit) -> None:
+    meta = kit.meta
+    stream = create(meta, "s/fenced")
+    old = meta.acquire_lease(0, "broker-a", 0)
+    assert old is not None
+    meta.add_chunks(0, 3, [chunk(stream, 0, 0)], lease=old)  # current, if expired: written
+    new = meta.acquire_lease(0, "broker-b", 60_000)
+    assert new is not None
+    before = (meta.chunks(), meta.moved_file(0), meta.streams())
+    with pytest.raises(LeaseLost):
+        meta.add_chunks(0, 4, [chunk(stream, 0, 10)], lease=old)
+    with pytest.raises(LeaseLost):  # a container never leased is no one's to write
+        meta.add_chunks(5, 0, [chunk(stream, 1, 0)], lease=Lease(5, "broker-a", 1, 0))
+    assert (meta.chunks(), meta.moved_file(0), meta.streams()) == before
+    meta.add_chunks(0, 4, [chunk(stream, 0, 10)], lease=new)
+    assert meta.moved_file(0) == 4
+    if kit.durable:
+        assert kit.reopen().moved_file(0) == 4
+
+
+def test_owners_racing_for_a_free_lease_exactly_one_wins(kit: Kit) -> None:
+    """Threads on one store (PostgreSQL: a connection each, from the pool) race for each of
+    20 free containers; every container goes to exactly one of them, at epoch 1."""
+    meta = kit.meta
+    owners = [f"broker-{n}" for n in range(4)]
+    won: dict[int, list[str]] = {c: [] for c in range(20)}
+    for container in range(20):
+        barrier = threading.Barrier(len(owners))
+
+        def race(
+            owner: str, container: int = container, barrier: threading.Barrier = barrier
+        ) -> None:
+            barrier.wait()
+            if meta.acquire_lease(container, owner, 60_000) is not None:
+                won[container].append(owner)
+
+        threads = [threading.Thread(target=race, args=(owner,)) for owner in owners]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert all(len(winners) == 1 for winners in won.values()), won
+    assert [(x.container, x.owner, x.epoch) for x in meta.leases()] == [
+        (c, won[c][0], 1) for c in range(20)
+    ]

@@ -1,0 +1,173 @@
+"""Container leases and fencing with brokers sharing a catalog on PostgreSQL (docs/operations.md,
+"Leases and fencing"): a second broker is refused while the first holds the leases; after the
+first is killed another takes them once they expire and reads every acknowledged event; a
+broker paused past its lease and resumed after a takeover acknowledges nothing more and makes
+no catalog write visible; a broker whose lease was taken stops acknowledging at its next
+renewal. Real broker processes, a real PostgreSQL (tests/pg.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from collections.abc import Callable
+
+import psycopg
+import pytest
+from conftest import BrokerProcess
+
+from slipstream import LeaseLost
+
+STREAM = "lease/orders"
+
+
+def catalog(dsn: str, query: str) -> list[tuple[object, ...]]:
+    with psycopg.connect(dsn) as conn:
+        return [tuple(row) for row in conn.execute(query).fetchall()]
+
+
+def leases(dsn: str) -> list[tuple[object, ...]]:
+    """(container, owner, epoch, expired) of every leased container."""
+    return catalog(
+        dsn,
+        "SELECT container, owner, epoch, expires_ms <= (extract(epoch FROM now()) * 1000) "
+        "FROM leases WHERE epoch > 0 ORDER BY container",
+    )
+
+
+def wait_for(condition: Callable[[], bool], what: str, bound: float = 60.0) -> None:
+    """Poll ``condition`` (a bound against hanging, not a timing assertion)."""
+    deadline = time.monotonic() + bound
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.05)
+
+
+def produce(broker: BrokerProcess, values: range) -> list[int]:
+    """Append ``values`` one acknowledged event at a time; the values acknowledged."""
+    acked = []
+    with broker.client() as client, client.producer(STREAM, idempotent=False) as producer:
+        for value in values:
+            producer.send(f"{value:06d}".encode(), key=f"k{value % 5}").result(timeout=30)
+            acked.append(value)
+    return acked
+
+
+def read_all(broker: BrokerProcess) -> list[int]:
+    with broker.client() as client:
+        events = client.reader(STREAM, end=client.tail(STREAM))
+        return sorted(int(e.value) for e in events)
+
+
+def test_a_second_broker_is_refused_until_the_first_is_killed_and_its_lease_expires(
+    broker_factory: type[BrokerProcess], pg_dsn: str
+) -> None:
+    first = broker_factory("--meta", pg_dsn, "--lease-ttl", "3").start()
+    with first.client() as client:
+        client.create_stream(STREAM, segments=2)
+    acked = produce(first, range(200))
+    holders = {owner for _, owner, _, _ in leases(pg_dsn)}
+    assert len(holders) == 1
+    (holder,) = holders
+    assert str(holder).startswith(f"127.0.0.1:{first.port}-")
+
+    # another data directory, the same catalog: refused, naming the holder, while it lives
+    second = broker_factory("--meta", pg_dsn)
+    with pytest.raises(RuntimeError, match="is leased to broker") as refused:
+        second.start(timeout=30)
+    assert str(holder) in str(refused.value)
+    assert "UTC by the catalog's clock" in str(refused.value)
+    assert {owner for _, owner, _, _ in leases(pg_dsn)} == {holder}, "the refusal took nothing"
+
+    first.kill()
+    epochs = {c: e for c, _, e, _ in leases(pg_dsn)}
+    # its data directory, another holder's name: starts once the leases expire (a start
+    # before that is refused like the one above)
+    successor = broker_factory(
+        "--meta", pg_dsn, "--broker-id", "successor", data_dir=first.data_dir
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            successor.start(timeout=30)
+            break
+        except RuntimeError as exc:
+            assert "is leased to broker" in str(exc) and str(holder) in str(exc)
+            assert time.monotonic() < deadline, "the killed broker's leases never expired"
+            successor.log_path.unlink()
+    now = leases(pg_dsn)
+    assert {owner for _, owner, _, _ in now} == {"successor"}
+    assert all(epoch > epochs[c] for c, _, epoch, _ in now), "every takeover is a new epoch"
+    assert read_all(successor) == acked, "every acknowledged event, once"
+    acked += produce(successor, range(200, 300))
+    assert read_all(successor) == acked
+    assert successor.stop() == 0
+    assert all(expired for *_, expired in leases(pg_dsn)), "a clean stop releases its leases"
+
+
+def test_a_paused_broker_resumed_after_a_takeover_acknowledges_nothing_and_writes_nothing(
+    broker_factory: type[BrokerProcess], pg_dsn: str
+) -> None:
+    paused = broker_factory("--meta", pg_dsn, "--lease-ttl", "2", "--roll-seconds", "0.3").start()
+    with paused.client() as client:
+        client.create_stream(STREAM, segments=2)
+    produce(paused, range(100))
+    # journal entries that the mover has yet to record in the catalog when it resumes
+    client = paused.client()
+    producer = client.producer(STREAM, idempotent=False)
+    try:
+        for value in range(100, 110):
+            producer.send(f"{value:06d}".encode(), key=f"k{value % 5}").result(timeout=30)
+        assert paused.proc is not None
+        paused.proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: all(expired for *_, expired in leases(pg_dsn)), "leases expired")
+            # another data directory on the same chunks (as brokers sharing --objects would)
+            taker = broker_factory("--meta", pg_dsn, "--broker-id", "taker")
+            taker.data_dir.mkdir()
+            (taker.data_dir / "chunks").symlink_to(paused.data_dir / "chunks")
+            taker.start()
+            assert {owner for _, owner, _, _ in leases(pg_dsn)} == {"taker"}
+            chunks_at_takeover = catalog(pg_dsn, "SELECT name FROM chunks ORDER BY name")
+            # sent while it is stopped, answered once it runs again
+            in_flight = producer.send(b"999999", key="k0")
+        finally:
+            paused.proc.send_signal(signal.SIGCONT)
+        with pytest.raises(LeaseLost):
+            in_flight.result(timeout=30)
+    finally:
+        with contextlib.suppress(LeaseLost):  # closing reports the refused append again
+            producer.close()
+        client.close()
+    for value in range(200, 205):  # and every later append, on fresh connections
+        with pytest.raises(LeaseLost, match="lost the lease of container"):
+            produce(paused, range(value, value + 1))
+    # its mover tries to record the journal files it moved: the catalog's fence refuses
+    wait_for(lambda: "is no longer leased to" in paused.log(), "the mover's fenced write")
+    assert catalog(pg_dsn, "SELECT name FROM chunks ORDER BY name") == chunks_at_takeover
+    assert "lease lost, appends to it are refused" in paused.log()
+    assert {owner for _, owner, _, _ in leases(pg_dsn)} == {"taker"}
+    assert taker.proc is not None and taker.proc.poll() is None
+
+
+def test_a_broker_whose_lease_was_taken_stops_acknowledging_at_its_next_renewal(
+    broker_factory: type[BrokerProcess], pg_dsn: str
+) -> None:
+    """Two processes given one --broker-id: the newer one's grant is a new epoch, and the older
+    one's next renewal (a third of its ttl) finds it gone, long before the lease would expire."""
+    older = broker_factory("--meta", pg_dsn, "--broker-id", "twin", "--lease-ttl", "3").start()
+    with older.client() as client:
+        client.create_stream(STREAM, segments=1)
+    produce(older, range(10))
+    newer = broker_factory("--meta", pg_dsn, "--broker-id", "twin").start()
+    assert newer.proc is not None
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            produce(older, range(10, 11))
+        except LeaseLost:
+            break
+        assert time.monotonic() < deadline, "the older broker kept acknowledging"
+        time.sleep(0.05)
+    assert "lease lost" in older.log()
