@@ -170,3 +170,39 @@ def test_the_store_down_fails_the_group_unacknowledged_and_the_next_group_works(
     broker.kill()
     broker.start(timeout=60)
     assert values() == [b"before", b"after"], "after kill -9: the same, from the bucket"
+
+
+def test_a_broker_with_a_new_data_directory_rebuilds_everything_from_the_bucket_and_postgres(
+    broker_factory: type[BrokerProcess], seaweedfs: SeaweedFS, pg_dsn: str
+) -> None:
+    # --meta and --journal objects: nothing acknowledged lives only on the first broker's disk
+    bucket = seaweedfs.create_bucket()
+    first = object_journal_broker(
+        broker_factory, seaweedfs, bucket, "--meta", pg_dsn, "--containers", "1"
+    )
+    first.start(timeout=60)
+    with first.client() as client:
+        client.create_stream(STREAM, segments=2)
+        with client.producer(STREAM) as producer:
+            receipts = [producer.send(b"%04d" % i, key=b"k%d" % (i % 3)) for i in range(300)]
+            acknowledged = [r.result(timeout=60) for r in receipts]
+    first.kill()
+    second = object_journal_broker(
+        broker_factory, seaweedfs, bucket, "--meta", pg_dsn, "--containers", "1"
+    )
+    for _ in range(100):  # another broker's lease, if any, expires (a bound, not a timing)
+        try:
+            second.start(timeout=60)
+            break
+        except RuntimeError as exc:
+            if "leased to" not in str(exc):
+                raise
+            time.sleep(0.5)
+    assert second.data_dir != first.data_dir
+    with second.client() as client:
+        events = list(client.reader(STREAM, end=client.tail(STREAM)))
+    assert sorted(e.value for e in events) == [b"%04d" % i for i in range(300)]
+    assert len(acknowledged) == 300
+    for k in range(3):
+        mine = [e.value for e in events if e.key == b"k%d" % k]
+        assert mine == [b"%04d" % i for i in range(k, 300, 3)], "per-key order"
