@@ -67,6 +67,7 @@ from slipstream.protocol import (
     GrantRule,
     GroupAssignment,
     GroupJoined,
+    HandOverIdentity,
     Hello,
     IdentityInfo,
     IdentityList,
@@ -465,6 +466,7 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
     ),
 }
 MESSAGES[ListIdentities] = st.builds(ListIdentities, prefix=TEXT)
+MESSAGES[HandOverIdentity] = st.builds(HandOverIdentity, transactional_id=TEXT, subject=TEXT)
 MESSAGES[IdentityList] = st.builds(
     IdentityList, identities=st.lists(MESSAGES[IdentityInfo], max_size=3)
 )
