@@ -54,8 +54,9 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import crc32c
 
@@ -73,9 +74,12 @@ from ._journal import (
     parse_entry,
     storage_error,
 )
-from ._meta import JournalObject, MetaStore
+from ._meta import JournalObject, Lease, MetaStore
 
 log = logging.getLogger("slipstream.journal")
+
+#: GETs in flight while recovery or the mover reads a run of objects
+FETCH_AHEAD = 8
 
 #: default bytes of the newest synced objects kept in memory for reads and the mover
 CACHE_BYTES = 32 * 1024 * 1024
@@ -115,6 +119,10 @@ class ObjectJournal(Journal):
         self.store = store
         self.meta = meta
         self.container = container
+        #: the container's lease, set by the container holding it (Container.hold; a whole
+        #: immutable value, replaced by one assignment): every catalog write of the journal
+        #: is fenced by it, so a broker that lost the container records no object
+        self.lease: Lease | None = None
         self.report = RecoveryReport()
         self._fault = fault
         self._cache_limit = max(0, cache_bytes)
@@ -137,7 +145,7 @@ class ObjectJournal(Journal):
         records = self.meta.journal_objects(self.container)
         moved = sorted({r.file_id for r in records if r.file_id <= moved_through})
         if moved:
-            self.meta.remove_journal_objects(self.container, moved)
+            self.meta.remove_journal_objects(self.container, moved, lease=self.lease)
             for record in records:
                 if record.file_id <= moved_through and record.name:
                     self._delete_object(record.name)
@@ -156,18 +164,15 @@ class ObjectJournal(Journal):
             self._pending, self._pending_bytes = [], 0
             self._damaged = {}
         self.report.files = len(files)
-        for file_id in sorted(files):
-            for record in files[file_id]:
-                if not record.size:
-                    continue
-                data = self._object_bytes(record)
-                found, damage = _parse_object(file_id, record, data)
-                if damage is not None:
-                    self.report.damaged.append(damage)
-                    self._damaged.setdefault(file_id, []).append(damage)
-                for address, payload in found:
-                    self.report.entries += 1
-                    yield address, payload
+        ordered = [r for file_id in sorted(files) for r in files[file_id] if r.size]
+        for record, data in self._fetch_in_order(ordered):
+            found, damage = _parse_object(record.file_id, record, data)
+            if damage is not None:
+                self.report.damaged.append(damage)
+                self._damaged.setdefault(record.file_id, []).append(damage)
+            for address, payload in found:
+                self.report.entries += 1
+                yield address, payload
 
     # --- writing -------------------------------------------------------------------------
 
@@ -218,7 +223,7 @@ class ObjectJournal(Journal):
                 self._fault("record")
         except OSError as exc:
             raise storage_error(exc, "recording a journal object") from exc
-        self.meta.add_journal_object(self.container, record)
+        self.meta.add_journal_object(self.container, record, lease=self.lease)
         with self._lock:
             self._files[self._active_id].append(record)
             self._pending, self._pending_bytes = [], 0
@@ -235,7 +240,9 @@ class ObjectJournal(Journal):
             return None
         self.sync()
         sealed, new = self._active_id, self._active_id + 1
-        self.meta.add_journal_object(self.container, JournalObject(new, -1, 0, ""))
+        self.meta.add_journal_object(
+            self.container, JournalObject(new, -1, 0, ""), lease=self.lease
+        )
         with self._lock:
             self._files[new] = []
             self._active_id = new
@@ -296,10 +303,8 @@ class ObjectJournal(Journal):
     def entries(self, file_id: int) -> Iterator[tuple[JournalAddress, memoryview]]:
         with self._lock:
             records = list(self._files[file_id])
-        for record in records:
-            if not record.size:
-                continue
-            found, damage = _parse_object(file_id, record, self._object_bytes(record))
+        for record, data in self._fetch_in_order([r for r in records if r.size]):
+            found, damage = _parse_object(file_id, record, data)
             if damage is not None and damage not in self._damaged.get(file_id, ()):
                 raise CorruptData(
                     f"journal object {record.name}: an entry at {damage.start} fails its CRC32C",
@@ -314,7 +319,7 @@ class ObjectJournal(Journal):
         with self._lock:
             records = self._files.get(file_id, [])
         # the records go first: an object left behind (a failed delete, a crash) is an orphan
-        self.meta.remove_journal_objects(self.container, [file_id])
+        self.meta.remove_journal_objects(self.container, [file_id], lease=self.lease)
         with self._lock:
             self._files.pop(file_id, None)
             self._damaged.pop(file_id, None)
@@ -361,6 +366,26 @@ class ObjectJournal(Journal):
         if len(data) != record.size:
             raise CorruptData(f"journal object {record.name} is shorter than its record")
         return data
+
+    def _fetch_in_order(
+        self, records: list[JournalObject]
+    ) -> Iterator[tuple[JournalObject, Buffer]]:
+        """The objects' bytes in order, up to ``FETCH_AHEAD`` GETs in flight: a file of
+        50 ms objects is thousands of small objects, and one GET at a time would make
+        recovery (and the mover) wait for each round trip."""
+        if len(records) <= 1:
+            yield from ((r, self._object_bytes(r)) for r in records)
+            return
+        with ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="journal-fetch") as pool:
+            pending: deque[tuple[JournalObject, Future[Buffer]]] = deque()
+            for record in records:
+                pending.append((record, pool.submit(self._object_bytes, record)))
+                if len(pending) >= FETCH_AHEAD:
+                    done, future = pending.popleft()
+                    yield done, future.result()
+            while pending:
+                done, future = pending.popleft()
+                yield done, future.result()
 
     def _delete_object(self, name: str) -> None:
         try:

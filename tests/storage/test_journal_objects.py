@@ -15,7 +15,7 @@ import crc32c
 import pytest
 from objectstores import SeaweedFS
 
-from slipstream import StorageError
+from slipstream import CorruptData, StorageError
 from slipstream.storage import MetaStore, SqliteMetaStore
 from slipstream.storage._journal_objects import ObjectJournal, journal_prefix, object_name
 from slipstream.storage._objects import ObjectChunkStore
@@ -217,3 +217,48 @@ def test_the_store_failing_during_a_sync_fails_that_sync_and_the_next_one_works(
         assert entries_of(ObjectJournal(store, meta, 0)) == [b"before", b"after"]
     finally:
         proxy.close()
+
+
+def test_recovery_reads_many_objects_in_order(seaweedfs: SeaweedFS, meta: MetaStore) -> None:
+    # more objects than GETs in flight (FETCH_AHEAD), over two files
+    store = seaweedfs.store(f"s3://{seaweedfs.create_bucket()}/p")
+    journal = ObjectJournal(store, meta, 0, cache_bytes=0)
+    entries_of(journal)
+    written = []
+    for group in range(30):
+        items = [b"g%02d-%d" % (group, i) for i in range(group % 3 + 1)]
+        written += zip(journal.append([[p] for p in items]), items, strict=True)
+        journal.sync()
+        if group == 12:
+            journal.roll()
+    recovered = [(a, bytes(p)) for a, p in ObjectJournal(store, meta, 0).recover()]
+    assert recovered == written
+    assert [bytes(p) for _, p in journal.entries(0)] == [p for a, p in written if a.file_id == 0]
+
+
+def test_a_damaged_object_loses_only_its_own_entries_and_reads_of_them_fail(
+    seaweedfs: SeaweedFS, meta: MetaStore
+) -> None:
+    bucket = seaweedfs.create_bucket()
+    store = seaweedfs.store(f"s3://{bucket}/p")
+    journal = ObjectJournal(store, meta, 0, cache_bytes=0)
+    entries_of(journal)
+    groups = [[b"first", b"second"], [b"third", b"fourth"], [b"fifth"]]
+    addresses = []
+    for group in groups:
+        addresses.append(journal.append([[p] for p in group]))
+        journal.sync()
+    key = f"p/{object_name(0, 0, addresses[1][0].position - 8)}"
+    body = bytearray(seaweedfs.client().get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[-1] ^= 0x01  # the last byte of "fourth"
+    seaweedfs.client().put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    restarted = ObjectJournal(store, meta, 0, cache_bytes=0)
+    assert entries_of(restarted) == [b"first", b"second", b"third", b"fifth"]
+    (damage,) = restarted.report.damaged
+    assert (damage.start, damage.end) == (
+        addresses[1][1].position - 8,
+        addresses[2][0].position - 8,
+    )
+    assert restarted.read(addresses[1][0]) == b"third"
+    with pytest.raises(CorruptData):
+        restarted.read(addresses[1][1])
