@@ -137,6 +137,7 @@ class ObjectJournal(Journal):
         self._cache: OrderedDict[str, bytes] = OrderedDict()  # object name -> bytes, LRU
         self._cached_bytes = 0
         self._damaged: dict[int, list[DamagedRange]] = {}
+        self._marker_unknown = False  # a roll's marker record failed: it may be there
 
     # --- recovery ------------------------------------------------------------------------
 
@@ -240,9 +241,12 @@ class ObjectJournal(Journal):
             return None
         self.sync()
         sealed, new = self._active_id, self._active_id + 1
-        self.meta.add_journal_object(
-            self.container, JournalObject(new, -1, 0, ""), lease=self.lease
-        )
+        marker = JournalObject(new, -1, 0, "")
+        # a roll whose marker failed may have committed it anyway: the retry looks first
+        if not self._marker_unknown or marker not in self.meta.journal_objects(self.container):
+            self._marker_unknown = True
+            self.meta.add_journal_object(self.container, marker, lease=self.lease)
+        self._marker_unknown = False
         with self._lock:
             self._files[new] = []
             self._active_id = new

@@ -10,13 +10,14 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import crc32c
 import pytest
 from objectstores import SeaweedFS
 
 from slipstream import CorruptData, StorageError
-from slipstream.storage import MetaStore, SqliteMetaStore
+from slipstream.storage import JournalObject, MetaStore, SqliteMetaStore
 from slipstream.storage._journal_objects import ObjectJournal, journal_prefix, object_name
 from slipstream.storage._objects import ObjectChunkStore
 
@@ -262,3 +263,33 @@ def test_a_damaged_object_loses_only_its_own_entries_and_reads_of_them_fail(
     assert restarted.read(addresses[1][0]) == b"third"
     with pytest.raises(CorruptData):
         restarted.read(addresses[1][1])
+
+
+def test_a_roll_whose_marker_record_failed_is_retried_without_a_duplicate(
+    seaweedfs: SeaweedFS, tmp_path: Path
+) -> None:
+    # the record commits but its caller sees an error (a lost commit acknowledgement)
+    class LostAck(SqliteMetaStore):
+        fail_next = False
+
+        def add_journal_object(self, container: int, record: JournalObject, **kw: Any) -> None:
+            super().add_journal_object(container, record, **kw)
+            if self.fail_next:
+                self.fail_next = False
+                raise StorageError("the commit's answer was lost")
+
+    meta = LostAck(tmp_path / "lost.db")
+    try:
+        store = seaweedfs.store(f"s3://{seaweedfs.create_bucket()}/p")
+        journal = ObjectJournal(store, meta, 0)
+        entries_of(journal)
+        journal.append([[b"sealed"]])
+        journal.sync()
+        meta.fail_next = True
+        with pytest.raises(StorageError):
+            journal.roll()
+        assert journal.roll() == 0, "the retry seals the file"
+        assert journal.sealed_files() == [0]
+        assert [r.file_id for r in meta.journal_objects(0)] == [0, 1]
+    finally:
+        meta.close()
