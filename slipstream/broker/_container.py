@@ -10,6 +10,10 @@ group starts from a clean, gap-free state. The appends already queued behind the
 same idempotent producers to the same segments fail with it: an append that failed is never
 followed by a later batch of its producer that was queued before the failure was known.
 
+With a grouping window (``journal_group_ms``, 50 ms for an object journal, where one sync is
+one uploaded object and one catalog commit; 0 for files), the loop first lets the queue fill
+until the window after its oldest append has passed or ``journal_group_bytes`` are queued.
+
 Journal entry payload: ``u64 segment global id`` (little-endian) followed by the batch verbatim.
 """
 
