@@ -1,6 +1,6 @@
 """One suite for every Journal: FileJournal on a temporary directory, MemoryJournal, and
-ObjectJournal on SeaweedFS with its records in SQLite or PostgreSQL (and, in the state machine,
-on the in-memory chunk store and catalog).
+ObjectJournal on SeaweedFS with its records in SQLite or PostgreSQL, and on moto's S3 server (and,
+in the state machine, on the in-memory chunk store and catalog).
 
 The contract under test (slipstream/storage/_journal.py): ``append`` is not durable until
 ``sync``; a failed ``append`` leaves none of its entries behind; after a failed ``sync`` the
@@ -104,7 +104,7 @@ def recover(journal: Journal) -> list[Entry]:
     return [(address, bytes(payload)) for address, payload in journal.recover()]
 
 
-@pytest.fixture(params=["file", "memory", "objects", "objects-pg"])
+@pytest.fixture(params=["file", "memory", "objects", "objects-pg", "objects-moto"])
 def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
     faults = Faults()
     make: Callable[[], Journal]
@@ -121,7 +121,9 @@ def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
             return memory
 
     else:
-        server = request.getfixturevalue("seaweedfs")
+        server = request.getfixturevalue(
+            "moto_s3" if request.param == "objects-moto" else "seaweedfs"
+        )
         store = server.store(f"s3://{server.create_bucket()}/p")
         meta: MetaStore = (
             PostgresMetaStore(request.getfixturevalue("pg_dsn"))
