@@ -23,6 +23,7 @@ import fcntl
 import logging
 import os
 import secrets
+import signal
 import ssl
 import time
 from collections.abc import Callable
@@ -669,7 +670,15 @@ def _failure(task: asyncio.Task[None]) -> BaseException | None:
 
 def _journal_crash_point(op: str) -> None:
     """An object journal's fault hook: ``SLIPSTREAM_FAULT=journal.before_record`` kills the
-    broker between a group's upload and its record (an orphaned object)."""
+    broker between a group's upload and its record (an orphaned object);
+    ``journal.pause_before_record`` stops it there (SIGSTOP, once) when the file named by
+    ``SLIPSTREAM_FAULT_ARM`` exists (removed first), for a test to take its leases over."""
+    arm, point = os.environ.get("SLIPSTREAM_FAULT_ARM"), f"journal.pause_before_{op}"
+    if arm and point == FAULT:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(arm)
+            log.warning("fault injection: pausing the broker at %s", point)
+            os.kill(os.getpid(), signal.SIGSTOP)
     crash_point(f"journal.before_{op}")
 
 

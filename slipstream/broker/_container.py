@@ -295,8 +295,12 @@ class Container:
         """The container is ``lease``'s until ``deadline`` (``time.monotonic()``), which the
         broker sets no later than the catalog's expiry: the time it asked for the lease plus
         the ttl (the catalog's clock starts the ttl after that)."""
+        from ..storage._journal_objects import ObjectJournal
+
         if self.lease_lost is None:
             self.lease, self.lease_deadline = lease, deadline
+            if isinstance(self.journal, ObjectJournal):  # its records are catalog writes
+                self.journal.lease = lease
 
     def lose(self, reason: str) -> None:
         """The lease is gone for good (LeaseLost): every queued and later append fails with
@@ -443,6 +447,8 @@ class Container:
                 if not isinstance(exc, SlipstreamError):
                     log.exception("container %d: unexpected journal failure", self.id)
                     exc = StorageError(f"journal write failed: {exc}")
+                if isinstance(exc, LeaseLost):  # the object journal's fenced record
+                    self.lose(str(exc))
                 log.error(
                     "container %d: %d appends failed, none acknowledged: %s",
                     self.id,

@@ -375,19 +375,26 @@ class MetaStore(ABC):
         """The highest journal file id of a container whose entries are all in chunks (-1)."""
 
     @abstractmethod
-    def add_journal_object(self, container: int, record: JournalObject) -> None:
+    def add_journal_object(
+        self, container: int, record: JournalObject, *, lease: Lease | None = None
+    ) -> None:
         """Record an object of ``container``'s object journal; once this returns (committed),
         the object's entries are durable and recovery yields them. Raises StorageError (the
-        record's state is then unknown: it may have committed)."""
+        record's state is then unknown: it may have committed). Fenced by ``lease`` when
+        given, as ``add_chunks`` is: LeaseLost, and nothing recorded, unless its epoch is
+        the container's current one."""
 
     @abstractmethod
     def journal_objects(self, container: int) -> list[JournalObject]:
         """The recorded objects of ``container``'s object journal, by file and position."""
 
     @abstractmethod
-    def remove_journal_objects(self, container: int, file_ids: Sequence[int]) -> None:
+    def remove_journal_objects(
+        self, container: int, file_ids: Sequence[int], *, lease: Lease | None = None
+    ) -> None:
         """Forget every object record of the given journal files of ``container`` (the mover,
-        after the files' entries are in chunks; the objects themselves are deleted after)."""
+        after the files' entries are in chunks; the objects themselves are deleted after).
+        Fenced by ``lease`` when given, as ``add_chunks`` is."""
 
     @abstractmethod
     def remove_chunks_before(self, stream_id: int, cuts: Mapping[int, int]) -> list[ChunkRecord]:
@@ -873,8 +880,12 @@ class SqliteMetaStore(MetaStore):
                 (container, moved_file),
             )
 
-    def add_journal_object(self, container: int, record: JournalObject) -> None:
+    def add_journal_object(
+        self, container: int, record: JournalObject, *, lease: Lease | None = None
+    ) -> None:
         with self._transaction() as cur:
+            if lease is not None:
+                _check_lease(cur, lease)
             cur.execute(
                 "INSERT INTO journal_objects (container, file_id, start, size, name) "
                 "VALUES (?, ?, ?, ?, ?)",
@@ -890,8 +901,12 @@ class SqliteMetaStore(MetaStore):
             ).fetchall()
         return [JournalObject(*row) for row in rows]
 
-    def remove_journal_objects(self, container: int, file_ids: Sequence[int]) -> None:
+    def remove_journal_objects(
+        self, container: int, file_ids: Sequence[int], *, lease: Lease | None = None
+    ) -> None:
         with self._transaction() as cur:
+            if lease is not None:
+                _check_lease(cur, lease)
             cur.executemany(
                 "DELETE FROM journal_objects WHERE container = ? AND file_id = ?",
                 [(container, file_id) for file_id in file_ids],

@@ -575,8 +575,12 @@ class PostgresMetaStore(MetaStore):
                 (container, moved_file),
             )
 
-    def add_journal_object(self, container: int, record: JournalObject) -> None:
+    def add_journal_object(
+        self, container: int, record: JournalObject, *, lease: Lease | None = None
+    ) -> None:
         with self._transaction() as cur:
+            if lease is not None:
+                _check_lease(cur, lease)
             cur.execute(
                 "INSERT INTO journal_objects (container, file_id, start, size, name) "
                 "VALUES (%s, %s, %s, %s, %s)",
@@ -594,8 +598,12 @@ class PostgresMetaStore(MetaStore):
 
         return self._read(query)
 
-    def remove_journal_objects(self, container: int, file_ids: Sequence[int]) -> None:
+    def remove_journal_objects(
+        self, container: int, file_ids: Sequence[int], *, lease: Lease | None = None
+    ) -> None:
         with self._transaction() as cur:
+            if lease is not None:
+                _check_lease(cur, lease)
             cur.execute(
                 "DELETE FROM journal_objects WHERE container = %s AND file_id = ANY(%s)",
                 (container, list(file_ids)),

@@ -12,10 +12,12 @@ import contextlib
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import psycopg
 import pytest
 from conftest import BrokerProcess
+from objectstores import ACCESS_KEY, SECRET_KEY, SeaweedFS
 
 from slipstream import LeaseLost
 
@@ -171,3 +173,59 @@ def test_a_broker_whose_lease_was_taken_stops_acknowledging_at_its_next_renewal(
         assert time.monotonic() < deadline, "the older broker kept acknowledging"
         time.sleep(0.05)
     assert "lease lost" in older.log()
+
+
+def stopped(broker: BrokerProcess) -> bool:
+    assert broker.proc is not None
+    stat = Path(f"/proc/{broker.proc.pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_a_broker_paused_between_a_journal_upload_and_its_record_records_nothing_after_takeover(
+    broker_factory: type[BrokerProcess], seaweedfs: SeaweedFS, pg_dsn: str, tmp_path: Path
+) -> None:
+    """An object journal's group is acknowledged only once its record commits in the catalog:
+    a broker paused after the upload, whose lease passes to another broker meanwhile, has that
+    record refused by the fence when it resumes, so the group is neither acknowledged nor
+    visible, and the new holder reads every acknowledged event (from the bucket and the
+    catalog alone)."""
+    bucket = seaweedfs.create_bucket()
+    arm = tmp_path / "pause-armed"
+
+    def object_journal_broker(*extra: str) -> BrokerProcess:
+        broker = broker_factory(
+            *("--meta", pg_dsn, "--objects", f"s3://{bucket}/c"),
+            *("--s3-endpoint", seaweedfs.endpoint, "--journal", "objects", "--containers", "1"),
+            *extra,
+        )
+        broker.env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+        return broker
+
+    paused = object_journal_broker("--lease-ttl", "2")
+    paused.env.update(SLIPSTREAM_FAULT="journal.pause_before_record", SLIPSTREAM_FAULT_ARM=str(arm))
+    paused.start(timeout=60)
+    with paused.client() as client:
+        client.create_stream(STREAM, segments=2)
+    acked = produce(paused, range(150))
+    arm.touch()  # the next group's upload stops the broker before its record
+    client = paused.client()
+    producer = client.producer(STREAM, idempotent=False)
+    try:
+        receipt = producer.send(b"999999", key="k0")
+        wait_for(lambda: stopped(paused), "the broker paused itself before the record")
+        wait_for(lambda: all(expired for *_, expired in leases(pg_dsn)), "leases expired")
+        taker = object_journal_broker("--broker-id", "taker").start(timeout=60)
+        records = catalog(pg_dsn, "SELECT name FROM journal_objects ORDER BY name")
+        assert paused.proc is not None
+        paused.proc.send_signal(signal.SIGCONT)
+        with pytest.raises(LeaseLost):
+            receipt.result(timeout=30)
+    finally:
+        if paused.proc is not None:
+            paused.proc.send_signal(signal.SIGCONT)
+        with contextlib.suppress(LeaseLost):
+            producer.close()
+        client.close()
+    wait_for(lambda: "is no longer leased to" in paused.log(), "the fenced record")
+    assert catalog(pg_dsn, "SELECT name FROM journal_objects ORDER BY name") == records
+    assert read_all(taker) == acked, "every acknowledged event, once; nothing unacknowledged"

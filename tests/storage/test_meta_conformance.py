@@ -1376,3 +1376,20 @@ def test_owners_racing_for_a_free_lease_exactly_one_wins(kit: Kit) -> None:
     assert [(x.container, x.owner, x.epoch) for x in meta.leases()] == [
         (c, won[c][0], 1) for c in range(20)
     ]
+
+
+def test_journal_object_writes_fenced_by_an_old_epoch_are_refused(kit: Kit) -> None:
+    meta = kit.meta
+    old = meta.acquire_lease(0, "broker-a", 0)
+    assert old is not None
+    kept = JournalObject(1, 0, 10, "journal/0/0000000000000001/0000000000000000")
+    meta.add_journal_object(0, kept, lease=old)
+    new = meta.acquire_lease(0, "broker-b", 60_000)
+    assert new is not None
+    with pytest.raises(LeaseLost):
+        meta.add_journal_object(0, JournalObject(1, 10, 5, "journal/0/late"), lease=old)
+    with pytest.raises(LeaseLost):
+        meta.remove_journal_objects(0, [1], lease=old)
+    assert meta.journal_objects(0) == [kept]
+    meta.remove_journal_objects(0, [1], lease=new)
+    assert meta.journal_objects(0) == []
