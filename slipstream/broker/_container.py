@@ -933,16 +933,19 @@ class Container:
 
     async def _delete_orphans(self) -> None:
         """Delete what the journal stored but never recorded (an object journal's uploads cut
-        off by a crash before their record): on the journal thread, so never an upload whose
-        record is on its way. A failure is logged; the next move tries again."""
+        off by a crash before their record) or no longer needs (moved files' objects): found
+        on the journal thread, so never an upload whose record is on its way, deleted on the
+        mover's. A failure is logged; the next move tries again."""
         loop = asyncio.get_running_loop()
         try:
-            orphans = await loop.run_in_executor(self._io, self.journal.delete_orphans)
+            orphans = await loop.run_in_executor(self._io, self.journal.collect_orphans)
+            if orphans:
+                await loop.run_in_executor(self._mover, self.journal.delete_objects, orphans)
         except (SlipstreamError, OSError) as exc:
             log.warning("container %d: deleting orphaned journal data failed: %s", self.id, exc)
             return
         if orphans:
-            log.info("container %d: deleted %d orphaned journal objects", self.id, len(orphans))
+            log.info("container %d: deleted %d unrecorded journal objects", self.id, len(orphans))
 
     async def close(self) -> None:
         """Sync what is written and stop the IO threads."""

@@ -220,11 +220,15 @@ class Journal(ABC):
         """The local file holding a sealed file's bytes, if there is one (for zero-copy moves)."""
         return None
 
-    def delete_orphans(self) -> list[str]:
-        """Delete data the journal stored but never made part of it (an ObjectJournal's
-        objects whose record a crash cut off); returns what was deleted. Call it on the
-        thread that syncs. Files on disk are their own record: nothing to do."""
+    def collect_orphans(self) -> list[str]:
+        """Names of data the journal stored but is not (or no longer) part of it: an
+        ObjectJournal's objects whose record a crash cut off, or whose file moved. Call it on
+        the thread that syncs; ``delete_objects`` deletes them, on any thread. Files on disk
+        are their own record: nothing to collect."""
         return []
+
+    def delete_objects(self, names: Sequence[str]) -> None:  # noqa: B027 - see collect_orphans
+        """Delete what ``collect_orphans`` returned."""
 
     @abstractmethod
     def delete_file(self, file_id: int) -> None:

@@ -23,16 +23,17 @@ How the Journal interface maps onto objects:
   size 0, no object) so that a restart knows the rolled file is sealed. It uploads nothing.
 * ``sealed_files``, ``entries``, ``delete_file`` work per file as on a FileJournal; the mover
   gets ``entries`` (``file_path`` is None, so chunks are written from the bytes). ``delete_file``
-  forgets the file's records first, then deletes its objects; an object whose delete failed
-  (or never ran: a crash) is no longer listed, so it is an orphan.
+  forgets the file's records; its objects, no longer listed, are orphans, deleted by the next
+  sweep off the journal thread (a file of small objects is thousands of DELETEs).
 * ``recover`` lists the committed records from the MetaStore, never the bucket: an object
   uploaded whose record was not committed was never acknowledged, and it is not read. Files up
-  to ``moved_through`` are forgotten and their objects deleted unread. The last recorded file is
+  to ``moved_through`` are forgotten (their objects left to the sweep). The last recorded file is
   the active one (appends continue in it).
-* ``delete_orphans`` (the container's mover calls it, on the journal thread, so no sync is
-  between its upload and its record) lists the objects under the container's prefix and deletes
-  those the MetaStore does not list: uploads whose record never committed (a crash between the
-  two), deletes that failed.
+* The sweep: ``collect_orphans`` (the container's mover calls it on the journal thread, so no
+  sync is between its upload and its record) lists the objects under the container's prefix
+  that the MetaStore does not list: uploads whose record never committed (a crash between the
+  two, a failed sync), moved files' objects, deletes that failed; ``delete_objects`` deletes
+  them on the mover's thread.
 
 Reads: ``read`` serves entries still in memory (appended, or in the ``cache_bytes`` of the
 newest objects synced), else a ranged GET of exactly the entry (framing included, its CRC
@@ -146,10 +147,8 @@ class ObjectJournal(Journal):
         records = self.meta.journal_objects(self.container)
         moved = sorted({r.file_id for r in records if r.file_id <= moved_through})
         if moved:
+            # their objects are orphans now: the mover's first sweep deletes them
             self.meta.remove_journal_objects(self.container, moved, lease=self.lease)
-            for record in records:
-                if record.file_id <= moved_through and record.name:
-                    self._delete_object(record.name)
         files: dict[int, list[JournalObject]] = {}
         for record in records:
             if record.file_id > moved_through:
@@ -322,30 +321,48 @@ class ObjectJournal(Journal):
             raise ValueError("the active journal file cannot be deleted")
         with self._lock:
             records = self._files.get(file_id, [])
-        # the records go first: an object left behind (a failed delete, a crash) is an orphan
+        # only the records: the objects are orphans now, deleted by the next sweep
+        # (collect_orphans, delete_objects) off the journal thread, so appends never wait for
+        # a file's worth of DELETEs
         self.meta.remove_journal_objects(self.container, [file_id], lease=self.lease)
         with self._lock:
             self._files.pop(file_id, None)
             self._damaged.pop(file_id, None)
             for record in records:
                 self._forget(record.name)
-        for record in records:
-            if record.name:
-                self._delete_object(record.name)
+
+    def collect_orphans(self) -> list[str]:
+        """The objects under this container's journal prefix that the MetaStore does not list
+        (see the module docstring): uploads whose record never committed, and the objects of
+        moved files. Call it on the thread that syncs (so no upload is between its PUT and its
+        record); it also moves the active file's next position past any orphan there, so no
+        later upload reuses a name about to be deleted. Raises StorageError if listing fails."""
+        recorded = {r.name for r in self.meta.journal_objects(self.container)}
+        orphans = []
+        for name in self.store.list_chunks(journal_prefix(self.container)):
+            if name in recorded:
+                continue
+            try:
+                file_id, start = (int(part) for part in name.rsplit("/", 2)[1:])
+            except ValueError:
+                continue  # not a journal object's name: not ours to delete
+            if file_id == self._active_id and start >= self._pending_start:
+                if self._pending_bytes:
+                    continue  # addresses are handed out from here: next sweep
+                self._end = self._pending_start = start + 1
+            orphans.append(name)
+        return orphans
+
+    def delete_objects(self, names: Sequence[str]) -> None:
+        """Delete objects ``collect_orphans`` returned (any thread). A delete that fails is
+        logged; the next sweep finds the object again."""
+        for name in names:
+            self._delete_object(name)
 
     def delete_orphans(self) -> list[str]:
-        """Delete objects under this container's journal prefix that the MetaStore does not
-        list (see the module docstring); returns their names. Call it on the thread that
-        syncs. Raises StorageError if the listing fails; a failed delete is retried next
-        time."""
-        recorded = {r.name for r in self.meta.journal_objects(self.container)}
-        orphans = [
-            name
-            for name in self.store.list_chunks(journal_prefix(self.container))
-            if name not in recorded
-        ]
-        for name in orphans:
-            self._delete_object(name)
+        """``collect_orphans`` and ``delete_objects`` in one call (on the thread that syncs)."""
+        orphans = self.collect_orphans()
+        self.delete_objects(orphans)
         return orphans
 
     @property

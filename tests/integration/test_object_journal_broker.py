@@ -127,7 +127,7 @@ def test_a_crash_between_upload_and_record_leaves_an_orphan_the_restart_deletes(
     with broker.client() as client:
         values = [e.value for e in client.reader(STREAM, end=client.tail(STREAM))]
     assert values == [b"acknowledged"]
-    assert "deleted 1 orphaned journal objects" in broker.log()
+    assert "deleted 1 unrecorded journal objects" in broker.log()
 
 
 @pytest.fixture

@@ -102,13 +102,13 @@ def test_a_crash_between_upload_and_record_leaves_an_orphan_that_is_never_recove
     assert seaweedfs.objects(bucket, "p/journal/0/") == [f"p/{object_name(0, 0, 0)}"]
     assert len(seaweedfs.objects(bucket, "p/journal/1/")) == 1
     assert restarted.delete_orphans() == []
-    # appends go on where the acknowledged ones ended, over the orphan's name
+    # appends go on past the orphan's position: its name is never written again
     restarted.append([[b"after restart"]])
     restarted.sync()
     assert entries_of(ObjectJournal(store, meta, 0)) == [b"acknowledged", b"after restart"]
 
 
-def test_moved_files_are_deleted_with_their_records_first(
+def test_moved_files_lose_their_records_and_the_sweep_deletes_their_objects(
     seaweedfs: SeaweedFS, meta: MetaStore
 ) -> None:
     bucket = seaweedfs.create_bucket()
@@ -122,11 +122,15 @@ def test_moved_files_are_deleted_with_their_records_first(
     assert journal.sealed_files() == [0, 1, 2]
     journal.delete_file(0)
     assert {r.file_id for r in meta.journal_objects(0)} == {1, 2, 3}
+    # the objects go in the next sweep, off the journal thread
+    assert len(seaweedfs.objects(bucket, f"p/{journal_prefix(0)}")) == 3
+    assert journal.delete_orphans() == [object_name(0, 0, 0)]
     assert len(seaweedfs.objects(bucket, f"p/{journal_prefix(0)}")) == 2
     # a restart told file 1 is moved (its chunks committed) forgets it and deletes it unread
     restarted = ObjectJournal(store, meta, 0)
     assert [bytes(p) for _, p in restarted.recover(moved_through=1)] == [b"g2"]
     assert restarted.sealed_files() == [2]
+    assert restarted.delete_orphans() == [object_name(0, 1, 0)]
     assert len(seaweedfs.objects(bucket, f"p/{journal_prefix(0)}")) == 1
     assert {r.file_id for r in meta.journal_objects(0)} == {2, 3}
 
