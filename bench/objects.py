@@ -20,7 +20,8 @@ it on 127.0.0.1 with its data in a temp dir). Two levels, in one run, ratios aga
   files, fsync) and with ``--journal objects`` (one object per group commit on SeaweedFS,
   recorded in the SQLite catalog; 50 ms grouping window): produce throughput (one event per
   send, one producer) and append latency (``PRODUCERS`` producers each sending one event every
-  ``PACE_MS`` and waiting for its acknowledgement: send to ack, p50/p99).
+  ``PACE_MS`` and waiting for its acknowledgement: send to ack, p50/p99), then kill -9 and the
+  seconds until a restarted broker listens (recovery reads the journal back).
 """
 
 from __future__ import annotations
@@ -192,6 +193,15 @@ def journal_level(server: SeaweedFS, work: Path, events: int, size: int, seconds
             produced = peer.produce("bench/produce", size, events)
             peer.client.create_stream("bench/latency", segments=4)
             ms = append_latencies(f"127.0.0.1:{peer.port}", seconds, size)
+            # kill -9, then the time until a new broker listens: recovery reads the journal
+            # back (from the bucket, for objects), nothing of it moved yet at this size
+            peer.client.close()
+            peer.proc.kill()
+            peer.proc.wait()
+            peer.log.close()
+            started = time.perf_counter()
+            peer.start()
+            restart_s = time.perf_counter() - started
         finally:
             peer.stop()
         results[label] = {
@@ -200,6 +210,7 @@ def journal_level(server: SeaweedFS, work: Path, events: int, size: int, seconds
             "p50_ms": ms[len(ms) // 2],
             "p99_ms": ms[min(len(ms) - 1, int(len(ms) * 0.99))],
             "max_ms": ms[-1],
+            "restart_s": restart_s,
         }
     return {"events": events, "size": size, "results": results}
 
@@ -251,12 +262,15 @@ def main() -> None:
 def print_journal(journal: dict) -> None:
     print(f"\njournal: produce {journal['events']:,} events of {journal['size']} B (one send each)")
     print(f"  and append latency ({PRODUCERS} producers, one event each every {PACE_MS} ms)")
-    print(f"  {'':14} {'events/s':>9} {'MB/s':>6} {'appends':>8} {'p50 ms':>7} {'p99 ms':>7}")
+    print(
+        f"  {'':14} {'events/s':>9} {'MB/s':>6} {'appends':>8} {'p50 ms':>7} {'p99 ms':>7} "
+        f"{'restart s':>9}"
+    )
     for label, r in journal["results"].items():
         p = r["produce"]
         print(
             f"  {label:14} {p['events_s']:9.0f} {p['mb_s']:6.1f} {r['appends']:8d} "
-            f"{r['p50_ms']:7.1f} {r['p99_ms']:7.1f}"
+            f"{r['p50_ms']:7.1f} {r['p99_ms']:7.1f} {r['restart_s']:9.2f}"
         )
 
 
