@@ -207,3 +207,30 @@ def test_a_broker_with_a_new_data_directory_rebuilds_everything_from_the_bucket_
     for k in range(3):
         mine = [e.value for e in events if e.key == b"k%d" % k]
         assert mine == [b"%04d" % i for i in range(k, 300, 3)], "per-key order"
+
+
+def test_a_journal_kind_that_would_hide_acknowledged_appends_is_refused_at_start(
+    broker_factory: type[BrokerProcess], seaweedfs: SeaweedFS
+) -> None:
+    with pytest.raises(RuntimeError, match="needs --objects"):
+        broker_factory("--journal", "objects").start()
+    bucket = seaweedfs.create_bucket()
+    objects = ("--objects", f"s3://{bucket}/c", "--s3-endpoint", seaweedfs.endpoint)
+    files = broker_factory(*objects)
+    files.env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+    files.start(timeout=60)
+    with files.client() as client:
+        client.create_stream(STREAM, segments=1)
+        with client.producer(STREAM) as producer:
+            producer.send(b"in a journal file")
+    files.stop()
+    # the same data directory with object journals would not see the journal file's append
+    switched = broker_factory(*objects, "--journal", "objects", data_dir=files.data_dir)
+    switched.env.update(files.env)
+    with pytest.raises(RuntimeError, match=r"holds journal files.*--journal files"):
+        switched.start(timeout=60)
+    files.start(timeout=60)
+    with files.client() as client:
+        assert [e.value for e in client.reader(STREAM, end=client.tail(STREAM))] == [
+            b"in a journal file"
+        ]
