@@ -668,11 +668,11 @@ class FailingOnce:
         self._meta = meta
         self.failed = False
 
-    def add_chunks(self, *args: Any) -> None:
+    def add_chunks(self, *args: Any, **kwargs: Any) -> None:
         if not self.failed:
             self.failed = True
             raise StorageFull("disk full while updating the catalog (injected)")
-        self._meta.add_chunks(*args)
+        self._meta.add_chunks(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._meta, name)
