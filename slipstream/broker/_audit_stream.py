@@ -31,23 +31,23 @@ if TYPE_CHECKING:
 log = logging.getLogger("slipstream.audit")
 
 
+#: How many records back from the end the broker looks for a readable one when the last is
+#: damaged (each is one read of one batch).
+_LOOK_BACK = 1000
+
+
 async def open_audit_stream(controller: Controller, audit: AuditLog) -> Stream:
     """The audit stream, created if missing; ``audit`` resumes the chain after its last
-    record. Raises CorruptData if the last record cannot be read or decoded (the broker must
-    not start a second chain beside a damaged one), StorageError / StorageFull."""
+    record. A damaged last record does not stop the broker (the audit trail must not take the
+    platform down): it resumes after the last readable record, numbering on as if the damaged
+    ones were there, so ``audit verify`` reports them as missing, and the first new record
+    (``audit_chain_damaged``) says where and why. Raises StorageError / StorageFull."""
     stream = controller.streams.get(AUDIT_STREAM)
     if stream is None:
         try:
             stream = await controller.create_stream(AUDIT_STREAM, 1, None, None, system=True)
         except StreamExists:
             stream = controller.stream(AUDIT_STREAM)
-    seq, head = await _last_record(controller, stream)
-    audit.resume(seq, head)
-    log.info("audit chain continues after seq %d (hash %s) in %s", seq, head, AUDIT_STREAM)
-    return stream
-
-
-async def _last_record(controller: Controller, stream: Stream) -> tuple[int, str]:
     segment = stream.segments[0]
     end = segment.next_offset
     if end == 0 or end <= segment.start_offset:
@@ -57,29 +57,55 @@ async def _last_record(controller: Controller, stream: Stream) -> tuple[int, str
                 "at seq 1",
                 AUDIT_STREAM,
             )
-        return 0, GENESIS_HASH
-    container = controller.containers[segment.container]
-    batches = await container.read(segment, end - 1, 1)
-    last = None
-    base = 0
-    for batch in batches:
-        header = verify(batch)
-        base = header.base_offset
-        for event in events_of(read_body(batch), 0, base):
-            if event.offset == end - 1:
-                last = event
-    if last is None or last.value is None:
-        raise CorruptData(
-            f"the last record of {AUDIT_STREAM} (offset {end - 1}) cannot be read",
-            stream=AUDIT_STREAM,
+        audit.resume(0, GENESIS_HASH)
+        return stream
+    damage = ""
+    for offset in range(end - 1, max(segment.start_offset, end - _LOOK_BACK) - 1, -1):
+        try:
+            seq, head = await _record_at(controller, stream, offset)
+        except CorruptData as exc:
+            damage = damage or exc.message
+            continue
+        if damage:  # the records after ``offset`` are unreadable: number on past them
+            seq += end - 1 - offset
+        break
+    else:  # nothing readable near the end: number on from the offsets, link to nothing
+        seq, head = end, GENESIS_HASH
+    audit.resume(seq, head)
+    if damage:
+        log.error(
+            "the last records of %s cannot be read (%s): the audit chain continues after seq "
+            "%d; audit verify will report the damaged records as missing",
+            AUDIT_STREAM,
+            damage,
+            seq,
         )
+        audit.record(
+            "audit_chain_damaged", subject=None, peer="broker", before_seq=seq + 1, reason=damage
+        )
+    else:
+        log.info("audit chain continues after seq %d (hash %s) in %s", seq, head, AUDIT_STREAM)
+    return stream
+
+
+async def _record_at(controller: Controller, stream: Stream, offset: int) -> tuple[int, str]:
+    """The seq and hash of the record at ``offset``; CorruptData if it cannot be read."""
+    segment = stream.segments[0]
+    container = controller.containers[segment.container]
+    found = None
     try:
-        record = decode_record(last.value)
-    except Exception as exc:
-        raise CorruptData(
-            f"the last record of {AUDIT_STREAM} (offset {end - 1}) is not an audit record: {exc}",
-            stream=AUDIT_STREAM,
-        ) from None
+        for batch in await container.read(segment, offset, 1):
+            header = verify(batch)
+            for event in events_of(read_body(batch), 0, header.base_offset):
+                if event.offset == offset:
+                    found = event
+        if found is None or found.value is None:
+            raise CorruptData(f"the record at offset {offset} cannot be read")
+        record = decode_record(found.value)
+    except CorruptData:
+        raise
+    except Exception as exc:  # a damaged body decodes into anything, or fails any way
+        raise CorruptData(f"the record at offset {offset} is not an audit record: {exc}") from None
     return record.seq, record.hash
 
 

@@ -4,6 +4,7 @@ scope, the chain across a kill -9, and ``slipstream audit verify | tail``."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from conftest import BrokerProcess
+from conftest import BrokerProcess, chunk_files
 
 import slipstream
 from slipstream.security._audit import AuditRecord, decode_record, verify_chain
@@ -260,3 +261,33 @@ def test_verify_starts_mid_chain_after_retention_trimmed_the_trail(
     assert report["first_seq"] == first + 1 and report["last_seq"] == records[-1].seq
     result = cli(broker, "audit", "verify")
     assert f"started mid-chain at seq {first + 1}" in result.stdout
+
+
+def test_damaged_audit_data_does_not_stop_the_broker_and_is_reported(
+    broker_factory: type[BrokerProcess],
+) -> None:
+    broker = broker_factory("--roll", "4KiB", "--roll-seconds", "0.2").start()
+    with broker.client() as client:
+        for n in range(5):
+            client.create_stream(f"demo/s{n}")
+        wait_for_records(client, 5)
+        deadline = time.monotonic() + 15
+        while not chunk_files(broker.data_dir, AUDIT):  # the mover moved the records
+            assert time.monotonic() < deadline, "the audit records never moved to a chunk"
+            time.sleep(0.1)
+    assert broker.stop() == 0
+    (chunk,) = chunk_files(broker.data_dir, AUDIT)
+    os.truncate(chunk, chunk.stat().st_size // 2)
+    broker.start()  # a damaged audit trail must not take the platform down
+    with broker.client() as client:
+        client.create_stream("demo/after")
+    assert "cannot be read" in broker.log()
+    deadline = time.monotonic() + 15
+    while not any(r["event"] == "stream_created" for r in logged_records(broker)[5:]):
+        assert time.monotonic() < deadline, "no record after the restart"
+        time.sleep(0.05)
+    after = [(r["seq"], r["event"]) for r in logged_records(broker)[5:]]
+    # numbered on past the 5 unreadable records; the first new one says what happened
+    assert after[:2] == [(6, "audit_chain_damaged"), (7, "stream_created")]
+    result = cli(broker, "audit", "verify")
+    assert result.returncode != 0, result.stdout
