@@ -18,6 +18,8 @@ import psycopg
 import pytest
 from conftest import BrokerProcess
 from objectstores import ACCESS_KEY, SECRET_KEY, SeaweedFS
+from proxy import CuttingProxy
+from psycopg.conninfo import conninfo_to_dict
 
 from slipstream import LeaseLost
 
@@ -229,3 +231,35 @@ def test_a_broker_paused_between_a_journal_upload_and_its_record_records_nothing
     wait_for(lambda: "is no longer leased to" in paused.log(), "the fenced record")
     assert catalog(pg_dsn, "SELECT name FROM journal_objects ORDER BY name") == records
     assert read_all(taker) == acked, "every acknowledged event, once; nothing unacknowledged"
+
+
+def test_a_broker_cut_off_from_postgres_stops_acknowledging_when_its_lease_runs_out(
+    broker_factory: type[BrokerProcess], pg_dsn: str
+) -> None:
+    """Renewals that cannot reach the catalog (every connection to it hangs) are no renewal:
+    once the ttl has run from the last one sent, appends get LeaseLost, though the journal
+    is local and the broker otherwise fine, and they keep failing."""
+    port = conninfo_to_dict(pg_dsn)["port"]
+    proxy = CuttingProxy(int(port))
+    try:
+        dsn = pg_dsn.replace(f"127.0.0.1:{port}/", f"127.0.0.1:{proxy.port}/")
+        assert dsn != pg_dsn
+        broker = broker_factory("--meta", dsn, "--lease-ttl", "2").start()
+        with broker.client() as client:
+            client.create_stream(STREAM, segments=1)
+        produce(broker, range(10))
+        proxy.freeze()  # a hung server: connections stay open, nothing comes back
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                produce(broker, range(10, 11))
+            except LeaseLost as exc:
+                assert "could not be renewed before it expired" in str(exc)
+                break
+            assert time.monotonic() < deadline, "it kept acknowledging without a renewal"
+            time.sleep(0.05)
+        for value in range(20, 23):
+            with pytest.raises(LeaseLost):
+                produce(broker, range(value, value + 1))
+    finally:
+        proxy.close()
