@@ -146,11 +146,22 @@ def test_corrupt_batch_among_large_ones_in_a_chunk_is_reported_after_the_good_on
             for b in range(6):  # six batches of 100 events of 1 KiB
                 producer.send_many([f"b{b}-{i:04d}".encode().ljust(1024, b".") for i in range(100)])
                 producer.flush()
-        chunks = _wait_for_chunks(broker, "faults/big")
+        # the chunk with the second batch (a roll by time may put it in a later chunk)
+        deadline = time.monotonic() + 10
+        while not (
+            found := [
+                c
+                for c in chunk_files(broker.data_dir, "faults/big")
+                if b"b1-0050" in c.read_bytes()
+            ]
+        ):
+            assert time.monotonic() < deadline, "the second batch never moved to a chunk"
+            time.sleep(0.1)
     broker.stop()
-    data = chunks[0].read_bytes()
+    (chunk,) = found
+    data = chunk.read_bytes()
     at = data.index(b"b1-0050")  # inside the second batch's Arrow body
-    with open(chunks[0], "r+b") as f:
+    with open(chunk, "r+b") as f:
         f.seek(at)
         f.write(bytes([data[at] ^ 0x01]))
     broker.start()
