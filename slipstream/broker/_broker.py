@@ -8,6 +8,8 @@ Data directory layout (docs/operations.md says the same):
     <data-dir>/meta.db                    the catalog (SQLite, WAL)
     <data-dir>/journal/<container>/*.journal   tier 1: group-committed journals
     <data-dir>/journal/<container>/synced.checkpoint   how much of the active file is synced
+                                          (with --journal objects no journal/: the journals are
+                                          objects <prefix>/journal/<container>/<file>/<start>)
     <data-dir>/chunks/<stream>/<segment>/<base offset>.chunk   tier 2: long-term chunks
     <data-dir>/chunk-cache/*.block        with --objects: the chunks' read cache (the chunks
                                           are objects <prefix>/<stream>/<segment>/<base offset>)
