@@ -41,12 +41,17 @@ def wait_for(condition: object, what: str, bound: int = 600) -> None:
     raise AssertionError(f"never: {what}")
 
 
+@pytest.mark.parametrize("catalog", ["sqlite", "postgres"])
 def test_acknowledged_events_survive_kill_9_and_journal_objects_become_chunks(
-    broker_factory: type[BrokerProcess], seaweedfs: SeaweedFS
+    broker_factory: type[BrokerProcess],
+    seaweedfs: SeaweedFS,
+    request: pytest.FixtureRequest,
+    catalog: str,
 ) -> None:
     bucket = seaweedfs.create_bucket()
+    meta = ("--meta", request.getfixturevalue("pg_dsn")) if catalog == "postgres" else ()
     broker = object_journal_broker(
-        broker_factory, seaweedfs, bucket, "--roll", "256KiB", "--roll-seconds", "0.5"
+        broker_factory, seaweedfs, bucket, "--roll", "256KiB", "--roll-seconds", "0.5", *meta
     )
     broker.start(timeout=60)
     with broker.client() as client:
