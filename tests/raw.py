@@ -18,11 +18,16 @@ from slipstream.protocol import PROTOCOL_VERSION, Frame, FrameDecoder, Hello, fr
 class RawConnection:
     """A hand-driven protocol connection, to send what a well-behaved client never would."""
 
-    def __init__(self, address: str, version: int = PROTOCOL_VERSION) -> None:
+    def __init__(
+        self,
+        address: str,
+        version: int = PROTOCOL_VERSION,
+        credentials: dict[str, str] | None = None,
+    ) -> None:
         host, port = address.split(":")
         self.sock = socket.create_connection((host, int(port)), timeout=10)
         self.decoder = FrameDecoder()
-        self.send_frame(Hello(version, "raw-test"), 1)
+        self.send_frame(Hello(version, "raw-test", credentials), 1)
 
     def send_frame(self, message: object, cid: int, payload: bytes = b"") -> None:
         self.sock.sendall(

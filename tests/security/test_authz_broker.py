@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,13 +19,12 @@ from typing import Any
 import httpx
 import pytest
 from conftest import BrokerProcess
-from raw import batch
+from raw import RawConnection, batch
 
 import slipstream
 from slipstream import PermissionDenied
 from slipstream.protocol import (
     KINDS,
-    PROTOCOL_VERSION,
     AccessRule,
     Append,
     BeginTxn,
@@ -47,8 +45,6 @@ from slipstream.protocol import (
     FindEvents,
     Follow,
     FollowFailed,
-    Frame,
-    FrameDecoder,
     GetCut,
     GetIdentity,
     GetScaleHistory,
@@ -78,7 +74,6 @@ from slipstream.protocol import (
     Unfollow,
     UpdateStream,
     Welcome,
-    frame_bytes,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -100,33 +95,15 @@ def cli(*args: str, token: str | None = None) -> subprocess.CompletedProcess[str
     )
 
 
-class TokenConnection:
+class TokenConnection(RawConnection):
     """A hand-driven protocol connection that authenticates with a token in its Hello."""
 
     def __init__(self, address: str, token: str) -> None:
-        host, port = address.split(":")
-        self.sock = socket.create_connection((host, int(port)), timeout=10)
-        self.decoder = FrameDecoder()
-        self.send(Hello(PROTOCOL_VERSION, "authz-test", {"token": token}), 1)
+        super().__init__(address, credentials={"token": token})
         assert isinstance(self.receive().message, Welcome)
 
     def send(self, message: Message, cid: int, payload: bytes = b"") -> None:
-        frames = frame_bytes(message, cid, [payload] if payload else [])
-        self.sock.sendall(b"".join(bytes(b) for b in frames))
-
-    def receive(self) -> Frame:
-        while True:
-            item = self.decoder.next_item()
-            if item is not None:
-                assert isinstance(item, Frame)
-                return item
-            data = self.sock.recv(65536)
-            if not data:
-                raise ConnectionError("broker closed the connection")
-            self.decoder.feed(data)
-
-    def close(self) -> None:
-        self.sock.close()
+        self.send_frame(message, cid, payload)
 
 
 @dataclass
