@@ -941,21 +941,15 @@ class Service:
             caller.access_version = self._rules_version
         decision = self._decide(principal, action, stream)
         if not decision.allowed:
-            self.audit.record(
-                "denied",
-                subject=principal.subject,
-                peer=caller.peer,
-                action=action or "any",
-                stream=stream,
-                reason=decision.reason,
-            )
             asked = action or Action.CONSUME
             what = f"{action or 'act on'} {stream}" if stream else f"{asked} (broker-wide)"
-            raise PermissionDenied(
+            raise self._denied(
+                caller,
+                principal,
                 f"{principal.subject} may not {what}: {decision.reason}; an administrator "
                 f"allows it with: {grant_command(principal.subject, asked, stream)}",
-                subject=principal.subject,
                 action=action or "any",
+                reason=decision.reason,
                 stream=stream,
             )
         if len(caller.access) >= MAX_ACCESS_CACHE:
@@ -996,20 +990,14 @@ class Service:
             return
         decision = self.rules.may_somewhere(principal, action)
         if not decision.allowed:
-            self.audit.record(
-                "denied",
-                subject=principal.subject,
-                peer=caller.peer,
-                action=action,
-                stream=None,
-                reason=decision.reason,
-            )
-            raise PermissionDenied(
+            raise self._denied(
+                caller,
+                principal,
                 f"{principal.subject} may not {action} anywhere: {decision.reason}; an "
                 "administrator allows it with: "
                 f"{grant_command(principal.subject, action, _scope_pattern(principal))}",
-                subject=principal.subject,
                 action=str(action),
+                reason=decision.reason,
             )
 
     def _may(self, caller: Caller, action: Action | None, stream: str) -> bool:
@@ -1196,21 +1184,14 @@ class Service:
             return
         if self.rules.decide(principal, Action.ADMIN, None).allowed:
             return
-        self.audit.record(
-            "denied",
-            subject=principal.subject,
-            peer=caller.peer,
-            action="transaction",
-            stream=None,
-            txn_id=txn_id,
-            reason=f"anonymous transaction begun by {owner}",
-        )
-        raise PermissionDenied(
+        raise self._denied(
+            caller,
+            principal,
             f"{principal.subject} may not write to, merge, commit or abort transaction "
             f"{txn_id}: {owner} began it; begin a transaction of your own (an administrator "
             f"aborts it with: slipstream txn abort {txn_id})",
-            subject=principal.subject,
             action="transaction",
+            reason=f"anonymous transaction begun by {owner}",
             txn_id=txn_id,
         )
 
@@ -1251,22 +1232,15 @@ class Service:
             return
         if self.rules.decide(principal, Action.ADMIN, None).allowed:
             return
-        self.audit.record(
-            "denied",
-            subject=principal.subject,
-            peer=caller.peer,
-            action="transactional_id",
-            stream=None,
-            transactional_id=transactional_id,
-            reason=f"transactional id owned by {owner}",
-        )
-        raise PermissionDenied(
+        raise self._denied(
+            caller,
+            principal,
             f"{principal.subject} may not use transactional id {transactional_id!r}: it "
             f"belongs to {owner}, the subject that first initialised it; use another "
             f"transactional id, or an administrator hands it over with: slipstream txn "
             f"hand-over '{transactional_id}' {principal.subject}",
-            subject=principal.subject,
             action="transactional_id",
+            reason=f"transactional id owned by {owner}",
             transactional_id=transactional_id,
         )
 
@@ -1282,6 +1256,29 @@ class Service:
         return hmac.new(self._key, message, hashlib.sha256).digest()[:_TOKEN_BYTES]
 
     # --- audit -------------------------------------------------------------------------------
+
+    def _denied(
+        self,
+        caller: Caller,
+        principal: Principal,
+        message: str,
+        *,
+        action: str,
+        reason: str,
+        **details: object,
+    ) -> PermissionDenied:
+        """Write the ``denied`` audit record of a refusal and return the PermissionDenied to
+        raise (``message`` says who may not do what, why, and the command that allows it;
+        ``details`` go into both, e.g. the stream)."""
+        self.audit.record(
+            "denied",
+            subject=principal.subject,
+            peer=caller.peer,
+            action=action,
+            reason=reason,
+            **{"stream": None, **details},
+        )
+        return PermissionDenied(message, subject=principal.subject, action=action, **details)
 
     def _audited(self, caller: Caller, event: str, **details: object) -> None:
         """An audit record of a change the caller made (security/_audit.py)."""
