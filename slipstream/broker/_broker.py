@@ -488,7 +488,11 @@ class Broker:
         tls = self.tls
         if tls is None:
             return lambda: self._accept(session)
-        return lambda: TlsGate(tls, lambda: self._accept(session))
+        return lambda: TlsGate(tls, lambda: self._accept(session), self._tls_refused)
+
+    def _tls_refused(self, peer: str, reason: str) -> None:
+        """A connection the TLS gate or handshake turned away, audited."""
+        self.service.audit.record("connection_refused", subject=None, peer=peer, reason=reason)
 
     def _accept(self, session: type[Session]) -> Session:
         self._accepted.set()

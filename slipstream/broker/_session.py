@@ -38,10 +38,12 @@ from .._errors import (
     LimitExceeded,
     ProtocolError,
     SlipstreamError,
+    TlsError,
     TooManyFollows,
     TooManyRequests,
     UnsupportedVersion,
 )
+from .._tls import TLS_HANDSHAKE_BYTE
 from ..format import decode_header
 from ..protocol import (
     PROTOCOL_VERSION,
@@ -207,6 +209,8 @@ class Session(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.greeted = False
+        self._first_bytes = True  # nothing received yet (a TLS ClientHello is told apart)
+        self._buffer = memoryview(b"")  # the decoder's buffer last handed to the transport
         self.pending_bytes = 0
         self.reading_paused = False
         self.writable = asyncio.Event()
@@ -273,10 +277,22 @@ class Session(asyncio.BufferedProtocol):
             self._stall_timer = None
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self.decoder.get_buffer(sizehint)
+        self._buffer = self.decoder.get_buffer(sizehint)
+        return self._buffer
 
     def buffer_updated(self, nbytes: int) -> None:
         self.last_received = asyncio.get_running_loop().time()
+        if not self.greeted and self._first_bytes and nbytes:
+            self._first_bytes = False
+            if self._buffer[0] == TLS_HANDSHAKE_BYTE and self.broker.tls is None:
+                # a TLS client's ClientHello: say so now, rather than read it as a frame
+                self._fatal(
+                    TlsError(
+                        "this broker does not use TLS (started without --tls-cert); connect "
+                        "without tls=True / --tls / SLIPSTREAM_TLS_CA"
+                    )
+                )
+                return
         self.decoder.buffer_updated(nbytes)
         try:
             while (item := self.decoder.next_item()) is not None:
@@ -304,6 +320,12 @@ class Session(asyncio.BufferedProtocol):
 
     def _fatal(self, exc: SlipstreamError, correlation_id: int = 0) -> None:
         log.warning("closing connection from %s: %s", self.peer, exc)
+        if not self.greeted and not isinstance(exc, AuthenticationFailed):  # that one is
+            # audited where it is decided; any other refusal before Hello is audited here
+            # (a TLS client on a plaintext port, garbage, a wrong protocol version, a quota)
+            self.service.audit.record(
+                "connection_refused", subject=None, peer=self.peer, reason=exc.code
+            )
         self.send_error(correlation_id, exc)
         if self.transport is not None:
             self.transport.close()

@@ -16,6 +16,7 @@ import logging
 import ssl
 from asyncio.sslproto import SSLProtocol
 from collections.abc import Callable
+from functools import partial
 from typing import cast
 
 from .._tls import TLS_HANDSHAKE_BYTE
@@ -41,9 +42,17 @@ def _ssl_protocol_class(loop: asyncio.AbstractEventLoop) -> type[SSLProtocol]:
 class TlsGate(asyncio.Protocol):
     """One accepted connection until its first bytes tell TLS from plaintext."""
 
-    def __init__(self, context: ssl.SSLContext, accept: Callable[[], asyncio.BaseProtocol]) -> None:
+    def __init__(
+        self,
+        context: ssl.SSLContext,
+        accept: Callable[[], asyncio.BaseProtocol],
+        refused: Callable[[str, str], None],
+    ) -> None:
+        """``refused(peer, reason)`` is told of every connection the gate or the TLS
+        handshake turns away (the broker audits them)."""
         self._context = context
         self._accept = accept
+        self._refused = refused
         self._transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -59,11 +68,15 @@ class TlsGate(asyncio.Protocol):
             self._refuse_plaintext(transport)
             return
         loop = asyncio.get_running_loop()
+        # told when the handshake ends: a failed one (a client certificate from an unknown CA,
+        # a client that does not trust ours) reaches no Session, so it is reported from here
+        handshake: asyncio.Future[None] = loop.create_future()
+        handshake.add_done_callback(partial(self._handshake_done, _peer(transport)))
         tls = _ssl_protocol_class(loop)(
             loop,
             self._accept(),
             self._context,
-            None,  # type: ignore[arg-type]  # no waiter: the Session's connection_made is one
+            handshake,
             server_side=True,
             ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S,
         )
@@ -77,12 +90,19 @@ class TlsGate(asyncio.Protocol):
             tls.buffer_updated(n)
             view = view[n:]
 
+    def _handshake_done(self, peer: str, handshake: asyncio.Future[None]) -> None:
+        exc = None if handshake.cancelled() else handshake.exception()
+        if exc is not None:
+            reason = getattr(exc, "reason", None) or type(exc).__name__
+            log.warning("TLS handshake with %s failed: %s", peer, reason)
+            self._refused(peer, f"tls_handshake_failed: {reason}")
+
     def _refuse_plaintext(self, transport: asyncio.Transport) -> None:
-        peer = transport.get_extra_info("peername")
-        where = f"{peer[0]}:{peer[1]}" if peer else "?"
+        where = _peer(transport)
         log.warning(
             "refused a plaintext connection from %s: this broker requires TLS (--tls-cert)", where
         )
+        self._refused(where, "plaintext_on_tls_port")
         error = Error(
             "tls_error",
             "this broker requires TLS; connect with tls=True and ca=..., --tls --tls-ca FILE, "
@@ -94,3 +114,8 @@ class TlsGate(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._silent.cancel()
         self._transport = None
+
+
+def _peer(transport: asyncio.BaseTransport) -> str:
+    peer = transport.get_extra_info("peername")
+    return f"{peer[0]}:{peer[1]}" if peer else "?"

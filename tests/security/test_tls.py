@@ -6,6 +6,7 @@ missing client certificate) must fail connect with TlsError within the connect t
 
 from __future__ import annotations
 
+import json
 import signal
 import ssl
 import time
@@ -59,6 +60,21 @@ def _ca(pki: dict[str, object], name: str = "ca") -> Path:
     return authority.path
 
 
+def _refusals(broker: BrokerProcess, count: int) -> list[str]:
+    """The reasons of the broker's ``connection_refused`` audit records, once it has written
+    ``count`` of them (the audit log lines are JSON objects)."""
+    deadline = time.monotonic() + 10
+    while True:
+        found = [
+            json.loads(line[line.index("{") :])["details"]["reason"]
+            for line in broker.log().splitlines()
+            if "slipstream.audit" in line and '"connection_refused"' in line
+        ]
+        if len(found) >= count or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
 def _fails_fast(connect: Callable[[], object], match: str) -> TlsError:
     started = time.monotonic()
     with pytest.raises(TlsError, match=match) as info:
@@ -101,6 +117,7 @@ def test_plaintext_client_against_tls_broker(
     assert "WARNING" in next(
         line for line in broker.log().splitlines() if "refused a plaintext" in line
     )
+    assert _refusals(broker, 1) == ["plaintext_on_tls_port"]  # audited
 
 
 def test_tls_client_against_plaintext_broker(
@@ -111,6 +128,7 @@ def test_tls_client_against_plaintext_broker(
         lambda: slipstream.connect(broker.address, ca=_ca(pki), timeout=TIMEOUT),
         "does not use TLS|without TLS",
     )
+    assert _refusals(broker, 1) == ["tls_error"]  # audited
 
 
 def test_unknown_ca_is_refused(broker_factory: BrokerFactory, pki: dict[str, object]) -> None:
@@ -155,6 +173,10 @@ def test_mutual_tls(broker_factory: BrokerFactory, pki: dict[str, object]) -> No
         ),
         "client certificate|refused",
     )
+    # audited: no certificate at all, and one from a CA the broker does not trust
+    refusals = _refusals(broker, 2)
+    assert len(refusals) == 2, refusals
+    assert all(r.startswith("tls_handshake_failed") for r in refusals), refusals
     alice = pki["client"]
     assert isinstance(alice, Issued)
     with slipstream.connect(
