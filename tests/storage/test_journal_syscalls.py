@@ -16,6 +16,7 @@ import errno
 import os
 import select
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -222,6 +223,16 @@ def open_stream(address: str, stream: str) -> RawConnection:
     return connection
 
 
+def audit_written(broker: InProcessBroker) -> None:
+    """Wait until the broker's audit writer has appended every record made so far (the
+    stream's creation): its fdatasync must not be taken for the one a test waits for."""
+    audit = broker.broker.service.audit
+    deadline = time.monotonic() + 20
+    while audit.appended < audit.seq:
+        assert time.monotonic() < deadline, "the audit records were never appended"
+        time.sleep(0.01)
+
+
 def nothing_to_read(connection: RawConnection, wait: float) -> bool:
     """No frame decoded or bytes arrived within ``wait`` seconds."""
     if connection.decoder.buffered:
@@ -237,8 +248,10 @@ def test_an_append_is_acknowledged_only_after_its_fdatasync_returns(
 ) -> None:
     broker = start_broker()
     connection = open_stream(broker.address, "t/acks")
+    audit_written(broker)
     recorder.scope = str(tmp_path / "data" / "journal")  # the containers' journals only
     recorder.paths.clear()
+    recorder.returned.clear()  # the audit record's sync returned already
     recorder.hold()
     connection.send_frame(Append("t/acks", 0), 3, batch(3, b"durable"))
     assert recorder.entered.wait(20), "the append's group never called fdatasync"
@@ -260,6 +273,7 @@ def test_a_full_disk_at_fdatasync_fails_the_append_and_later_appends_go_on(
 ) -> None:
     broker = start_broker()
     connection = open_stream(broker.address, "t/full")
+    audit_written(broker)
     recorder.scope = str(tmp_path / "data" / "journal")  # the containers' journals only
     recorder.paths.clear()
     connection.send_frame(Append("t/full", 0), 3, batch(2, b"first"))
