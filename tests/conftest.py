@@ -225,6 +225,24 @@ def powerfs(tmp_path: Path) -> Iterator[PowerFS]:
 # --- PostgreSQL: one throwaway cluster per session (tests/pg.py), a database per test --------
 
 
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 16 MiB tmpfs for full-disk tests (skipped where mounting is not allowed)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[Any]:
     """A running PgCluster (tests/pg.py), stopped and removed at the end of the session."""

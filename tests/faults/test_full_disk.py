@@ -9,31 +9,12 @@ container and journal conformance tests).
 from __future__ import annotations
 
 import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import BrokerProcess
 
 import slipstream
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)],
-        capture_output=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_full_disk_refuses_appends_then_recovers(
