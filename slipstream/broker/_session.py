@@ -210,7 +210,7 @@ class Session(asyncio.BufferedProtocol):
         self.peer = "?"
         self.greeted = False
         self._first_bytes = True  # nothing received yet (a TLS ClientHello is told apart)
-        self._buffer = memoryview(b"")  # the decoder's buffer last handed to the transport
+        self._buffer = memoryview(b"")  # the first buffer handed to the transport, until it is read
         self.pending_bytes = 0
         self.reading_paused = False
         self.writable = asyncio.Event()
@@ -277,14 +277,17 @@ class Session(asyncio.BufferedProtocol):
             self._stall_timer = None
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        self._buffer = self.decoder.get_buffer(sizehint)
-        return self._buffer
+        buffer = self.decoder.get_buffer(sizehint)
+        if self._first_bytes:  # kept only until the first bytes arrive
+            self._buffer = buffer
+        return buffer
 
     def buffer_updated(self, nbytes: int) -> None:
         self.last_received = asyncio.get_running_loop().time()
         if not self.greeted and self._first_bytes and nbytes:
             self._first_bytes = False
-            if self._buffer[0] == TLS_HANDSHAKE_BYTE and self.broker.tls is None:
+            first, self._buffer = self._buffer[0], memoryview(b"")
+            if first == TLS_HANDSHAKE_BYTE and self.broker.tls is None:
                 # a TLS client's ClientHello: say so now, rather than read it as a frame
                 self._fatal(
                     TlsError(
