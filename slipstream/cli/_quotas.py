@@ -30,7 +30,10 @@ def _per_second(text: str, option: str) -> str:
     stripped = text.strip()
     if stripped.lower().endswith("/s"):
         return stripped[:-2]
-    raise typer.BadParameter(f"a rate per second, e.g. {text}/s", param_hint=option)
+    raise typer.BadParameter(
+        f"{text!r} is not a rate per second: write it with /s, like 10MB/s or 1000/s",
+        param_hint=option,
+    )
 
 
 def parse_byte_rate(text: str, option: str) -> int:
