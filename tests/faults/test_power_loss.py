@@ -227,12 +227,15 @@ def test_fsync_never_loses_what_was_acknowledged_since_the_last_roll(machine: Ma
 
 
 def test_files_the_broker_writes_once_survive_a_power_failure(machine: Machine) -> None:
-    """broker.json and producer.key are written once, at the first start: a power failure any
-    time after that start must leave them as they were (a lost key invalidates every
-    producer's token)."""
+    """broker.json, producer.key and broker-id are written once, at the first start: a power
+    failure any time after that start must leave them as they were (a lost key invalidates
+    every producer's token)."""
     _with_stream(machine)
     data_dir = machine.broker.data_dir
-    written = {name: (data_dir / name).read_bytes() for name in ("broker.json", "producer.key")}
+    written = {
+        name: (data_dir / name).read_bytes()
+        for name in ("broker.json", "producer.key", "broker-id")
+    }
     machine.power_failure()
     assert {name: (data_dir / name).read_bytes() for name in written} == written
 
