@@ -13,6 +13,7 @@ PACKAGES = [
     "slipstream.protocol",
     "slipstream.streams",
     "slipstream.storage",
+    "slipstream.cluster",
     "slipstream.broker",
     "slipstream.client",
     "slipstream.cli",
