@@ -33,7 +33,15 @@ from .._errors import (
 )
 from ..format import decode_header, int64_values, read_body
 from ..protocol import SegmentInfo, StreamInfo
-from ..storage import ChunkRecord, LongTermStore, MetaStore, ScaleRecord, SegmentRecord
+from ..storage import (
+    ChunkRecord,
+    LongTermStore,
+    MetaStore,
+    ScaleRecord,
+    SegmentChunks,
+    SegmentRecord,
+    StreamRecord,
+)
 from ..streams import (
     MAX_SEGMENTS,
     KeyRange,
@@ -165,31 +173,12 @@ class Controller:
         chunks only their totals and the newest are loaded (``MetaStore.segment_chunks``)."""
         chunks_by_segment = {(c.stream_id, c.segment): c for c in self.meta.segment_chunks()}
         for record in self.meta.streams():
-            segments = []
-            for s in record.segments:
-                segment = Segment(
-                    record.id,
-                    record.name,
-                    s.number,
-                    s.epoch,
-                    s.key_lo,
-                    s.key_hi,
-                    s.container % len(self.containers),
-                    start_offset=s.start_offset,
-                    sealed=s.sealed,
-                    predecessors=list(s.predecessors),
+            segments = [
+                build_segment(
+                    record, s, chunks_by_segment.get((record.id, s.number)), len(self.containers)
                 )
-                chunks = chunks_by_segment.get((record.id, s.number))
-                if chunks is not None:
-                    segment.add_chunk(chunks.newest)
-                    segment.chunk_count = chunks.count
-                    segment.note_batch(chunks.bytes, chunks.min_timestamp, chunks.max_timestamp)
-                # catalogs before SegmentRecord.producers kept the state with the newest chunk
-                moved = s.producers or (chunks.newest.producers if chunks is not None else b"")
-                segment.moved_producers = moved or None
-                segment.producers = ProducerTable.from_snapshot(moved)
-                segment.next_offset = segment.pending_offset = segment.chunk_end
-                segments.append(segment)
+                for s in record.segments
+            ]
             stream = Stream(
                 record.id,
                 record.name,
@@ -677,6 +666,35 @@ RETENTION_BATCH = 10_000
 
 #: how much a time lookup reads per trip through the container while it scans batch headers
 _TIME_SCAN_BYTES = 1 << 20
+
+
+def build_segment(
+    record: StreamRecord, s: SegmentRecord, chunks: SegmentChunks | None, containers: int
+) -> Segment:
+    """A segment as the catalog knows it: its newest chunk, totals and producer state, its
+    durable end at the end of its chunks (a container's journal recovery adds what follows)."""
+    segment = Segment(
+        record.id,
+        record.name,
+        s.number,
+        s.epoch,
+        s.key_lo,
+        s.key_hi,
+        s.container % containers,
+        start_offset=s.start_offset,
+        sealed=s.sealed,
+        predecessors=list(s.predecessors),
+    )
+    if chunks is not None:
+        segment.add_chunk(chunks.newest)
+        segment.chunk_count = chunks.count
+        segment.note_batch(chunks.bytes, chunks.min_timestamp, chunks.max_timestamp)
+    # catalogs before SegmentRecord.producers kept the state with the newest chunk
+    moved = s.producers or (chunks.newest.producers if chunks is not None else b"")
+    segment.moved_producers = moved or None
+    segment.producers = ProducerTable.from_snapshot(moved)
+    segment.next_offset = segment.pending_offset = segment.chunk_end
+    return segment
 
 
 def _first_event_at_or_after(
