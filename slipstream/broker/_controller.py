@@ -38,10 +38,10 @@ from ..storage import (
     LongTermStore,
     MetaStore,
     ScaleRecord,
-    SegmentChunks,
     SegmentRecord,
     StreamRecord,
 )
+from ..storage._meta import SegmentChunks
 from ..streams import (
     MAX_SEGMENTS,
     KeyRange,
