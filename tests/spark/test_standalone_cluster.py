@@ -1,0 +1,65 @@
+"""The auctions pipeline on a Spark standalone cluster (tests/spark/standalone.py: a master and
+two workers of 1 core each, real JVMs on loopback), unchanged: the driver, a process of its
+own, runs ``test_main_job``'s job 1 test (the pipeline's own ``start_windows``, the bids stream
+split and merged under the running query, every window checked against the bids sent) on a
+SparkSession whose master is ``spark://127.0.0.1:PORT``. Its reads and writes run in the
+executors' Python workers, which connect to the brokers themselves; the test checks that both
+workers' executors ran tasks of the application. First against one broker, then against two
+brokers in cluster mode given to Spark as the list ``h1:p1,h2:p2`` (docs/spark.md, "On a Spark
+standalone cluster").
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import BrokerProcess
+from standalone import SparkStandalone, driver_env
+
+
+@pytest.fixture(scope="module")
+def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkStandalone]:
+    cluster = SparkStandalone(tmp_path_factory.mktemp("spark-standalone")).start()
+    yield cluster
+    cluster.stop()
+
+
+def run_job_1(cluster: SparkStandalone, brokers: str, tmp_path: Path) -> None:
+    """The driver in a process of its own (one SparkContext per process, and the other Spark
+    tests' session is local); the application must have run on both workers' executors."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "standalone",
+            cluster.master_url,
+            brokers,
+            str(tmp_path / "driver"),
+            json.dumps(cluster.executor_conf()),
+        ],
+        env=driver_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert done.returncode == 0, f"{done.stderr[-6000:]}\n{cluster.log()}"
+    application = json.loads(done.stdout.splitlines()[0])["application"]
+    ran_tasks = {
+        stderr.parents[2].name
+        for stderr in cluster.base.glob(f"worker-*/{application}/*/stderr")
+        if "Finished task" in stderr.read_text(errors="replace")
+    }
+    assert ran_tasks == {"worker-0", "worker-1"}, cluster.log()
+
+
+def test_job_1_on_a_standalone_cluster_against_one_broker(
+    spark_cluster: SparkStandalone, broker: BrokerProcess, tmp_path: Path
+) -> None:
+    run_job_1(spark_cluster, broker.address, tmp_path)
