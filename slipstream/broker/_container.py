@@ -60,6 +60,7 @@ from ..storage import (
     chunk_name,
     payload_alignment,
 )
+from ..storage._chunks import MOVE_COMMIT_WINDOW_S, writer_tag
 from ..streams import ProducerState, ProducerTable
 from ._faults import scaled_count, scaling_now_ms
 from ._metrics import DETACHED, Metrics
@@ -840,6 +841,10 @@ class Container:
             adopter = max(owned, key=owned.__getitem__, default=None)
             if source is None or adopter is None or owned[adopter] * 2 < source.stat().st_size:
                 adopter = None
+            # names no other upload uses (storage/_chunks.py): a broker paused past its lease,
+            # or this move's retry, never overwrites a chunk another upload recorded
+            writer = writer_tag(self.lease.epoch if self.lease is not None else 0)
+            started = time.monotonic()
             plans = []
             for global_id, batches in by_segment.items():
                 target = targets[global_id]
@@ -852,7 +857,7 @@ class Container:
                 if target.hole is not None:
                     spans.append(target.hole)
                 base, end = min(s for s, _ in spans), max(e for _, e in spans)
-                name = chunk_name(target.stream_id, target.number, base)
+                name = chunk_name(target.stream_id, target.number, base, writer)
                 if not batches:  # nothing but a hole: an empty chunk keeps its offsets taken
                     self.long_term.write_chunk(name, [])
                     positions = []
@@ -897,6 +902,12 @@ class Container:
                     finds,
                 )
                 plans.append((global_id, record))
+            if time.monotonic() - started > MOVE_COMMIT_WINDOW_S:
+                # the orphan sweep may take uploads this old for orphans (ChunkSweep): retry
+                raise StorageError(
+                    f"moving journal file {file_id} took over {MOVE_COMMIT_WINDOW_S:g} s from "
+                    "its first upload; not recorded, retried under new names"
+                )
             # fenced: refused (LeaseLost) once another broker holds the container
             self.meta.add_chunks(
                 self.id, file_id, [record for _, record in plans], lease=self.lease

@@ -29,6 +29,7 @@ from .._errors import (
     InvalidArgument,
     OffsetOutOfRange,
     SegmentNotFound,
+    SlipstreamError,
     StreamNotFound,
 )
 from ..format import decode_header, int64_values, read_body
@@ -41,6 +42,7 @@ from ..storage import (
     SegmentRecord,
     StreamRecord,
 )
+from ..storage._chunks import ChunkSweep
 from ..storage._meta import SegmentChunks
 from ..streams import (
     MAX_SEGMENTS,
@@ -156,10 +158,16 @@ class Controller:
         self.read_pool = read_pool
         self._catalog = ThreadPoolExecutor(1, thread_name_prefix="catalog")
         self.streams: dict[str, Stream] = {}
+        #: deletes chunks no record names (failed deletes, uploads never recorded), after
+        #: each retention pass once due, on its own thread: a LIST of every chunk is slow
+        self.chunk_sweep = ChunkSweep(long_term, meta)
+        self._sweeper = ThreadPoolExecutor(1, thread_name_prefix="chunk-sweep")
 
     def close(self) -> None:
         """Finish the catalog writes under way and stop their thread (before the catalog is
         closed)."""
+        self.chunk_sweep.stop()
+        self._sweeper.shutdown(wait=True)
         self._catalog.shutdown(wait=True)
 
     async def in_catalog(self, call: Callable[..., T], *args: Any) -> T:
@@ -491,9 +499,16 @@ class Controller:
         return self.meta.scalings(self.stream(name).id)
 
     def _delete_chunks(self, chunks: Sequence[ChunkRecord]) -> None:
-        """Delete chunk files (on the catalog thread), in order."""
+        """Delete chunk files (on the catalog thread), in order, after their records are gone.
+        A delete that fails (the store is down) is logged: the chunk is an orphan, which the
+        chunk sweep deletes later (``ChunkSweep``), as it does if the broker dies first."""
         for chunk in chunks:
-            self.long_term.delete_chunk(chunk.name)
+            try:
+                self.long_term.delete_chunk(chunk.name)
+            except (SlipstreamError, OSError) as exc:
+                log.warning(
+                    "deleting chunk %s failed, left for the orphan sweep: %s", chunk.name, exc
+                )
 
     def list_streams(self, scope: str | None) -> list[Stream]:
         """The streams of ``scope``, or of every scope but the broker's own ``_system`` (the
@@ -608,7 +623,20 @@ class Controller:
                 removed += count
                 if count < RETENTION_BATCH:
                     break
+        if self.chunk_sweep.due():
+            await self.sweep_orphaned_chunks()
         return removed
+
+    async def sweep_orphaned_chunks(self) -> list[str]:
+        """Delete the chunks that no catalog record names and that are older than the sweep's
+        grace (``ChunkSweep``), on the sweep's thread; returns their names. A failed sweep is
+        logged and retried at the next pass once due."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._sweeper, self.chunk_sweep.sweep)
+        except (SlipstreamError, OSError) as exc:
+            log.warning("sweeping orphaned chunks failed, will retry: %s", exc)
+            return []
 
     async def _retain(self, stream: Stream, now_ms: int) -> int:
         """One step of retention for ``stream``: how many chunks it removed."""

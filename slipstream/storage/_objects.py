@@ -33,6 +33,11 @@ entry". Everything else is ``StorageError`` whose message says the fix: endpoint
 bucket missing, credentials refused. Transient failures (connection errors, 5xx, timeouts) are
 retried by obstore with exponential backoff, ``max_retries`` times, before they surface.
 
+Orphans (objects that no catalog record names: a failed delete, an upload whose record never
+committed) are found by ``list_chunk_times`` and deleted by ``ChunkSweep`` (storage/_chunks.py)
+once older than its grace period; the mover names every upload uniquely, so two brokers that
+both believe they own a container never write the same object.
+
 Chunks are immutable by contract; the cache trusts that. ``write_chunk`` and ``delete_chunk``
 through this store drop the name's cached blocks, but another process overwriting an object
 behind this store's back would not be seen until the blocks leave the cache.
@@ -305,19 +310,28 @@ class ObjectChunkStore(LongTermStore):
         self._forget(name)  # after: a failed delete leaves the chunk, and its cache, as they were
 
     def list_chunks(self, prefix: str = "") -> list[str]:
+        return [name for name, _ in self.list_chunk_times(prefix)]
+
+    def list_chunk_times(self, prefix: str = "") -> list[tuple[str, float]]:
+        """Names and last-modified times (the store's clock; for a multipart upload, when it
+        began) of the objects under ``prefix``, paged through obstore's list."""
         import obstore
 
         # obstore lists by path segments: ask for the directory part, filter the rest here
         directory = prefix[: prefix.rfind("/") + 1].rstrip("/") or None
-        names: list[str] = []
+        found: list[tuple[str, float]] = []
         try:
             for page in obstore.list(self._store, prefix=directory):
-                names.extend(meta["path"] for meta in page)
+                found.extend(
+                    (meta["path"], meta["last_modified"].timestamp())
+                    for meta in page
+                    if meta["path"].startswith(prefix) and meta["path"] != PROBE_NAME
+                )
         except Exception as exc:
             if self._is_missing(exc):
                 return []
             raise self._error(exc, "listing chunks") from exc
-        return sorted(n for n in names if n.startswith(prefix) and n != PROBE_NAME)
+        return sorted(found)
 
     # --- object store requests --------------------------------------------------------------
 
