@@ -16,7 +16,7 @@ import sqlite3
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -133,6 +133,19 @@ class Lease(msgspec.Struct, frozen=True):
     container: int
     owner: str
     epoch: int
+    expires_ms: int
+
+
+class Member(msgspec.Struct, frozen=True):
+    """A broker of a cluster as registered in the catalog (``MetaStore.register_member``): its
+    id, the binary protocol's and the HTTP API's advertised addresses, when its current run of
+    registrations began (``started_ms``) and when the registration lapses unless renewed
+    (``expires_ms``), both on the catalog's clock, as for ``Lease``."""
+
+    broker_id: str
+    address: str
+    http_address: str
+    started_ms: int
     expires_ms: int
 
 
@@ -370,6 +383,42 @@ class MetaStore(ABC):
     def leases(self) -> list[Lease]:
         """Every container's last lease, by container (a released one with ``expires_ms`` 0)."""
 
+    # --- cluster membership (docs/operations.md, "Cluster membership") ------------------------
+
+    @abstractmethod
+    def register_member(
+        self, broker_id: str, address: str, http_address: str, ttl_ms: int
+    ) -> Member:
+        """Register or renew a broker: its record (addresses replaced) lives until ``ttl_ms``
+        from the catalog's clock's now. ``started_ms`` is kept while the record is live and
+        starts again at now if it had expired (a broker that comes back after its registration
+        lapsed is a new member). Raises InvalidArgument for a negative ttl."""
+
+    @abstractmethod
+    def members(self) -> list[Member]:
+        """The live members (``expires_ms`` after the catalog's clock's now), by broker id.
+        An expired record is not listed, and is replaced by the broker's next registration."""
+
+    @abstractmethod
+    def remove_member(self, broker_id: str) -> None:
+        """Forget a broker's registration at once (a clean stop); nothing if there is none."""
+
+    @abstractmethod
+    def catalog_version(self) -> int:
+        """A counter that grows in the same transaction as every change of streams or
+        segments (create, delete, scale, retention limits, scaling policy), subscriptions
+        (create, delete, reset) and settings (put, a delete that removed one): a broker that
+        sees it unchanged knows that none of these changed since it last read them. Not
+        changed by chunks, retention's chunk removals, journal objects, leases, members,
+        positions, identities or transaction records (the hot paths)."""
+
+    @abstractmethod
+    def shared_secret(self, name: str, make: Callable[[], bytes]) -> bytes:
+        """The secret ``name`` shared by every broker of the catalog: the stored one, or, if
+        there is none yet, ``make()``'s, stored. Brokers racing to create it all get the same
+        bytes (the first write wins; others' ``make()`` results are dropped). Kept apart from
+        ``settings()``, which never lists it; never changed or removed once stored."""
+
     @abstractmethod
     def moved_file(self, container: int) -> int:
         """The highest journal file id of a container whose entries are all in chunks (-1)."""
@@ -540,7 +589,8 @@ class SqliteMetaStore(MetaStore):
             for number, migration in enumerate(SQLITE_MIGRATIONS[version - 1 :], version + 1):
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
-                    self._db.execute(migration)
+                    for statement in migration.split(";"):
+                        self._db.execute(statement)
                     self._db.execute("UPDATE schema_version SET version = ?", (number,))
                 except sqlite3.Error as exc:
                     self._db.execute("ROLLBACK")
@@ -618,6 +668,7 @@ class SqliteMetaStore(MetaStore):
             stream_id = cur.lastrowid
             assert stream_id is not None
             self._insert_segments(cur, stream_id, segments)
+            _bump_version(cur)
         return StreamRecord(
             stream_id, name, retention_ms, retention_bytes, created_ms, list(segments), scaling
         )
@@ -664,6 +715,7 @@ class SqliteMetaStore(MetaStore):
             for table in ("chunks", "segments", "subscriptions", "scalings"):
                 cur.execute(f"DELETE FROM {table} WHERE stream_id = ?", (record.id,))
             cur.execute("DELETE FROM streams WHERE id = ?", (record.id,))
+            _bump_version(cur)
         return record, chunks
 
     def update_retention(
@@ -683,12 +735,14 @@ class SqliteMetaStore(MetaStore):
                     "UPDATE streams SET retention_bytes = ? WHERE id = ?",
                     (retention_bytes or None, stream_id),
                 )
+            _bump_version(cur)
             return self._stream(cur, row[0])
 
     def update_scaling(self, stream_id: int, scaling: str) -> StreamRecord:
         with self._transaction() as cur:
             name = self._live_name(cur, stream_id)
             cur.execute("UPDATE streams SET scaling = ? WHERE id = ?", (scaling, stream_id))
+            _bump_version(cur)
             return self._stream(cur, name)
 
     def scale_stream(
@@ -738,6 +792,7 @@ class SqliteMetaStore(MetaStore):
                 "INSERT INTO scalings (stream_id, epoch, record) VALUES (?, ?, ?)",
                 (stream_id, epoch, msgspec.msgpack.encode(record)),
             )
+            _bump_version(cur)
             return self._stream(cur, name)
 
     @staticmethod
@@ -968,6 +1023,58 @@ class SqliteMetaStore(MetaStore):
             ).fetchall()
         return [Lease(*row) for row in rows]
 
+    def register_member(
+        self, broker_id: str, address: str, http_address: str, ttl_ms: int
+    ) -> Member:
+        _check_ttl(ttl_ms, "a member's")
+        with self._transaction() as cur:
+            now = _wall_ms()
+            row = cur.execute(
+                "SELECT started_ms, expires_ms FROM members WHERE broker_id = ?", (broker_id,)
+            ).fetchone()
+            member = _registered(broker_id, address, http_address, ttl_ms, now, row)
+            cur.execute(
+                "INSERT OR REPLACE INTO members (broker_id, address, http_address, started_ms, "
+                "expires_ms) VALUES (?, ?, ?, ?, ?)",
+                msgspec.structs.astuple(member),
+            )
+        return member
+
+    def members(self) -> list[Member]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT broker_id, address, http_address, started_ms, expires_ms FROM members "
+                "WHERE expires_ms > ? ORDER BY broker_id",
+                (_wall_ms(),),
+            ).fetchall()
+        return [Member(*row) for row in rows]
+
+    def remove_member(self, broker_id: str) -> None:
+        with self._transaction() as cur:
+            cur.execute("DELETE FROM members WHERE broker_id = ?", (broker_id,))
+
+    def catalog_version(self) -> int:
+        with self._lock:
+            row = self._db.execute("SELECT version FROM catalog_version").fetchone()
+        return int(row[0])
+
+    def shared_secret(self, name: str, make: Callable[[], bytes]) -> bytes:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT value FROM shared_secrets WHERE name = ?", (name,)
+            ).fetchone()
+        if row is not None:
+            return bytes(row[0])
+        made = bytes(make())  # outside the catalog's lock: make may be slow
+        with self._transaction() as cur:
+            cur.execute(
+                "INSERT INTO shared_secrets (name, value) VALUES (?, ?) "
+                "ON CONFLICT (name) DO NOTHING",
+                (name, made),
+            )
+            row = cur.execute("SELECT value FROM shared_secrets WHERE name = ?", (name,)).fetchone()
+        return bytes(row[0])
+
     def remove_chunks_before(self, stream_id: int, cuts: Mapping[int, int]) -> list[ChunkRecord]:
         removed: list[ChunkRecord] = []
         with self._transaction() as cur:
@@ -1115,6 +1222,7 @@ class SqliteMetaStore(MetaStore):
                 "INSERT INTO subscriptions (stream_id, name, record) VALUES (?, ?, ?)",
                 (record.stream_id, record.name, msgspec.msgpack.encode(record)),
             )
+            _bump_version(cur)
 
     def subscriptions(self, stream_id: int | None = None) -> list[SubscriptionRecord]:
         query = "SELECT record FROM subscriptions"
@@ -1132,6 +1240,7 @@ class SqliteMetaStore(MetaStore):
             )
             if cur.rowcount == 0:
                 raise _no_subscription(name)
+            _bump_version(cur)
 
     def commit_positions(
         self,
@@ -1182,6 +1291,7 @@ class SqliteMetaStore(MetaStore):
                 "UPDATE subscriptions SET record = ? WHERE stream_id = ? AND name = ?",
                 (msgspec.msgpack.encode(updated), stream_id, name),
             )
+            _bump_version(cur)
         return updated
 
     def _subscription(self, cur: sqlite3.Cursor, stream_id: int, name: str) -> SubscriptionRecord:
@@ -1199,11 +1309,15 @@ class SqliteMetaStore(MetaStore):
                 "ON CONFLICT (kind, key) DO UPDATE SET value = excluded.value",
                 (kind, key, value),
             )
+            _bump_version(cur)
 
     def delete_setting(self, kind: str, key: str) -> bool:
         with self._transaction() as cur:
             cur.execute("DELETE FROM settings WHERE kind = ? AND key = ?", (kind, key))
-            return cur.rowcount > 0
+            if cur.rowcount == 0:
+                return False
+            _bump_version(cur)
+            return True
 
     def settings(self, kind: str) -> dict[str, bytes]:
         with self._lock:
@@ -1226,9 +1340,9 @@ def _wall_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def _check_ttl(ttl_ms: int) -> None:
+def _check_ttl(ttl_ms: int, what: str = "a lease's") -> None:
     if ttl_ms < 0:
-        raise InvalidArgument(f"a lease's ttl_ms must be 0 or more, not {ttl_ms}")
+        raise InvalidArgument(f"{what} ttl_ms must be 0 or more, not {ttl_ms}")
 
 
 def _grant(
@@ -1247,6 +1361,25 @@ def _grant(
     if holder != owner and expires_ms > now_ms and not take_over:
         return None
     return Lease(container, owner, epoch + 1, now_ms + ttl_ms)
+
+
+def _registered(
+    broker_id: str,
+    address: str,
+    http_address: str,
+    ttl_ms: int,
+    now_ms: int,
+    row: Sequence[Any] | None,
+) -> Member:
+    """``register_member``'s record from the broker's row (started_ms, expires_ms) at
+    ``now_ms``: the start kept while the record is live, else now."""
+    started = now_ms if row is None or int(row[1]) <= now_ms else int(row[0])
+    return Member(broker_id, address, http_address, started, now_ms + ttl_ms)
+
+
+def _bump_version(cur: sqlite3.Cursor) -> None:
+    """Count a change of streams, segments, subscriptions or settings, in its transaction."""
+    cur.execute("UPDATE catalog_version SET version = version + 1")
 
 
 def _renewed(lease: Lease, ttl_ms: int, now_ms: int, row: Sequence[Any] | None) -> Lease:
@@ -1320,8 +1453,9 @@ def _no_subscription(name: str) -> SubscriptionNotFound:
     )
 
 
-#: SQLite catalog migrations after version 1, one SQL statement each: the first makes
-#: version 2 (append, never edit). Version 1 is the schema below, reached from any earlier
+#: SQLite catalog migrations after version 1, each one or more SQL statements separated by ";"
+#: (no ";" inside a statement) run in one transaction: the first makes version 2 (append,
+#: never edit). Version 1 is the schema below, reached from any earlier
 #: catalog by the column upgrades of ``SqliteMetaStore._upgrade_unversioned``.
 SQLITE_MIGRATIONS: tuple[str, ...] = (
     # 2: the object journal's records (storage/_journal_objects.py)
@@ -1331,6 +1465,12 @@ SQLITE_MIGRATIONS: tuple[str, ...] = (
     # 3: containers' leases to brokers (docs/operations.md, "Leases and fencing")
     "CREATE TABLE IF NOT EXISTS leases (container INTEGER PRIMARY KEY, owner TEXT NOT NULL, "
     "epoch INTEGER NOT NULL, expires_ms INTEGER NOT NULL)",
+    # 4: cluster membership, the catalog's version counter, secrets shared by the brokers
+    "CREATE TABLE IF NOT EXISTS members (broker_id TEXT PRIMARY KEY, address TEXT NOT NULL, "
+    "http_address TEXT NOT NULL, started_ms INTEGER NOT NULL, expires_ms INTEGER NOT NULL); "
+    "CREATE TABLE IF NOT EXISTS catalog_version (version INTEGER NOT NULL); "
+    "INSERT INTO catalog_version SELECT 0 WHERE NOT EXISTS (SELECT 1 FROM catalog_version); "
+    "CREATE TABLE IF NOT EXISTS shared_secrets (name TEXT PRIMARY KEY, value BLOB NOT NULL)",
 )
 
 #: the SQLite catalog's schema version this code reads and writes (table ``schema_version``)

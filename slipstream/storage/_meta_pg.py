@@ -42,6 +42,7 @@ from ._meta import (
     Identity,
     JournalObject,
     Lease,
+    Member,
     MetaStore,
     QueueSegment,
     ScaleRecord,
@@ -55,6 +56,7 @@ from ._meta import (
     _grant,
     _lease_lost,
     _no_subscription,
+    _registered,
     _renewed,
     schema_too_new,
 )
@@ -154,6 +156,19 @@ _MIGRATIONS: tuple[str, ...] = (
         expires_ms BIGINT NOT NULL
     );
     """,
+    # 4: cluster membership, the catalog's version counter, secrets shared by the brokers
+    """
+    CREATE TABLE members (
+        broker_id TEXT COLLATE "C" PRIMARY KEY,
+        address TEXT NOT NULL,
+        http_address TEXT NOT NULL,
+        started_ms BIGINT NOT NULL,
+        expires_ms BIGINT NOT NULL
+    );
+    CREATE TABLE catalog_version (version BIGINT NOT NULL);
+    INSERT INTO catalog_version (version) VALUES (0);
+    CREATE TABLE shared_secrets (name TEXT PRIMARY KEY, value BYTEA NOT NULL);
+    """,
 )
 
 #: the schema version this code writes and reads
@@ -180,8 +195,11 @@ class PostgresMetaStore(MetaStore):
     deadlocks: the stream's row (FOR UPDATE by whatever changes the stream, FOR SHARE by
     ``add_chunks`` and ``create_subscription`` so that nothing is added to a stream being
     deleted), then its segments' rows in (stream, number) order, then subscriptions in
-    (stream, name) order, then identities, counters, containers. A read of several tables
-    (``streams()``) is one REPEATABLE READ snapshot.
+    (stream, name) order, then identities, counters, containers, and last the one row of
+    ``catalog_version``, which every change of streams, segments, subscriptions and settings
+    bumps just before it commits (so those changes commit one at a time; chunks, positions,
+    leases and journal objects never touch it). A read of several tables (``streams()``) is
+    one REPEATABLE READ snapshot.
 
     Chunk lookups (``chunk_at``, ``chunk_at_time``, ``chunks_from``, ``chunk_finds``,
     ``segment_chunks``) take connections from a pool of their own, so they never wait for a
@@ -297,6 +315,7 @@ class PostgresMetaStore(MetaStore):
                 )
                 stream_id = _one(cur)[0]
                 self._insert_segments(cur, stream_id, segments)
+                _bump_version(cur)
         except psycopg.errors.UniqueViolation as exc:
             if exc.diag.constraint_name != "streams_name_key":
                 raise
@@ -351,6 +370,7 @@ class PostgresMetaStore(MetaStore):
                     (record.id,),
                 )
             cur.execute("DELETE FROM streams WHERE id = %s", (record.id,))
+            _bump_version(cur)
         return record, chunks
 
     def update_retention(
@@ -368,12 +388,14 @@ class PostgresMetaStore(MetaStore):
                     "UPDATE streams SET retention_bytes = %s WHERE id = %s",
                     (retention_bytes or None, stream_id),
                 )
+            _bump_version(cur)
             return self._stream(cur, name)
 
     def update_scaling(self, stream_id: int, scaling: str) -> StreamRecord:
         with self._transaction() as cur:
             name = self._live_name(cur, stream_id, "FOR UPDATE")
             cur.execute("UPDATE streams SET scaling = %s WHERE id = %s", (scaling, stream_id))
+            _bump_version(cur)
             return self._stream(cur, name)
 
     def scale_stream(
@@ -425,6 +447,7 @@ class PostgresMetaStore(MetaStore):
                 "INSERT INTO scalings (stream_id, epoch, record) VALUES (%s, %s, %s)",
                 (stream_id, epoch, msgspec.msgpack.encode(record)),
             )
+            _bump_version(cur)
             return self._stream(cur, name)
 
     @staticmethod
@@ -771,6 +794,74 @@ class PostgresMetaStore(MetaStore):
 
         return self._read(query, lookup=True)
 
+    # --- cluster membership: the server's clock, as for leases -----------------------------
+
+    def register_member(
+        self, broker_id: str, address: str, http_address: str, ttl_ms: int
+    ) -> Member:
+        _check_ttl(ttl_ms, "a member's")
+        with self._transaction() as cur:
+            cur.execute(f"SELECT {_NOW_MS}")
+            now_ms = int(_one(cur)[0])
+            cur.execute(
+                "SELECT started_ms, expires_ms FROM members WHERE broker_id = %s FOR UPDATE",
+                (broker_id,),
+            )
+            row = cur.fetchone()
+            member = _registered(broker_id, address, http_address, ttl_ms, now_ms, row)
+            # a first registration racing another of the same id: the last one wins, as a
+            # renewal would
+            cur.execute(
+                "INSERT INTO members (broker_id, address, http_address, started_ms, expires_ms) "
+                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (broker_id) DO UPDATE SET "
+                "address = excluded.address, http_address = excluded.http_address, "
+                "started_ms = excluded.started_ms, expires_ms = excluded.expires_ms",
+                msgspec.structs.astuple(member),
+            )
+        return member
+
+    def members(self) -> list[Member]:
+        def query(cur: psycopg.Cursor[Any]) -> list[Member]:
+            cur.execute(
+                "SELECT broker_id, address, http_address, started_ms, expires_ms FROM members "
+                f"WHERE expires_ms > {_NOW_MS} ORDER BY broker_id"
+            )
+            return [Member(*row) for row in cur]
+
+        return self._read(query)
+
+    def remove_member(self, broker_id: str) -> None:
+        with self._transaction() as cur:
+            cur.execute("DELETE FROM members WHERE broker_id = %s", (broker_id,))
+
+    def catalog_version(self) -> int:
+        def query(cur: psycopg.Cursor[Any]) -> int:
+            cur.execute("SELECT version FROM catalog_version")
+            return int(_one(cur)[0])
+
+        return self._read(query)
+
+    def shared_secret(self, name: str, make: Callable[[], bytes]) -> bytes:
+        def query(cur: psycopg.Cursor[Any]) -> bytes | None:
+            cur.execute("SELECT value FROM shared_secrets WHERE name = %s", (name,))
+            row = cur.fetchone()
+            return None if row is None else bytes(row[0])
+
+        stored = self._read(query)
+        if stored is not None:
+            return stored
+        made = bytes(make())
+        with self._transaction() as cur:
+            # a racing insert of the same name makes this one wait for its commit, then do
+            # nothing; the SELECT (a new snapshot at READ COMMITTED) sees the winner's bytes
+            cur.execute(
+                "INSERT INTO shared_secrets (name, value) VALUES (%s, %s) "
+                "ON CONFLICT (name) DO NOTHING",
+                (name, made),
+            )
+            cur.execute("SELECT value FROM shared_secrets WHERE name = %s", (name,))
+            return bytes(_one(cur)[0])
+
     # --- ids, identities, transactions --------------------------------------------------
 
     def reserve_ids(self, name: str, count: int) -> int:
@@ -845,6 +936,7 @@ class PostgresMetaStore(MetaStore):
                     "INSERT INTO subscriptions (stream_id, name, record) VALUES (%s, %s, %s)",
                     (record.stream_id, record.name, msgspec.msgpack.encode(record)),
                 )
+                _bump_version(cur)
         except psycopg.errors.UniqueViolation:
             raise exists from None
 
@@ -864,6 +956,7 @@ class PostgresMetaStore(MetaStore):
             )
             if cur.rowcount == 0:
                 raise _no_subscription(name)
+            _bump_version(cur)
 
     def commit_positions(
         self,
@@ -914,6 +1007,7 @@ class PostgresMetaStore(MetaStore):
                 "UPDATE subscriptions SET record = %s WHERE stream_id = %s AND name = %s",
                 (msgspec.msgpack.encode(updated), stream_id, name),
             )
+            _bump_version(cur)
         return updated
 
     @staticmethod
@@ -937,11 +1031,15 @@ class PostgresMetaStore(MetaStore):
                 "ON CONFLICT (kind, key) DO UPDATE SET value = excluded.value",
                 (kind, key, value),
             )
+            _bump_version(cur)
 
     def delete_setting(self, kind: str, key: str) -> bool:
         with self._transaction() as cur:
             cur.execute("DELETE FROM settings WHERE kind = %s AND key = %s", (kind, key))
-            return cur.rowcount > 0
+            if cur.rowcount == 0:
+                return False
+            _bump_version(cur)
+            return True
 
     def settings(self, kind: str) -> dict[str, bytes]:
         def query(cur: psycopg.Cursor[Any]) -> dict[str, bytes]:
@@ -981,6 +1079,12 @@ def _check_lease(cur: psycopg.Cursor[Any], lease: Lease) -> None:
     row = cur.fetchone()
     if row is None or row[0] != lease.owner or row[1] != lease.epoch:
         raise _lease_lost(lease, row)
+
+
+def _bump_version(cur: psycopg.Cursor[Any]) -> None:
+    """Count a change of streams, segments, subscriptions or settings, last in its
+    transaction (the row's lock is the last taken, see the class docstring)."""
+    cur.execute("UPDATE catalog_version SET version = version + 1")
 
 
 _SNAPSHOT = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"

@@ -12,12 +12,14 @@ all at once or not at all, in the epoch after the stream's current one.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sqlite3
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -1393,3 +1395,178 @@ def test_journal_object_writes_fenced_by_an_old_epoch_are_refused(kit: Kit) -> N
     assert meta.journal_objects(0) == [kept]
     meta.remove_journal_objects(0, [1], lease=new)
     assert meta.journal_objects(0) == []
+
+
+# --- cluster membership, the catalog's version, shared secrets (issue 20) --------------------
+
+
+def test_members_register_by_id_renew_keeping_their_start_and_leave(kit: Kit) -> None:
+    meta = kit.meta
+    assert meta.members() == []
+    b2 = meta.register_member("b2", "127.0.0.1:7072", "127.0.0.1:8082", 60_000)
+    b1 = meta.register_member("b1", "127.0.0.1:7071", "127.0.0.1:8081", 60_000)
+    assert (b1.broker_id, b1.address, b1.http_address) == ("b1", "127.0.0.1:7071", "127.0.0.1:8081")
+    assert b1.expires_ms >= b1.started_ms + 60_000
+    assert meta.members() == [b1, b2]  # by broker id
+    time.sleep(0.01)  # the catalog's clock moves on
+    renewed = meta.register_member("b1", "127.0.0.1:9071", "127.0.0.1:9081", 60_000)
+    assert renewed.started_ms == b1.started_ms  # still the same run of the broker
+    assert renewed.expires_ms > b1.expires_ms
+    assert (renewed.address, renewed.http_address) == ("127.0.0.1:9071", "127.0.0.1:9081")
+    assert meta.members() == [renewed, b2]
+    if kit.durable:
+        assert kit.reopen().members() == [renewed, b2]
+        meta = kit.meta
+    meta.remove_member("b2")
+    meta.remove_member("b9")  # never registered: nothing happens
+    assert meta.members() == [renewed]
+    with pytest.raises(InvalidArgument, match="ttl"):
+        meta.register_member("b3", "a:1", "a:2", -1)
+    assert meta.members() == [renewed]
+
+
+def test_an_expired_member_is_gone_and_comes_back_as_a_new_start(meta: MetaStore) -> None:
+    gone = meta.register_member("b1", "a:1", "a:2", 0)  # expired at once on the catalog's clock
+    short = meta.register_member("b2", "b:1", "b:2", 1)
+    kept = meta.register_member("b3", "c:1", "c:2", 60_000)
+    time.sleep(0.05)
+    assert meta.members() == [kept]
+    back = meta.register_member("b1", "a:1", "a:2", 60_000)
+    assert back.started_ms > gone.started_ms  # a lapsed registration starts again
+    assert [m.broker_id for m in meta.members()] == ["b1", "b3"]
+    again = meta.register_member("b2", "b:1", "b:2", 60_000)
+    assert again.started_ms > short.started_ms
+
+
+def version_after(meta: MetaStore, change: Callable[[], object]) -> int:
+    """How much ``change`` moved the catalog's version."""
+    before = meta.catalog_version()
+    change()
+    return meta.catalog_version() - before
+
+
+def test_the_catalog_version_grows_with_every_change_of_streams_subscriptions_settings(
+    kit: Kit,
+) -> None:
+    meta = kit.meta
+    assert meta.catalog_version() >= 0
+    stream = create(meta, "s/a")
+    successors = split_first()
+    changes: list[tuple[str, Callable[[], object]]] = [
+        ("create stream", lambda: create(meta, "s/b")),
+        ("retention", lambda: meta.update_retention(stream, 60_000, None)),
+        ("scaling policy", lambda: meta.update_scaling(stream, "events 5000/s factor 2 min 1")),
+        ("scale", lambda: meta.scale_stream(stream, 1, 1_800, {0: 40}, successors)),
+        ("create subscription", lambda: meta.create_subscription(subscription(stream))),
+        ("reset subscription", lambda: meta.reset_subscription(stream, "billing", {1: 3})),
+        ("delete subscription", lambda: meta.delete_subscription(stream, "billing")),
+        ("put setting", lambda: meta.put_setting("quota", "alice", b"1")),
+        ("replace setting", lambda: meta.put_setting("quota", "alice", b"2")),
+        ("delete setting", lambda: meta.delete_setting("quota", "alice")),
+        ("delete stream", lambda: meta.delete_stream("s/b")),
+    ]
+    for what, change in changes:
+        assert version_after(meta, change) > 0, what
+    if kit.durable:
+        version = meta.catalog_version()
+        assert kit.reopen().catalog_version() == version
+
+
+def test_the_catalog_version_stays_for_chunks_positions_leases_and_refused_changes(
+    kit: Kit,
+) -> None:
+    meta = kit.meta
+    stream = create(meta, "s/a")
+    meta.create_subscription(subscription(stream))
+    meta.save_identity(Identity("app", 3, 0))
+    lease = meta.acquire_lease(0, "broker-a", 60_000)
+    assert lease is not None
+    commit = TxnCommit(
+        7, "app", 3, 0, [CommitPart(stream, 0, 0)], b"", 1_700, 1,
+        positions=[PositionCommit(stream, "billing", 0, {0: 12})],
+    )  # fmt: skip
+    kept: list[tuple[str, Callable[[], object]]] = [
+        ("chunks", lambda: meta.add_chunks(0, 1, [chunk(stream, 0, 0)], lease=lease)),
+        ("retention's removals", lambda: meta.remove_chunks_before(stream, {0: 10})),
+        ("journal object", lambda: meta.add_journal_object(0, JournalObject(1, 0, 5, "j/1"))),
+        ("journal objects removed", lambda: meta.remove_journal_objects(0, [1])),
+        ("positions", lambda: meta.commit_positions(stream, "billing", 0, {1: 4})),
+        ("transaction", lambda: meta.commit_txn(commit)),
+        ("transaction applied", lambda: meta.finish_txn(7)),
+        ("identity", lambda: meta.save_identity(Identity("app", 3, 1))),
+        ("ids", lambda: meta.reserve_ids("producers", 10)),
+        ("lease", lambda: meta.acquire_lease(1, "broker-a", 60_000)),
+        ("renewal", lambda: meta.renew_lease(lease, 60_000)),
+        ("release", lambda: meta.release_lease(lease)),
+        ("member", lambda: meta.register_member("b1", "a:1", "a:2", 60_000)),
+        ("member removed", lambda: meta.remove_member("b1")),
+        ("secret", lambda: meta.shared_secret("tokens", lambda: b"k" * 32)),
+        ("no such setting", lambda: meta.delete_setting("quota", "nobody")),
+    ]
+    for what, change in kept:
+        assert version_after(meta, change) == 0, what
+    for what, refused in [
+        ("stream exists", lambda: create(meta, "s/a")),
+        ("subscription exists", lambda: meta.create_subscription(subscription(stream))),
+        ("no subscription", lambda: meta.delete_subscription(stream, "nobody")),
+        ("stale scale", lambda: meta.scale_stream(stream, 5, 1_800, {0: 40}, split_first(5))),
+    ]:
+        before = meta.catalog_version()
+        with pytest.raises(
+            (StreamExists, SubscriptionExists, SubscriptionNotFound, InvalidArgument)
+        ):
+            refused()
+        assert meta.catalog_version() == before, what
+
+
+def test_a_shared_secret_is_made_once_and_kept_apart_from_settings(kit: Kit) -> None:
+    meta = kit.meta
+    made: list[bytes] = []
+
+    def make(value: bytes) -> Callable[[], bytes]:
+        return lambda: made.append(value) or value
+
+    assert meta.shared_secret("claims", make(b"first")) == b"first"
+    assert meta.shared_secret("claims", make(b"second")) == b"first"
+    assert made == [b"first"], "make is not called once the secret exists"
+    assert meta.shared_secret("tokens", make(b"other")) == b"other"  # per name
+    assert meta.settings("claims") == {} and meta.settings("tokens") == {}
+    assert meta.settings("secret") == {} and meta.settings("shared_secrets") == {}
+    if kit.durable:
+        meta = kit.reopen()
+        assert meta.shared_secret("claims", make(b"third")) == b"first"
+        assert made == [b"first", b"other"]
+
+
+def test_brokers_racing_to_make_a_shared_secret_all_get_the_first_writers(kit: Kit) -> None:
+    """Threads on one store (PostgreSQL: a connection each) that all find no secret make
+    their own at once (a barrier inside ``make``); every one gets the same stored bytes."""
+    meta = kit.meta
+    racers = 4
+    for round_ in range(10):
+        barrier = threading.Barrier(racers)
+        got: list[bytes] = []
+
+        def race(
+            n: int,
+            barrier: threading.Barrier = barrier,
+            got: list[bytes] = got,
+            name: str = f"s{round_}",
+        ) -> None:
+            def make() -> bytes:
+                # every racer has looked and found nothing before any stores (a store that
+                # called make under its own lock would break the barrier: no race then)
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    barrier.wait(timeout=5)
+                return bytes([n]) * 16
+
+            got.append(meta.shared_secret(name, make))
+
+        threads = [threading.Thread(target=race, args=(n,)) for n in range(racers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(got) == racers
+        assert len(set(got)) == 1, got
+        assert meta.shared_secret(f"s{round_}", lambda: b"late") == got[0]

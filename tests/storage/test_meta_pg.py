@@ -318,3 +318,42 @@ def test_concurrent_writers_lose_nothing(store: PostgresMetaStore) -> None:
     (record,) = store.subscriptions(stream.id)
     assert record.positions == dict.fromkeys(range(6), 20)
     assert sorted(firsts) == list(range(0, 1200, 10)), "no block reserved twice"
+
+
+# --- migration 4: cluster membership, the catalog's version, shared secrets ------------------
+
+CLUSTER_TABLES = ("members", "catalog_version", "shared_secrets")
+
+
+def test_a_catalog_at_schema_version_3_gets_the_cluster_tables(tmp_path: Path, pg_dsn: str) -> None:
+    """Both backends: a catalog written before migration 4 (its tables dropped, version 3)
+    opens with its streams, no members, version 0, and secrets that work."""
+    path = tmp_path / "meta.db"
+    for open_store in (lambda: SqliteMetaStore(path), lambda: PostgresMetaStore(pg_dsn)):
+        meta = open_store()
+        stream = meta.create_stream("s/a", [SegmentRecord(0, 0, 0, 2**64 - 1, 0)], None, None, 1)
+        meta.register_member("b1", "a:1", "a:2", 60_000)
+        meta.close()
+        if isinstance(meta, SqliteMetaStore):
+            with sqlite3.connect(path) as db:
+                for table in CLUSTER_TABLES:
+                    db.execute(f"DROP TABLE {table}")
+                db.execute("UPDATE schema_version SET version = 3")
+            db.close()
+        else:
+            with psycopg.connect(pg_dsn) as conn:
+                for table in CLUSTER_TABLES:
+                    conn.execute(f"DROP TABLE {table}".encode())
+                conn.execute("UPDATE schema_version SET version = 3")
+        meta = open_store()
+        try:
+            assert meta.streams() == [stream]
+            assert meta.members() == []
+            assert meta.catalog_version() == 0
+            assert meta.shared_secret("k", lambda: b"secret") == b"secret"
+            meta.put_setting("k", "a", b"1")
+            assert meta.catalog_version() == 1
+        finally:
+            meta.close()
+    assert sqlite_version(path) == [(sqlite_meta.SCHEMA_VERSION,)] == [(4,)]
+    assert pg_version(pg_dsn) == [(_meta_pg.SCHEMA_VERSION,)] == [(4,)]
