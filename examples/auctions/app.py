@@ -57,9 +57,20 @@ DataDir = Annotated[
     ),
 ]
 Broker = Annotated[
-    str | None, typer.Option(help="Use this running broker (host:port); start none.")
+    str | None,
+    typer.Option(
+        help="Use this running broker (host:port, or a cluster's h1:p1,h2:p2); start none."
+    ),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="No live view; a JSON summary on stdout.")]
+Master = Annotated[
+    str,
+    typer.Option(
+        envvar="SLIPSTREAM_SPARK_MASTER",
+        help="Spark's master: local[2] (in this process), or a standalone cluster's "
+        "spark://HOST:7077 (docs/spark.md).",
+    ),
+]
 
 
 @contextlib.contextmanager
@@ -71,7 +82,7 @@ def platform(broker: str | None, data_dir: Path) -> Iterator[tuple[str, slipstre
         embedded = EmbeddedBroker(data_dir, choose_port(), fsync="always")
         embedded.start()
         broker = embedded.address
-    host = broker.rsplit(":", 1)[0]
+    host = broker.split(",")[0].rsplit(":", 1)[0]  # of the first in a list h1:p1,h2:p2
     web = f"http://{host}:{embedded.http_port if embedded is not None else 7071}/"
     try:
         with slipstream.connect(broker) as client:
@@ -494,6 +505,7 @@ def live(
     ] = None,
     broker: Broker = None,
     data_dir: DataDir = DEFAULT_DATA_DIR,
+    master: Master = "local[2]",
     as_json: AsJson = False,
 ) -> None:
     """The live auctions pipeline: broker, bid generator, both Spark jobs, the notifier
@@ -513,7 +525,7 @@ def live(
         # pandas in Spark's Python workers warns about NaN columns (a first window has no
         # previous price): noise in a live view. The workers inherit this process's environment.
         os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
-        spark = session("auctions", log_level="ERROR")
+        spark = session("auctions", master=master, log_level="ERROR")
         generator = threading.Thread(
             target=produce, args=(address, chosen, stop, board), daemon=True
         )
@@ -662,6 +674,7 @@ def replay(
     ),
     broker: Broker = None,
     data_dir: DataDir = DEFAULT_DATA_DIR,
+    master: Master = "local[2]",
     as_json: AsJson = False,
 ) -> None:
     """Replay the bids history through version 2 of job 1 and compare with version 1."""
@@ -669,7 +682,7 @@ def replay(
     checkpoint = checkpoints_of(data_dir) / output.replace("/", "-")
     with platform(broker, data_dir) as (address, client, _):
         console.print(f"[dim]replaying {pipeline.BIDS} from earliest through {job} ...")
-        spark = session("auctions-replay", log_level="ERROR")
+        spark = session("auctions-replay", master=master, log_level="ERROR")
         try:
             result = replay_job(spark, address, client, job, checkpoint)
         finally:
