@@ -12,6 +12,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import msgspec
 
@@ -117,3 +118,112 @@ def produce_and_record(
         return
     finally:
         client.close()
+
+
+# --- histories written to files by worker processes (tests/cluster) ---------------------------
+
+
+class Ack(msgspec.Struct, frozen=True):
+    """One line a producer process writes per event: its value and where the broker said it
+    is, or ``error`` when its send failed (in doubt: stored once or not at all)."""
+
+    value: str
+    segment: int = -1
+    offset: int = -1
+    error: str = ""
+
+
+class TxnPart(msgspec.Struct, frozen=True):
+    """The value a transactional producer sends: part ``part`` of ``of`` of transaction
+    ``txn`` ("<producer>-<number>", numbered in the order the producer began them)."""
+
+    txn: str
+    part: int
+    of: int
+
+
+class TxnOutcome(msgspec.Struct, frozen=True):
+    """One line per transaction, written once its commit returned (``committed``) or failed
+    (in doubt: all of it or nothing may be visible)."""
+
+    txn: str
+    committed: bool
+    error: str = ""
+
+
+encode_record = msgspec.json.encode
+
+
+def _lines(paths: Iterable[Path]) -> Iterable[bytes]:
+    """Every line of every file; a line cut by kill -9 (the last of its file) is skipped."""
+    for path in paths:
+        lines = path.read_bytes().split(b"\n")
+        if lines[-1]:
+            lines.pop()  # torn: written without its newline
+        yield from (line for line in lines if line)
+
+
+def read_acks(paths: Iterable[Path]) -> tuple[dict[bytes, Position], set[bytes]]:
+    """The acknowledged values with their positions, and the values in doubt, from
+    producers' ``Ack`` files."""
+    decode = msgspec.json.Decoder(Ack).decode
+    acknowledged: dict[bytes, Position] = {}
+    in_doubt: set[bytes] = set()
+    for line in _lines(paths):
+        ack = decode(line)
+        if ack.error:
+            in_doubt.add(ack.value.encode())
+        else:
+            acknowledged[ack.value.encode()] = Position(ack.segment, ack.offset)
+    return acknowledged, in_doubt
+
+
+def read_outcomes(paths: Iterable[Path]) -> list[TxnOutcome]:
+    decode = msgspec.json.Decoder(TxnOutcome).decode
+    return [decode(line) for line in _lines(paths)]
+
+
+def check_transactions(outcomes: Iterable[TxnOutcome], events: Iterable[Event]) -> list[str]:
+    """Check what a read-committed reader saw of transactional producers' work; every
+    violation found (empty: correct). A committed transaction is visible whole, exactly once;
+    one in doubt whole or not at all; none partially; nothing no producer began; and the
+    transactions of one producer in the order it committed them, per key."""
+    problems: list[str] = []
+    decode = msgspec.json.Decoder(TxnPart).decode
+    parts: dict[str, list[int]] = defaultdict(list)
+    sizes: dict[str, int] = {}
+    last: dict[tuple[str, bytes | None], tuple[int, Position]] = {}
+    for event in events:
+        position = Position(event.segment, event.offset)
+        try:
+            part = decode(event.value)
+        except msgspec.DecodeError:
+            problems.append(f"{event.value!r} at {position} is no transaction's part")
+            continue
+        parts[part.txn].append(part.part)
+        sizes[part.txn] = part.of
+        producer, _, number = part.txn.rpartition("-")
+        earlier = last.get((producer, event.key))
+        if earlier is not None and earlier[0] > int(number):
+            problems.append(
+                f"producer {producer} key {event.key!r}: transaction {number} at {position} "
+                f"after its transaction {earlier[0]} at {earlier[1]}"
+            )
+        last[(producer, event.key)] = (int(number), position)
+    known = {outcome.txn: outcome for outcome in outcomes}
+    for txn, found in parts.items():
+        outcome = known.get(txn)
+        if outcome is None:
+            problems.append(f"transaction {txn} is visible but no producer recorded it")
+        if sorted(found) != list(range(sizes[txn])):
+            state = "unrecorded" if outcome is None else "in doubt"
+            if outcome is not None and outcome.committed:
+                state = "committed"
+            problems.append(
+                f"transaction {txn} ({state}) is partially visible or repeated: parts "
+                f"{sorted(found)} of {sizes[txn]}"
+            )
+    for txn, outcome in known.items():
+        if outcome.committed and txn not in parts:
+            problems.append(f"committed transaction {txn} is lost")
+    return problems
