@@ -18,10 +18,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
+from cluster.harness import Cluster as BrokerCluster
 from conftest import BrokerProcess
-from objectstores import ACCESS_KEY, SECRET_KEY, SeaweedFS
+from objectstores import SeaweedFS
+from pg import PgCluster
 from standalone import SparkStandalone, driver_env
 
 
@@ -68,45 +69,21 @@ def test_job_1_on_a_standalone_cluster_against_one_broker(
     run_job_1(spark_cluster, broker.address, tmp_path)
 
 
-def live_leases(dsn: str) -> dict[int, str]:
-    """Container -> broker id of every live lease in the catalog."""
-    with psycopg.connect(dsn, connect_timeout=5) as conn:
-        rows = conn.execute(
-            "SELECT container, owner FROM leases "
-            "WHERE epoch > 0 AND expires_ms > extract(epoch FROM now()) * 1000"
-        ).fetchall()
-    return {int(container): str(owner) for container, owner in rows}
-
-
 @pytest.mark.xfail(
     strict=True,
     reason="cluster mode in progress (issue 20): a stream created through one broker is not "
     "yet known to the other (StreamNotFound on append)",
 )
 def test_job_1_on_a_standalone_cluster_against_two_brokers(
-    spark_cluster: SparkStandalone,
-    broker_factory: type[BrokerProcess],
-    pg_dsn: str,
-    seaweedfs: SeaweedFS,
-    tmp_path: Path,
+    spark_cluster: SparkStandalone, postgres: PgCluster, seaweedfs: SeaweedFS, tmp_path: Path
 ) -> None:
-    """Two brokers in cluster mode (one catalog on PostgreSQL, journals and chunks in one
-    bucket on SeaweedFS), each holding some of the 4 containers; Spark gets both addresses,
-    and the driver's client and every executor's route each request to the owner."""
-    bucket = seaweedfs.create_bucket()
-    brokers = []
-    for broker_id in ("b1", "b2"):
-        broker = broker_factory(
-            *("--meta", pg_dsn, "--objects", f"s3://{bucket}/auctions"),
-            *("--s3-endpoint", seaweedfs.endpoint, "--journal", "objects"),
-            *("--broker-id", broker_id, "--containers", "4", "--lease-ttl", "2"),
-        )
-        broker.env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
-        brokers.append(broker.start(timeout=60))
-    deadline = time.monotonic() + 60  # a bound against hanging, not a timing
-    while (
-        sorted(set(live_leases(pg_dsn).values())) != ["b1", "b2"] or len(live_leases(pg_dsn)) != 4
-    ):
-        assert time.monotonic() < deadline, f"containers not shared: {live_leases(pg_dsn)}"
-        time.sleep(0.1)
-    run_job_1(spark_cluster, ",".join(b.address for b in brokers), tmp_path)
+    """Two brokers in cluster mode (tests/cluster/harness.py: one catalog on PostgreSQL,
+    journals and chunks in one bucket on SeaweedFS), each holding some of the 4 containers;
+    Spark gets both addresses, and the driver's client and every executor's route each request
+    to the owner."""
+    with BrokerCluster(tmp_path, postgres, seaweedfs, brokers=2).start() as brokers:
+        deadline = time.monotonic() + 60  # a bound against hanging, not a timing
+        while set(brokers.wait_until_all_containers_served().values()) != {"b0", "b1"}:
+            assert time.monotonic() < deadline, f"containers not shared: {brokers.leases()}"
+            time.sleep(0.1)
+        run_job_1(spark_cluster, brokers.addresses(), tmp_path)
