@@ -1427,6 +1427,7 @@ def test_members_register_by_id_renew_keeping_their_start_and_leave(kit: Kit) ->
 
 def test_an_expired_member_is_gone_and_comes_back_as_a_new_start(meta: MetaStore) -> None:
     gone = meta.register_member("b1", "a:1", "a:2", 0)  # expired at once on the catalog's clock
+    assert meta.members() == []
     short = meta.register_member("b2", "b:1", "b:2", 1)
     kept = meta.register_member("b3", "c:1", "c:2", 60_000)
     time.sleep(0.05)
