@@ -62,9 +62,14 @@ def idempotent(args: argparse.Namespace, stop: threading.Event) -> None:
         while not stop.is_set():
             producer_id = args.id * 1000 + lives
             lives += 1
-            producer = client.producer(
-                args.stream, linger_ms=5, batch_bytes=64 * 1024, delivery_timeout=120
-            )
+            try:
+                producer = client.producer(
+                    args.stream, linger_ms=5, batch_bytes=64 * 1024, delivery_timeout=120
+                )
+            except slipstream.SlipstreamError as exc:  # no broker answers yet: try again
+                print(f"no producer: {type(exc).__name__}: {exc}", flush=True)
+                time.sleep(0.2)
+                continue
             pending: list[tuple[bytes, slipstream.Receipt]] = []
             failed = False
             while not failed:
@@ -94,6 +99,7 @@ def idempotent(args: argparse.Namespace, stop: threading.Event) -> None:
                     for value, _ in pending:  # its later sends are abandoned with it
                         write(Ack(value.decode(), error="abandoned after a failure"))
                     print(f"producer {producer_id} failed; a new one goes on", flush=True)
+                    time.sleep(0.2)  # the cluster is moving: do not spin on new producers
                 time.sleep(0.01)
             with contextlib.suppress(slipstream.SlipstreamError):
                 producer.close()
