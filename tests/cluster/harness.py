@@ -5,6 +5,7 @@
         cluster.kill(1)                  # kill -9
         cluster.pause(2); cluster.resume(2)    # SIGSTOP / SIGCONT
         cluster.restart(1)               # kill -9 if running, start again (same port, same id)
+        cluster.stop(1); cluster.start_broker(1)   # SIGTERM (a clean handover), start again
         cluster.cut_pg(0); cluster.heal_pg(0)  # broker 0's catalog connections hang / work
         cluster.restart_pg()             # PostgreSQL fast shutdown and start, under load
         cluster.store_errors(True)       # every S3 request answered 503 SlowDown
@@ -367,6 +368,15 @@ class Cluster:
             proc.send_signal(signal.SIGCONT)
         self.paused.discard(i)
 
+    def stop(self, i: int) -> int:
+        """SIGTERM and wait for a clean exit (it hands its containers over); the exit code."""
+        self.resume(i)
+        return self.brokers[i].stop()
+
+    def start_broker(self, i: int, timeout: float = 60.0) -> None:
+        """Start broker ``i`` again after ``kill`` or ``stop`` (same id, port, data dir)."""
+        self.brokers[i].start(timeout)
+
     def restart(self, i: int, timeout: float = 60.0) -> None:
         """kill -9 if it runs (or is paused), then start it again: same id, port, data dir."""
         self.kill(i)
@@ -386,7 +396,8 @@ class Cluster:
         self.pg_proxies[i].heal()
 
     def restart_pg(self) -> None:
-        """PostgreSQL's fast shutdown and start: every broker's catalog connections close."""
+        """PostgreSQL's fast shutdown and start: every broker's catalog connections close.
+        The server is the session's (shared with other tests' databases, on the same port)."""
         self.postgres.restart()
 
     def store_errors(self, on: bool) -> None:

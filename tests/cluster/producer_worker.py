@@ -3,15 +3,17 @@
     PYTHONPATH=tests python tests/cluster/producer_worker.py idempotent BROKERS STREAM ID ACKS
     PYTHONPATH=tests python tests/cluster/producer_worker.py transactional BROKERS STREAM ID ACKS
 
-``BROKERS`` is the bootstrap list ("h1:p1,h2:p2"). Both run until SIGTERM, then wait up to
-60 s for what is in flight and exit 0.
+``BROKERS`` is the bootstrap list ("h1:p1,h2:p2"). Both run until SIGTERM, then wait for what
+is in flight (at most the producer's 120 s delivery timeout) and exit 0.
 
 ``idempotent``: sends ``checker.Sent`` values keyed ``p<ID>-k<n>`` and writes one
 ``checker.Ack`` line per acknowledged event (value and position) to ACKS, flushed at once,
 and one ``checker.Ack`` with ``error`` set per event whose send failed (in doubt: it may or
 may not be stored, but at most once). After a failure it opens a new producer (a new
-producer id ``ID * 1000 + n``) and goes on with the next sequence numbers: a failed event is
-never sent again, so a value found twice is a duplicate made by the cluster.
+producer id on the broker) and goes on with the next sequence numbers, ``Sent.producer``
+staying ``ID``: a failed event is never sent again, so a value found twice is a duplicate
+made by the cluster, and one in doubt read after a later sequence number of its key was
+written late (by a broker that had lost its containers, say).
 
 ``transactional``: transaction after transaction (transactional id ``tx<ID>``), each sending
 ``checker.TxnPart`` values ``0..parts-1`` keyed ``k<part>`` (over several segments) and
@@ -60,7 +62,6 @@ def idempotent(args: argparse.Namespace, stop: threading.Event) -> None:
             out.flush()
 
         while not stop.is_set():
-            producer_id = args.id * 1000 + lives
             lives += 1
             try:
                 producer = client.producer(
@@ -76,7 +77,7 @@ def idempotent(args: argparse.Namespace, stop: threading.Event) -> None:
                 if not stop.is_set() and len(pending) < MAX_PENDING:
                     for _ in range(10):
                         key = f"p{args.id}-k{seq % KEYS}"
-                        value = encode(Sent(producer_id, key, seq))
+                        value = encode(Sent(args.id, key, seq))
                         pending.append((value, producer.send(value, key=key)))
                         seq += 1
                 elif stop.is_set() and not pending:
@@ -98,7 +99,7 @@ def idempotent(args: argparse.Namespace, stop: threading.Event) -> None:
                 if failed:
                     for value, _ in pending:  # its later sends are abandoned with it
                         write(Ack(value.decode(), error="abandoned after a failure"))
-                    print(f"producer {producer_id} failed; a new one goes on", flush=True)
+                    print(f"producer {args.id} life {lives} failed; a new one goes on", flush=True)
                     time.sleep(0.2)  # the cluster is moving: do not spin on new producers
                 time.sleep(0.01)
             with contextlib.suppress(slipstream.SlipstreamError):

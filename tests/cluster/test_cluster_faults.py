@@ -327,13 +327,14 @@ def cluster(tmp_path: Path, postgres: PgCluster, seaweedfs: SeaweedFS) -> Iterat
 
 
 def chaos(cluster: Cluster, rng: random.Random, seconds: float, say: Callable[[str], None]) -> None:
-    """One broker fault at a time, for ``seconds``: kill -9, SIGSTOP past its lease, a
-    restart of a running broker, or a cut from PostgreSQL (hung connections); each held a
-    little, repaired, and the cluster left to settle a little before the next."""
+    """One broker fault at a time, for ``seconds``: kill -9, SIGSTOP (often past its lease),
+    a kill -9 and start at once, a clean stop (SIGTERM: it hands its containers over, exit 0),
+    or a cut from PostgreSQL (hung connections); each held a little, repaired, and the cluster
+    left to settle a little before the next."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         i = rng.randrange(len(cluster.brokers))
-        fault = rng.choice(["kill", "pause", "restart", "cut_pg"])
+        fault = rng.choice(["kill", "pause", "restart", "stop", "cut_pg"])
         hold = rng.uniform(0.5, 2.5 * cluster.lease_ttl)
         say(f"{fault} b{i}, held {hold:.1f} s")
         if fault == "kill":
@@ -346,6 +347,11 @@ def chaos(cluster: Cluster, rng: random.Random, seconds: float, say: Callable[[s
             cluster.resume(i)
         elif fault == "restart":
             cluster.restart(i)
+        elif fault == "stop":
+            code = cluster.stop(i)
+            assert code == 0, f"b{i} stopped with {code}{cluster.logs()}"
+            time.sleep(hold)
+            cluster.start_broker(i)
         else:
             cluster.cut_pg(i)
             time.sleep(hold)
