@@ -2,10 +2,12 @@
 a real SeaweedFS: journal files moved by the mover become objects in the bucket and nothing in
 the data directory's chunks/, and a broker restarted (kill -9, then a clean stop) replays every
 event from the bucket. A bad --objects is a clear error at start, with the data dir untouched.
+Chunks whose delete failed while the store was down are swept once it is back.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import BrokerProcess, free_port
 from objectstores import ACCESS_KEY, SECRET_KEY, SeaweedFS
+
+from slipstream.storage._chunks import parse_chunk_name
 
 EVENTS = 3000
 
@@ -132,11 +136,74 @@ def test_the_store_down_under_a_running_broker_delays_moves_and_loses_nothing(
             time.sleep(0.05)
         assert len(list((broker.data_dir / "journal" / "0").glob("*.journal"))) <= 1
         # the data produced while the store was down is in a chunk of its own now
-        bases = [int(key.rsplit("/", 1)[1]) for key in server.objects(bucket, "p/")]
-        assert max(bases) >= EVENTS // 2
+        bases = [parse_chunk_name(key.removeprefix("p/")) for key in server.objects(bucket, "p/")]
+        assert None not in bases
+        assert max(b[2] for b in bases if b is not None) >= EVENTS // 2
     broker.kill()
     broker.start(timeout=60)
     with broker.client() as client:
         events = list(client.reader("s3/down", end=client.tail("s3/down")))
     assert [int(e.value[:6]) for e in events] == list(range(EVENTS)), "every event, in order"
     assert local_chunks(broker.data_dir) == []
+
+
+def test_chunks_whose_delete_failed_while_the_store_was_down_are_swept_later(
+    broker_factory: type[BrokerProcess], own_seaweedfs: SeaweedFS
+) -> None:
+    server = own_seaweedfs
+    bucket = server.create_bucket()
+    broker = with_keys(
+        broker_factory(
+            *("--objects", f"s3://{bucket}/p", "--s3-endpoint", server.endpoint),
+            *("--roll", "64KiB", "--roll-seconds", "0.2", "--containers", "1"),
+            *("--retention-check-seconds", "0.2"),
+        )
+    )
+    broker.env["SLIPSTREAM_ORPHAN_GRACE_S"] = "1"  # tests only: far below the mover's window
+    broker.start(timeout=60)
+
+    def chunks() -> list[str]:  # of the newest stream (the one this test made)
+        found = {k[2:]: parse_chunk_name(k[2:]) for k in server.objects(bucket, "p/")}
+        named = {k: v for k, v in found.items() if v is not None}
+        newest = max((v[0] for v in named.values()), default=None)
+        return sorted(k for k, v in named.items() if v[0] == newest)
+
+    with broker.client() as client:
+        client.create_stream("s3/swept", segments=1)
+        rounds = 5
+        for r in range(rounds):  # a new chunk per round: the file rolls in between
+            moved = len(chunks())
+            with client.producer("s3/swept") as producer:
+                for i in range(r * EVENTS // rounds, (r + 1) * EVENTS // rounds):
+                    producer.send(f"{i:06d}".encode() + os.urandom(200))  # incompressible
+            for _ in range(600):  # the mover uploads chunks (a bound, not a timing)
+                if len(chunks()) > moved:
+                    break
+                time.sleep(0.05)
+        assert len(chunks()) >= 3
+        server.stop()
+        # retention forgets the oldest chunks in the catalog; their deletes fail
+        client.update_stream("s3/swept", retention_bytes=200 * 1024)
+        for _ in range(600):  # a bound, not a timing
+            if "left for the orphan sweep" in broker.log():
+                break
+            time.sleep(0.05)
+        failed = {
+            line.split("deleting chunk ", 1)[1].split(" failed", 1)[0]
+            for line in broker.log().splitlines()
+            if "left for the orphan sweep" in line
+        }
+        assert failed, "a delete failed while the store was down"
+        server.start()
+        for _ in range(600):  # the sweep, once due, deletes them (a bound, not a timing)
+            if not failed & set(chunks()):
+                break
+            time.sleep(0.05)
+        left = set(chunks())
+        assert not failed & left, "the chunks whose delete failed were swept"
+        assert "orphaned chunks" in broker.log()
+        # what the catalog still records was never swept: every kept event reads back
+        first = client.describe_stream("s3/swept").segments[0].start_offset
+        events = list(client.reader("s3/swept", end=client.tail("s3/swept")))
+        assert [int(e.value[:6]) for e in events] == list(range(first, EVENTS))
+        assert left, "the kept chunks are still there"

@@ -5,10 +5,14 @@ back, and the object layout that docs/format.md describes."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import math
 import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +20,21 @@ import crc32c
 import pytest
 from objectstores import SeaweedFS
 
-from slipstream import CorruptData, StorageError
-from slipstream.storage import JournalObject, MetaStore, SqliteMetaStore
+from slipstream import CorruptData, LeaseLost, StorageError
+from slipstream.broker._container import Container, ContainerConfig
+from slipstream.broker._controller import Controller
+from slipstream.format import (
+    binary_array,
+    decode_header,
+    encode_body,
+    encode_header,
+    make_record_batch,
+    timestamp_array,
+    verify,
+)
+from slipstream.storage import JournalObject, LongTermStore, MetaStore, SqliteMetaStore, chunk_name
+from slipstream.storage._chunks import ChunkSweep, parse_chunk_name
+from slipstream.storage._journal import Buffer
 from slipstream.storage._journal_objects import ObjectJournal, journal_prefix, object_name
 from slipstream.storage._objects import ObjectChunkStore
 
@@ -297,3 +314,182 @@ def test_a_roll_whose_marker_record_failed_is_retried_without_a_duplicate(
         assert [r.file_id for r in meta.journal_objects(0)] == [0, 1]
     finally:
         meta.close()
+
+
+# --- chunks of one journal file moved by two holdings of its container ------------------------
+
+
+class GatedUploads(LongTermStore):
+    """A chunk store that holds every chunk upload (not journal objects) until ``open`` is set:
+    a broker paused between planning a move and uploading, as SIGSTOP would."""
+
+    def __init__(self, store: LongTermStore) -> None:
+        self.store = store
+        self.waiting = threading.Event()
+        self.open = threading.Event()
+
+    def write_chunk(self, name: str, buffers: Sequence[Buffer]) -> None:
+        if parse_chunk_name(name) is not None:
+            self.waiting.set()
+            assert self.open.wait(30), "the test never let the upload go"
+        self.store.write_chunk(name, buffers)
+
+    def read_chunk(self, name: str, start: int = 0, length: int | None = None) -> Buffer:
+        return self.store.read_chunk(name, start, length)
+
+    def delete_chunk(self, name: str) -> None:
+        self.store.delete_chunk(name)
+
+    def list_chunks(self, prefix: str = "") -> list[str]:
+        return self.store.list_chunks(prefix)
+
+    def list_chunk_times(self, prefix: str = "") -> list[tuple[str, float]]:
+        return self.store.list_chunk_times(prefix)
+
+
+class Holder:
+    """One broker's holding of container 0: a controller, the container over an ObjectJournal
+    on the shared bucket and catalog, and the lease it holds."""
+
+    def __init__(self, store: LongTermStore, meta: MetaStore, owner: str) -> None:
+        lease = meta.acquire_lease(0, owner, 60_000, take_over=True)
+        assert lease is not None
+        self.lease = lease
+        self.journal = ObjectJournal(store, meta, 0)
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix=f"reader-{owner}")
+        self.container = Container(
+            0, self.journal, store, meta, self.pool, ContainerConfig(roll_ms=600_000)
+        )
+        self.container.hold(lease, math.inf)
+        self.controller = Controller(meta, store, [self.container], self.pool)
+        self.controller.recover()
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.container.run())
+
+    async def read_all(self, stream: str) -> list[bytes]:
+        segment = self.controller.stream(stream).segment(0)
+        out: list[bytes] = []
+        offset = 0
+        while batches := await self.container.read(segment, offset, 1 << 20):
+            out += [bytes(b) for b in batches]
+            offset = decode_header(batches[-1]).next_offset
+        return out
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+        await self.container.close()
+        self.controller.close()
+        self.pool.shutdown(wait=True)
+
+
+def one_batch(tag: str) -> bytearray:
+    body = encode_body(
+        make_record_batch(
+            binary_array([tag.encode()]), binary_array([tag.encode() * 50]), timestamp_array([1])
+        )
+    )
+    header = encode_header(body, event_count=1, min_timestamp=1, max_timestamp=1)
+    return bytearray(header + body.to_pybytes())
+
+
+def test_a_holder_paused_past_its_lease_uploads_under_its_own_names_and_records_nothing(
+    seaweedfs: SeaweedFS, pg_dsn: str
+) -> None:
+    """The old holder (epoch 1) planned the move of journal file 0 and paused before its
+    upload; the new holder (epoch 2) recovered the container and moved the same file. The
+    old one's upload, when it resumes, lands under another name (its epoch, a random part):
+    the chunk the catalog records keeps its bytes, and the stray upload is an orphan that the
+    sweep deletes."""
+    from slipstream.storage._meta_pg import PostgresMetaStore
+
+    bucket = seaweedfs.create_bucket()
+    url = f"s3://{bucket}/p"
+    meta_old, meta_new = PostgresMetaStore(pg_dsn), PostgresMetaStore(pg_dsn)
+    gated = GatedUploads(seaweedfs.store(url))
+
+    async def body() -> None:
+        old = Holder(gated, meta_old, "old")
+        await old.controller.create_stream("t/moved", 1, None, None)
+        old.start()
+        segment = old.controller.stream("t/moved").segment(0)
+        for tag in ("a", "b", "c"):
+            batch = one_batch(tag)
+            await old.container.append(segment, batch, verify(batch))
+        expected = await old.read_all("t/moved")
+        loop = asyncio.get_running_loop()
+        sealed = await loop.run_in_executor(old.container._io, old.journal.roll)
+        assert sealed == 0
+        moving = asyncio.create_task(old.container._move_file(sealed))
+        await loop.run_in_executor(None, gated.waiting.wait, 30)  # paused before its upload
+
+        new = Holder(seaweedfs.store(url), meta_new, "new")
+        assert new.lease.epoch == old.lease.epoch + 1
+        await new.container._move_file(0)  # (its move loop not started: this is its only move)
+        (record,) = meta_new.chunks()
+        assert record.name.startswith(chunk_name(record.stream_id, 0, 0, f"{new.lease.epoch}-"))
+        recorded = bytes(gated.store.read_chunk(record.name))
+
+        gated.open.set()  # the old holder resumes: uploads, then its commit is fenced
+        with pytest.raises(LeaseLost):
+            await moving
+        names = gated.store.list_chunks(f"{record.stream_id}/0/")
+        assert len(names) == 2, "the old holder's upload did not overwrite the recorded chunk"
+        (stray,) = [n for n in names if n != record.name]
+        assert stray.startswith(chunk_name(record.stream_id, 0, 0, f"{old.lease.epoch}-"))
+        assert bytes(gated.store.read_chunk(record.name)) == recorded
+        assert meta_old.chunks() == [record]
+        assert await new.read_all("t/moved") == expected
+
+        sweep = ChunkSweep(gated.store, meta_new, grace_s=600)
+        assert sweep.sweep(now=time.time() + 10**6) == [stray]
+        assert await new.read_all("t/moved") == expected
+        await old.close()
+        await new.close()
+
+    try:
+        asyncio.run(body())
+    finally:
+        meta_old.close()
+        meta_new.close()
+
+
+def test_a_move_slower_than_the_commit_window_records_nothing_and_retries_under_new_names(
+    seaweedfs: SeaweedFS, meta: MetaStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A move whose uploads took longer than MOVE_COMMIT_WINDOW_S gives up before its commit
+    (the sweep may already take such uploads for orphans); the retry uploads afresh."""
+    import slipstream.broker._container as container_module
+
+    store = seaweedfs.store(f"s3://{seaweedfs.create_bucket()}/p")
+
+    async def body() -> None:
+        holder = Holder(store, meta, "slow")
+        await holder.controller.create_stream("t/slow", 1, None, None)
+        holder.start()
+        segment = holder.controller.stream("t/slow").segment(0)
+        batch = one_batch("a")
+        await holder.container.append(segment, batch, verify(batch))
+        expected = await holder.read_all("t/slow")
+        loop = asyncio.get_running_loop()
+        sealed = await loop.run_in_executor(holder.container._io, holder.journal.roll)
+        assert sealed is not None
+        monkeypatch.setattr(container_module, "MOVE_COMMIT_WINDOW_S", -1.0)  # always too slow
+        with pytest.raises(StorageError, match="retried under new names"):
+            await holder.container._move_file(sealed)
+        assert meta.chunks() == []
+        assert holder.journal.sealed_files() == [sealed]
+        (first,) = store.list_chunks("1/")
+        monkeypatch.undo()
+        await holder.container._move_file(sealed)
+        (record,) = meta.chunks()
+        assert record.name != first
+        assert ChunkSweep(store, meta, grace_s=600).sweep(now=time.time() + 10**6) == [first]
+        assert await holder.read_all("t/slow") == expected
+        await holder.close()
+
+    asyncio.run(body())

@@ -9,17 +9,28 @@ from __future__ import annotations
 
 import os
 import random
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import free_port
 from objectstores import ACCESS_KEY, SECRET_KEY, S3Server, SeaweedFS
 
 from slipstream import CorruptData, InvalidArgument, StorageError
-from slipstream.storage import ObjectChunkStore, chunk_name
+from slipstream.storage import (
+    ChunkRecord,
+    LocalChunkStore,
+    MetaStore,
+    ObjectChunkStore,
+    SegmentRecord,
+    SqliteMetaStore,
+    chunk_name,
+)
+from slipstream.storage._chunks import ChunkSweep, writer_tag
 from slipstream.storage._objects import CACHE_PAGE, MULTIPART_BYTES, PROBE_NAME
 
 BLOCK = 2 * CACHE_PAGE
@@ -378,3 +389,127 @@ def test_a_hung_store_times_out_with_a_storage_error(
     assert cache_files(tmp_path / "cache") == []
     assert store.read_chunk("1/0/0", 0, 100) == data[:100]
     assert store.read_chunk("1/0/0") == data
+
+
+# --- orphaned chunks: the sweep (ChunkSweep) -------------------------------------------------
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def catalog(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MetaStore]:
+    if request.param == "sqlite":
+        meta: MetaStore = SqliteMetaStore(tmp_path / "meta.db")
+    else:
+        from slipstream.storage._meta_pg import PostgresMetaStore
+
+        meta = PostgresMetaStore(request.getfixturevalue("pg_dsn"))
+    yield meta
+    meta.close()
+
+
+def record_of(stream_id: int, base: int, name: str, size: int) -> ChunkRecord:
+    """The catalog record of a chunk of one batch of ``[base, base + 10)``."""
+    index = np.array([(base, 0, size)], dtype="<i8")
+    return ChunkRecord(stream_id, 0, base, base + 10, size, 1, 2, name, index.tobytes())
+
+
+def listed_times(store: ObjectChunkStore) -> dict[str, float]:
+    return dict(store.list_chunk_times())
+
+
+def test_list_chunk_times_are_the_stores_and_leave_out_the_probe(server: S3Server) -> None:
+    store = server.store(url(server.create_bucket()))
+    store.check_writable()
+    names = [chunk_name(1, 0, 0, writer_tag(3)), chunk_name(1, 0, 10), "journal/0/x"]
+    for name in names:
+        store.write_chunk(name, [b"x"])
+    times = store.list_chunk_times()
+    assert [name for name, _ in times] == sorted(names)
+    assert [name for name, _ in store.list_chunk_times("1/")] == sorted(names[:2])
+    for _, stored in times:  # seconds since 1970 by the store's clock: now, give or take
+        assert abs(stored - time.time()) < 600
+
+
+def test_the_sweep_deletes_a_chunk_whose_delete_failed_never_a_recorded_or_young_one(
+    own_seaweedfs: SeaweedFS, catalog: MetaStore
+) -> None:
+    server = own_seaweedfs
+    bucket = server.create_bucket()
+    store = server.store(f"s3://{bucket}/p", timeout=2.0)
+    stream_id = catalog.create_stream(
+        "sweep/orders", [SegmentRecord(0, 0, 0, 2**64 - 1, 0)], None, None, 1
+    ).id
+    expired = chunk_name(stream_id, 0, 0, writer_tag(1))
+    kept = chunk_name(stream_id, 0, 10)  # a name from before writers were named: still kept
+    for moved, name in enumerate((expired, kept)):
+        store.write_chunk(name, [b"batch" * 20])
+        catalog.add_chunks(0, moved, [record_of(stream_id, 10 * moved, name, 100)])
+    # retention: the record goes first, then the delete, which fails (the store is down)
+    assert [r.name for r in catalog.remove_chunks_before(stream_id, {0: 10})] == [expired]
+    server.stop()
+    with pytest.raises(StorageError):
+        store.delete_chunk(expired)
+    server.start()
+    # an upload whose record is not committed yet (a mover in flight), clearly younger
+    in_flight = chunk_name(stream_id, 0, 20, writer_tag(1))
+    store.write_chunk(in_flight, [b"new"])
+    while listed_times(store)[in_flight] - listed_times(store)[expired] < 2:
+        time.sleep(0.5)  # the store's clock has second steps: make the ages differ by two
+        store.write_chunk(in_flight, [b"new"])
+    store.write_chunk("journal/0/0000000000000000/0000000000000000", [b"j"])  # not a chunk
+    times = listed_times(store)
+    every = sorted(times)
+
+    sweep = ChunkSweep(store, catalog, grace_s=600)
+    assert sweep.sweep() == [], "nothing is older than the grace"
+    assert store.list_chunks() == every
+    # the failed delete's chunk is past the grace, the upload in flight is not
+    assert sweep.sweep(now=times[in_flight] + 600 - 1) == [expired]
+    assert store.list_chunks() == [n for n in every if n != expired]
+    # much later, an upload never recorded is an orphan too; the recorded chunk never is
+    assert sweep.sweep(now=time.time() + 10**6) == [in_flight]
+    assert sorted(store.list_chunks()) == sorted(
+        [kept, "journal/0/0000000000000000/0000000000000000"]
+    )
+    assert sweep.swept == 2
+    assert bytes(store.read_chunk(kept)) == b"batch" * 20
+
+
+def test_the_sweep_reads_a_segment_s_records_in_pages_and_ignores_deleted_streams(
+    server: S3Server, tmp_path: Path
+) -> None:
+    store = server.store(url(server.create_bucket()))
+    catalog = SqliteMetaStore(tmp_path / "meta.db")
+    stream_id = catalog.create_stream(
+        "sweep/paged", [SegmentRecord(0, 0, 0, 2**64 - 1, 0)], None, None, 1
+    ).id
+    recorded = [chunk_name(stream_id, 0, 10 * i, writer_tag(1)) for i in range(7)]
+    for i, name in enumerate(recorded):
+        store.write_chunk(name, [b"x"])
+        catalog.add_chunks(0, i, [record_of(stream_id, 10 * i, name, 1)])
+    # a chunk of the same segment that lost the race to another writer, and a deleted stream's
+    stray = chunk_name(stream_id, 0, 30, writer_tag(2))
+    gone = chunk_name(stream_id + 1, 0, 0)
+    for name in (stray, gone):
+        store.write_chunk(name, [b"y"])
+    sweep = ChunkSweep(store, catalog, grace_s=600, page=3)
+    assert sorted(sweep.sweep(now=time.time() + 10**6)) == sorted([stray, gone])
+    assert store.list_chunks() == sorted(recorded)
+    catalog.close()
+
+
+def test_a_local_chunk_linked_now_from_an_old_journal_file_is_young(tmp_path: Path) -> None:
+    """LocalChunkStore's time is the file's change time: a sealed journal file, old, adopted as
+    a chunk now is as young as the link (else the sweep would delete it before its record)."""
+    store = LocalChunkStore(tmp_path / "chunks", fsync=False)
+    journal = tmp_path / "0000000000000000.journal"
+    journal.write_bytes(b"batch")
+    os.utime(journal, (time.time() - 10**6, time.time() - 10**6))
+    name = chunk_name(1, 0, 0, writer_tag(1))
+    store.adopt_ranges(name, journal, [(0, 5)])
+    ((listed, stored),) = store.list_chunk_times()
+    assert listed == name
+    assert stored > time.time() - 600
+    catalog = SqliteMetaStore(tmp_path / "meta.db")
+    assert ChunkSweep(store, catalog, grace_s=600).sweep() == []
+    assert store.list_chunks() == [name]
+    catalog.close()
