@@ -166,6 +166,62 @@ class Subscriptions:
                 self.groups[(stream.id, record.name)] = Group(record, stream)
         return len(self.groups)
 
+    async def reload(self) -> int:
+        """Take in what other brokers changed in the catalog (``Controller.refresh`` saw it
+        change): subscriptions created there, those deleted there or with their stream (their
+        members here get SubscriptionNotFound), resets (a new generation: members here start
+        again from the new positions) and positions committed there. A group changed here
+        while the catalog was read keeps its state (the catalog read is older); the next
+        reload looks again. Returns how many groups changed."""
+        before = {key: group.record for key, group in self.groups.items()}
+        records = await self.controller.in_catalog(self.controller.meta.subscriptions)
+        streams = {s.id: s for s in self.controller.streams.values()}
+        listed: set[tuple[int, str]] = set()
+        changed = 0
+        for record in records:
+            stream = streams.get(record.stream_id)
+            if stream is None:
+                continue
+            key = (record.stream_id, record.name)
+            listed.add(key)
+            group = self.groups.get(key)
+            if group is None:
+                if key not in before:  # (else deleted here meanwhile)
+                    self.groups[key] = Group(record, stream)
+                    changed += 1
+            elif self._absorb(group, before.get(key), record):
+                changed += 1
+        for key, group in list(self.groups.items()):
+            gone = key not in listed or group.stream is not streams.get(key[0])
+            if gone and key in before and group.record is before[key]:
+                self._drop(group, f"subscription {key[1]!r} was deleted (on another broker)")
+                changed += 1
+        return changed
+
+    def _absorb(
+        self, group: Group, seen: SubscriptionRecord | None, record: SubscriptionRecord
+    ) -> bool:
+        """Take the catalog's ``record`` of ``group`` where it is newer than memory: a reset
+        made elsewhere (a higher generation: a queue restarts, members here start again from
+        the new positions), or positions committed elsewhere to a group nobody uses here (no
+        member, no queue dispatcher: an active group's state here is the newer). Never when
+        something changed the group here since ``seen`` (read before the catalog was) or a
+        change is under way (its lock)."""
+        current = group.record
+        if current is not seen or group.lock.locked() or record == current:
+            return False
+        if record.generation > current.generation:
+            group.record = record
+            self.queues.reset(group)
+            group.wake()
+            return True
+        if record.generation < current.generation or group.members:
+            return False
+        if group in self.queues.dispatchers:
+            return False
+        group.record = record
+        return True
+
     async def run(self) -> None:
         """Remove members whose session expired (they stopped polling), and wake the groups
         of a stream that scaled (a sealed segment may be complete already, successors may be
@@ -228,7 +284,18 @@ class Subscriptions:
         ]
 
     async def describe(self, stream_name: str, name: str) -> SubscriptionInfo:
+        """A group nobody uses here is described with its positions as the catalog has them:
+        commits made through another broker are not announced (``catalog_version`` leaves
+        positions out)."""
         group = self.group(stream_name, name)
+        if not group.members and group not in self.queues.dispatchers:
+            seen = group.record
+            stored = await asyncio.get_running_loop().run_in_executor(
+                self.controller.read_pool, self.controller.meta.subscriptions, seen.stream_id
+            )
+            for record in stored:
+                if record.name == name:
+                    self._absorb(group, seen, record)
         info = self.info(group, detail=True)
         now_ms = int(time.time() * 1000)
         segments = []

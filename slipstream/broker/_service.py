@@ -1296,6 +1296,54 @@ class Service:
                 stream=stream,
             )
 
+    # --- several brokers ---------------------------------------------------------------------
+
+    async def reload_settings(self) -> None:
+        """Take in what other brokers changed in the catalog (the broker calls it when
+        ``Controller.refresh`` saw the catalog change): revoked tokens (this broker's
+        connections that use one end with ``authentication_failed``, as ``revoke_token``
+        ends them), access rules (callers' cached decisions are dropped), quotas (a changed
+        scope's buckets start afresh), transactional-id owners, and subscriptions
+        (``Subscriptions.reload``). Catalog reads on the catalog thread, after the writes
+        queued before; StorageError when the catalog cannot be read."""
+        meta = self.controller.meta
+
+        def read() -> tuple[set[str], dict[str, bytes], dict[str, bytes], dict[str, bytes]]:
+            return (
+                set(meta.settings(REVOKED_SETTING)),
+                meta.settings(RULES_SETTING),
+                meta.settings(QUOTAS_SETTING),
+                meta.settings(TXN_OWNERS_SETTING),
+            )
+
+        revoked, rules, quotas, owners = await self.controller.in_catalog(read)
+        for token_id in revoked - self.revoked:
+            self.revoked.add(token_id)
+            for victim in self._by_token.pop(token_id, set()):
+                if victim.end is not None:
+                    victim.end(
+                        AuthenticationFailed(
+                            f"authentication failed: token {token_id} revoked; connect again "
+                            "with a new token",
+                            reason="revoked",
+                            token_id=token_id,
+                        )
+                    )
+        loaded = sorted({decode_rule(raw) for raw in rules.values()})
+        if loaded != self.rules.rules:
+            self.rules = Rules(loaded)
+            self._rules_version += 1
+        limits = {scope: decode_quota(raw) for scope, raw in quotas.items()}
+        for scope, _ in list(self.quotas.items()):
+            if scope not in limits:
+                self.quotas.delete(scope)
+        for scope, quota in limits.items():
+            if self.quotas.get(scope) != quota:
+                self.quotas.set(scope, quota)
+        # an id being taken here is in memory before it is stored: kept until it is
+        self._txn_owners = {**self._txn_owners, **{t: o.decode() for t, o in owners.items()}}
+        await self.subscriptions.reload()
+
 
 def rule_message(rule: Rule) -> AccessRule:
     """A rule as the protocol and the HTTP API carry it."""
