@@ -182,6 +182,9 @@ class Container:
         self.lease: Lease | None = None
         self.lease_deadline = math.inf
         self.lease_lost: str | None = None
+        #: whether this broker serves it (in a cluster, only the containers it holds; a
+        #: container handed over stays False and its replacement object serves when taken)
+        self.serving = True
 
     # --- recovery --------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import logging
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -158,10 +158,15 @@ class Controller:
         self.read_pool = read_pool
         self._catalog = ThreadPoolExecutor(1, thread_name_prefix="catalog")
         self.streams: dict[str, Stream] = {}
+        #: ids of streams deleted while this broker ran (a takeover never brings them back)
+        self.deleted_ids: set[int] = set()
         #: deletes chunks no record names (failed deletes, uploads never recorded), after
         #: each retention pass once due, on its own thread: a LIST of every chunk is slow
         self.chunk_sweep = ChunkSweep(long_term, meta)
         self._sweeper = ThreadPoolExecutor(1, thread_name_prefix="chunk-sweep")
+        self._catalog_version: int | None = None  # as of the last refresh applied
+        self._created = 0  # streams created here: a refresh that read before one reads again
+        self._refreshing = asyncio.Lock()
 
     def close(self) -> None:
         """Finish the catalog writes under way and stop their thread (before the catalog is
@@ -273,6 +278,12 @@ class Controller:
             created_ms,
             scaling,
         )
+        self._created += 1
+        known = self.streams.get(name)
+        if known is not None and known.id == record.id:
+            return known  # a refresh found it in the catalog first: keep what it registered
+        if known is not None:  # deleted by another broker, not refreshed here yet
+            self._forget_stream(known)
         stream = Stream(
             record.id,
             name,
@@ -319,6 +330,7 @@ class Controller:
             raise StreamNotFound(f"stream {name!r} was already deleted", stream=name) from None
         if self.streams.get(name) is stream:
             del self.streams[name]
+        self.deleted_ids.add(stream.id)
         for segment in stream.segments.values():
             segment.deleted = True
             container = self.containers[segment.container]
@@ -688,6 +700,142 @@ class Controller:
         log.info("retention removed %d chunks of %s", len(records), stream.name)
         return len(records)
 
+    # --- several brokers on one catalog ----------------------------------------------------
+
+    async def refresh(self, served: Callable[[int], bool] | None = None) -> bool:
+        """Apply what other brokers changed in the catalog to the streams in memory; True if
+        the catalog changed since the last refresh (the service then reloads what it caches:
+        ``Service.reload_settings``). When it did not, this is one cheap catalog read
+        (``MetaStore.catalog_version``).
+
+        Applied: streams created elsewhere (their segments from the catalog: start, newest
+        chunk; sealed ones at their end), streams deleted elsewhere or re-created under a new
+        id (their segments marked deleted and woken, like ``delete_stream``; their chunks are
+        the deleting broker's to remove), successors of a scale (registered in their
+        containers), segments sealed elsewhere (woken), retention limits and scaling policy.
+        The segments of containers this broker serves (``served``; by default those whose
+        ``Container.serving`` is set) keep their objects and live state (offsets, journal,
+        producers): refresh only marks them sealed or deleted. A stream scaling here
+        meanwhile is left to the next refresh, and so is everything when a stream was created
+        here while the catalog was read: the version is then not recorded, and the next call
+        reads again. Catalog reads run on
+        the catalog thread; StorageError when the catalog cannot be read."""
+        async with self._refreshing:
+            version = await self.in_catalog(self.meta.catalog_version)
+            if version == self._catalog_version:
+                return False
+            created = self._created
+            known = frozenset((s.id, n) for s in self.streams.values() for n in s.segments)
+            records, chunks = await self.in_catalog(_read_streams, self.meta, known)
+            if served is None:
+                served = self._serves
+            if created == self._created and self._apply_catalog(records, chunks, served):
+                self._catalog_version = version
+            return True
+
+    def _apply_catalog(
+        self,
+        records: Sequence[StreamRecord],
+        chunks: Mapping[tuple[int, int], SegmentChunks],
+        served: Callable[[int], bool],
+    ) -> bool:
+        """Make the stream map what ``records`` say (on the loop); False if a stream was
+        skipped because it is scaling here (``refresh``)."""
+        by_name = {record.name: record for record in records}
+        for name, gone in list(self.streams.items()):
+            record = by_name.get(name)
+            if record is None or record.id != gone.id:
+                self._forget_stream(gone)
+                log.info("stream %s was deleted by another broker", name)
+        complete = True
+        for record in records:
+            stream = self.streams.get(record.name)
+            if stream is None:
+                if record.id in self.deleted_ids:
+                    continue  # deleted here after the catalog was read
+                stream = Stream(
+                    record.id,
+                    record.name,
+                    record.retention_ms,
+                    record.retention_bytes,
+                    record.created_ms,
+                    [],
+                )
+                stream.add_segments(
+                    [self._adopt(record, s, chunks, served) for s in record.segments]
+                )
+                stream.scaling = record.scaling
+                self._register(stream)
+                log.info("stream %s was created by another broker", record.name)
+                continue
+            if stream.scale_lock.locked():
+                complete = False  # its successors are this broker's own to add
+                continue
+            stream.retention_ms, stream.retention_bytes = (
+                record.retention_ms,
+                record.retention_bytes,
+            )
+            stream.scaling = record.scaling
+            added = [
+                self._adopt(record, s, chunks, served)
+                for s in record.segments
+                if s.number not in stream.segments
+            ]
+            if added:  # successors first: followers woken at a sealed end find them
+                stream.add_segments(added)
+                for segment in added:
+                    self.containers[segment.container].segments[segment.global_id] = segment
+                log.info(
+                    "stream %s was scaled by another broker: segments %s opened",
+                    record.name,
+                    [s.number for s in added],
+                )
+            for s in record.segments:
+                segment = stream.segments[s.number]
+                if s.sealed and not segment.sealed:
+                    if not served(segment.container) and s.end_offset >= 0:
+                        segment.next_offset = segment.pending_offset = s.end_offset
+                    segment.sealed, segment.sealing = True, False
+                    segment.notify()
+        return complete
+
+    def _serves(self, container: int) -> bool:
+        return self.containers[container].serving
+
+    def _adopt(
+        self,
+        record: StreamRecord,
+        s: SegmentRecord,
+        chunks: Mapping[tuple[int, int], SegmentChunks],
+        served: Callable[[int], bool],
+    ) -> Segment:
+        """A segment a refresh found in the catalog: the object its container has already (a
+        takeover built it), else one built from the catalog; a sealed segment another
+        broker serves ends at its recorded end."""
+        segment = build_segment(record, s, chunks.get((record.id, s.number)), len(self.containers))
+        known = self.containers[segment.container].segments.get(segment.global_id)
+        if known is not None:
+            return known
+        if s.sealed and s.end_offset >= 0 and not served(segment.container):
+            segment.next_offset = segment.pending_offset = max(segment.next_offset, s.end_offset)
+        return segment
+
+    def _forget_stream(self, stream: Stream) -> None:
+        """A stream deleted (here or elsewhere) leaves memory: its appends and reads fail with
+        StreamNotFound from here on, its followers wake, its metrics go. Its chunks are left to
+        the broker that deleted it."""
+        if self.streams.get(stream.name) is stream:
+            del self.streams[stream.name]
+        self.deleted_ids.add(stream.id)
+        for segment in stream.segments.values():
+            segment.deleted = True
+            container = self.containers[segment.container]
+            if container.segments.get(segment.global_id) is segment:
+                del container.segments[segment.global_id]
+            container.chunk_cache.forget(segment.global_id)
+            segment.notify()
+        self.metrics.forget_stream(stream.name)
+
 
 #: the most chunks one retention step removes (and holds the records of)
 RETENTION_BATCH = 10_000
@@ -723,6 +871,22 @@ def build_segment(
     segment.producers = ProducerTable.from_snapshot(moved)
     segment.next_offset = segment.pending_offset = segment.chunk_end
     return segment
+
+
+def _read_streams(
+    meta: MetaStore, known: frozenset[tuple[int, int]]
+) -> tuple[list[StreamRecord], dict[tuple[int, int], SegmentChunks]]:
+    """The catalog's streams and, when it has segments not in ``known`` (stream id, number),
+    their chunks' totals (a refresh's read, on the catalog thread)."""
+    records = meta.streams()
+    new = {(r.id, s.number) for r in records for s in r.segments} - known
+    if not new:
+        return records, {}
+    return records, {
+        (c.stream_id, c.segment): c
+        for c in meta.segment_chunks()
+        if (c.stream_id, c.segment) in new
+    }
 
 
 def _first_event_at_or_after(
