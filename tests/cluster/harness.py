@@ -29,6 +29,7 @@ import contextlib
 import inspect
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -273,8 +274,8 @@ class Cluster:
         """Start every broker (one at a time: the first fixes the container count) and wait
         until every container is served."""
         try:
-            for broker in self.brokers:
-                broker.start(timeout)
+            for i in range(len(self.brokers)):
+                self._start(i, timeout)
             self.wait_until_all_containers_served(timeout)
         except BaseException:
             self.close()
@@ -347,6 +348,22 @@ class Cluster:
                 )
             time.sleep(0.1)
 
+    def _start(self, i: int, timeout: float) -> None:
+        """Start broker ``i``; one that does not listen in time dumps its threads' stacks to
+        its log (faulthandler on SIGABRT) before the error names what it was doing."""
+        broker = self.brokers[i]
+        try:
+            broker.start(timeout)
+        except RuntimeError:
+            proc = broker.proc
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGABRT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(10)
+                broker.kill()
+                raise RuntimeError(f"b{i} did not listen in {timeout} s:\n{broker.log()}") from None
+            raise
+
     # --- faults -----------------------------------------------------------------------------
 
     def kill(self, i: int) -> None:
@@ -375,12 +392,12 @@ class Cluster:
 
     def start_broker(self, i: int, timeout: float = 60.0) -> None:
         """Start broker ``i`` again after ``kill`` or ``stop`` (same id, port, data dir)."""
-        self.brokers[i].start(timeout)
+        self._start(i, timeout)
 
     def restart(self, i: int, timeout: float = 60.0) -> None:
         """kill -9 if it runs (or is paused), then start it again: same id, port, data dir."""
         self.kill(i)
-        self.brokers[i].start(timeout)
+        self._start(i, timeout)
 
     def cut_pg(self, i: int, *, hang: bool = True) -> None:
         """Cut broker ``i`` off PostgreSQL: its connections hang (``hang``, a partition) or
