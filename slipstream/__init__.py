@@ -58,6 +58,7 @@ from ._errors import (
     UnknownDelivery,
     UnknownMember,
     UnsupportedVersion,
+    WrongBroker,
 )
 from .client import (
     AsyncClient,
@@ -148,6 +149,7 @@ __all__ = [
     "UnknownDelivery",
     "UnknownMember",
     "UnsupportedVersion",
+    "WrongBroker",
     "__version__",
     "connect",
     "connect_async",

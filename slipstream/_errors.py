@@ -204,6 +204,17 @@ class NotOwner(SlipstreamError):
     code = "not_owner"
 
 
+class WrongBroker(SlipstreamError):
+    """In a cluster (docs/cluster.md), this broker does not serve the container the request
+    needs: a segment's appends and follows, a subscription's group or queue, or a transactional
+    id are served by the broker that holds that container's lease. ``details``: ``container``,
+    and ``owner`` and ``address`` of the broker serving it (both None while nobody does: the
+    container is moving; ask again shortly). Clients that know the cluster route there by
+    themselves; nothing of a refused request was done."""
+
+    code = "wrong_broker"
+
+
 class LimitExceeded(SlipstreamError):
     """A connection went past one of the broker's per-connection limits; ``details`` name the
     limit and its value. The connection stays open unless the message says otherwise."""

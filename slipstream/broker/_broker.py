@@ -59,6 +59,7 @@ from ..storage import (
     fsync_dir,
 )
 from ._audit_stream import audit_appender, open_audit_stream
+from ._cluster import Cluster, Membership
 from ._container import (
     FSYNC_MODES,
     JOURNAL_CHECKPOINT_SECONDS,
@@ -70,6 +71,7 @@ from ._container import (
 from ._controller import Controller
 from ._faults import FAULT, SCALING_SPEEDUP, crash_point
 from ._metrics import Metrics
+from ._peers import Peers
 from ._service import Service, load_producer_key
 from ._session import ConnectionLimits
 from ._transactions import Coordinator
@@ -134,6 +136,15 @@ class BrokerConfig:
     #: "objects" in the --objects store with their records in the catalog
     #: (storage/_journal_objects.py; needs --objects and fsync "always")
     journal: str = "files"
+    #: the address other brokers and clients reach this broker at (``up --advertise``), in a
+    #: cluster; None: host:port as bound
+    advertise: str | None = None
+
+    @property
+    def clustered(self) -> bool:
+        """Whether this broker joins a cluster (docs/cluster.md): journals, chunks and catalog
+        are all shared, so no state lives only in its data directory."""
+        return self.meta is not None and self.objects is not None and self.journal == "objects"
 
 
 class _Layout(msgspec.Struct):
@@ -180,6 +191,8 @@ class Broker:
         self.metrics = Metrics(self)  # served at /metrics by the admin HTTP server
         #: the holder's name of this broker's container leases in the catalog (set by open())
         self.broker_id = config.broker_id or ""
+        #: in a cluster, the loop that keeps this broker's share of containers (set by serve)
+        self.membership: Membership | None = None
 
     def _lock(self, data_dir: Path) -> None:
         lock = open(data_dir / "LOCK", "a+")  # noqa: SIM115 - held for the broker's life
@@ -298,6 +311,14 @@ class Broker:
             else _object_chunks(self.config, cache=True)
         )
         self.read_pool = ThreadPoolExecutor(4, thread_name_prefix="reader")
+        clustered = self.config.clustered
+        if clustered:  # the cluster's count, fixed by its first broker, wins
+            containers = self.meta.shared_secret(
+                "containers", lambda: str(layout.containers).encode()
+            )
+            if int(containers) != layout.containers:
+                log.info("the cluster has %s containers (not %d)", containers, layout.containers)
+                layout = _Layout(layout.format, int(containers))
         self.journals: list[Journal] = (
             self._object_journals(layout.containers)
             if self.config.journal == "objects"
@@ -326,7 +347,12 @@ class Broker:
             )
             for cid, journal in enumerate(self.journals)
         ]
-        self._take_leases()
+        self.cluster = Cluster(self.broker_id, len(self.containers), enabled=clustered)
+        if clustered:  # containers are taken by the membership loop, once serving
+            for container in self.containers:
+                container.serving = False
+        else:
+            self._take_leases()
         self.controller = Controller(self.meta, self.long_term, self.containers, self.read_pool)
         self.coordinator = Coordinator(data_dir, self.meta, self.controller, fsync=do_sync)
         # the names of meta.db (SQLite syncs its WAL's name, not the database's) and of the
@@ -342,9 +368,11 @@ class Broker:
             producer_key=load_producer_key(data_dir, fsync=do_sync),
             token_keys=TokenKeys.load(data_dir, fsync=do_sync) if self.config.auth else None,
         )
+        self.service.cluster = self.cluster
+        self.service.peers = Peers(self.cluster)
         self.metrics.attach(self)
         started = time.monotonic()
-        totals = self.controller.recover()
+        totals = self.controller.recover(journals=not clustered)
         totals.update(self.coordinator.recover())
         totals["subscriptions"] = self.service.subscriptions.recover()
         totals["cut_bytes"] = sum(j.report.cut_bytes for j in self.journals)
@@ -355,7 +383,8 @@ class Broker:
         # again after recovery, which may have outlasted the ttl: a new epoch, a fresh
         # deadline, before any background task writes with them (LeaseHeld if another broker
         # took a container meanwhile)
-        self._take_leases()
+        if not clustered:
+            self._take_leases()
         for journal in self.journals:
             if journal.report.cut_reason:
                 log.warning(
@@ -381,9 +410,11 @@ class Broker:
         from ..http import start_http
         from ._session import Session
 
+        membership = Membership(self) if self.config.clustered else None
         background = [
-            loop.create_task(self._run_container(c), name=f"container {c.id}")
+            loop.create_task(self.run_container(c), name=f"container {c.id}")
             for c in self.containers
+            if membership is None
         ]
         server: asyncio.Server | None = None
         http: HttpServer | None = None
@@ -412,6 +443,7 @@ class Broker:
                     self.config.port,
                     reuse_address=True,
                     backlog=1024,
+                    start_serving=membership is None,  # in a cluster: once it serves its share
                 )
             except OSError as exc:
                 raise InvalidArgument(
@@ -422,6 +454,14 @@ class Broker:
                 ) from exc
             sockname = server.sockets[0].getsockname()
             self.address = (sockname[0], sockname[1])
+            self.cluster.address = self.config.advertise or f"{sockname[0]}:{sockname[1]}"
+            if self.http_address is not None:
+                self.cluster.http_address = f"{self.http_address[0]}:{self.http_address[1]}"
+            if membership is not None:  # joins, and takes its share, before it says ready
+                await membership.turn()
+                await server.start_serving()
+                background.append(loop.create_task(membership.run(), name="cluster"))
+                self.membership = membership
             log.info(
                 "listening on %s:%d (data in %s, fsync=%s)",
                 *self.address,
@@ -431,7 +471,8 @@ class Broker:
             if ready is not None:
                 ready(self.address)
             background.append(loop.create_task(self._retention_loop(), name="retention"))
-            background.append(loop.create_task(self._lease_loop(), name="leases"))
+            if membership is None:
+                background.append(loop.create_task(self._lease_loop(), name="leases"))
             background.append(loop.create_task(self.coordinator.run(), name="transactions"))
             background.append(
                 loop.create_task(self.service.subscriptions.run(), name="group sessions")
@@ -452,6 +493,8 @@ class Broker:
             for session in list(self.sessions):
                 if session.transport is not None:
                     session.transport.close()
+            if membership is not None and failed is None:  # the others take over at once
+                await membership.leave()
             if failed is None:  # the last records into the audit stream (all in the log)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.service.audit.drained(), AUDIT_DRAIN_S)
@@ -498,7 +541,17 @@ class Broker:
         self._accepted.set()
         return session(self)
 
-    async def _run_container(self, container: Container) -> None:
+    def new_container(self, cid: int) -> Container:
+        """A fresh container ``cid`` on its object journal (a cluster's takeover)."""
+        from ..storage._journal_objects import ObjectJournal
+
+        journal = ObjectJournal(self.long_term, self.meta, cid, fault=_journal_crash_point)
+        self.journals[cid] = journal
+        return Container(
+            cid, journal, self.long_term, self.meta, self.read_pool, self.config.container
+        )
+
+    async def run_container(self, container: Container) -> None:
         # fault injection: once the broker serves (a crash, not a failed start)
         if FAULT == "broker.container_dies" and container.id == 0:
             await self._accepted.wait()
@@ -506,9 +559,11 @@ class Broker:
         await container.run()
 
     async def _close(self) -> None:
+        self.service.peers.close()
         await self.coordinator.close()
         for container in self.containers:
-            await container.close()
+            if container.serving or not self.config.clustered:  # others: handed over
+                await container.close()
         self.read_pool.shutdown(wait=True)
         self.controller.close()  # queued catalog writes finish before the catalog closes
         self._release_leases()

@@ -362,6 +362,12 @@ class Container:
         self._wakeup.set()
         return future
 
+    async def drain(self) -> None:
+        """Return once every append queued so far has its answer (durable, or failed):
+        what a hand-over waits for after the container stops taking appends."""
+        while self._queue or any(s.pending_offset != s.next_offset for s in self.segments.values()):
+            await asyncio.sleep(0.005)
+
     async def run(self) -> None:
         """The container's background work: group commit, periodic sync, the mover."""
         if self.journal.sealed_files():

@@ -148,12 +148,13 @@ class Controller:
         self,
         meta: MetaStore,
         long_term: LongTermStore,
-        containers: Sequence[Container],
+        containers: list[Container],
         read_pool: ThreadPoolExecutor,
     ) -> None:
         self.meta = meta
         self.long_term = long_term
-        self.containers = list(containers)
+        #: the broker's list (shared, not copied): a takeover swaps a fresh container in
+        self.containers = containers
         #: the broker's pool for blocking reads (chunks, journal parts, time lookups, finds)
         self.read_pool = read_pool
         self._catalog = ThreadPoolExecutor(1, thread_name_prefix="catalog")
@@ -181,8 +182,9 @@ class Controller:
 
     # --- startup ---------------------------------------------------------------------------
 
-    def recover(self) -> dict[str, int]:
-        """Load the catalog, then let every container replay its journal. Of a segment's
+    def recover(self, journals: bool = True) -> dict[str, int]:
+        """Load the catalog, then let every container replay its journal (``journals``; in a
+        cluster a container's journal is replayed when this broker takes it). Of a segment's
         chunks only their totals and the newest are loaded (``MetaStore.segment_chunks``)."""
         chunks_by_segment = {(c.stream_id, c.segment): c for c in self.meta.segment_chunks()}
         for record in self.meta.streams():
@@ -206,10 +208,74 @@ class Controller:
         # the streams of users: the broker's own (the audit trail) are not news to them
         users = sum(not is_system_stream(name) for name in self.streams)
         totals = {"streams": users, "batches": 0, "skipped": 0}
-        for container in self.containers:
+        for container in self.containers if journals else ():
             for key, value in container.recover().items():
                 totals[key] += value
         return totals
+
+    def fresh_segments(
+        self,
+        records: Sequence[StreamRecord],
+        chunks: dict[tuple[int, int], SegmentChunks],
+        container: int,
+    ) -> list[Segment]:
+        """New Segment objects for container ``container``'s segments as the catalog has them
+        (a takeover recovers the journal into them before anyone sees them)."""
+        return [
+            build_segment(record, s, chunks.get((record.id, s.number)), len(self.containers))
+            for record in records
+            for s in record.segments
+            if s.container == container
+        ]
+
+    def swap_in(
+        self, container: Container, records: Sequence[StreamRecord], segments: list[Segment]
+    ) -> None:
+        """Serve a taken container: it replaces the old one in the broker's list, and its
+        recovered segments replace the old objects in their streams (a stream this broker
+        has not loaded yet is added from ``records``, the catalog as the takeover read it).
+        A stream deleted since that read keeps its segments out."""
+        self.containers[container.id] = container
+        by_id = {record.id: record for record in records}
+        fresh: dict[int, list[Segment]] = {}
+        for segment in segments:
+            fresh.setdefault(segment.stream_id, []).append(segment)
+        for stream_id, mine in fresh.items():
+            record = by_id[stream_id]
+            stream = self.streams.get(record.name)
+            if stream is None or stream.id != stream_id:
+                if stream is not None or self._deleted_since(stream_id):
+                    for segment in mine:
+                        container.segments.pop(segment.global_id, None)
+                    continue
+                others = [
+                    build_segment(record, s, None, len(self.containers))
+                    for s in record.segments
+                    if s.container != container.id
+                ]
+                stream = Stream(
+                    record.id,
+                    record.name,
+                    record.retention_ms,
+                    record.retention_bytes,
+                    record.created_ms,
+                    [],
+                )
+                stream.add_segments([*others, *mine])
+                stream.scaling = record.scaling
+                self._register(stream)
+                continue
+            for segment in mine:
+                old = stream.segments.get(segment.number)
+                if old is not None:
+                    segment.successors = list(old.successors)
+                    old.notify()
+                stream.segments[segment.number] = segment
+            stream.add_segments(mine)
+
+    def _deleted_since(self, stream_id: int) -> bool:
+        """Whether this broker saw stream ``stream_id`` deleted (a later refresh removed it)."""
+        return stream_id in self.deleted_ids
 
     def _register(self, stream: Stream) -> None:
         self.streams[stream.name] = stream
@@ -535,9 +601,16 @@ class Controller:
 
     # --- positions -------------------------------------------------------------------------
 
-    async def cut(self, name: str, at: str, timestamp_ms: int | None) -> dict[int, int]:
+    async def cut(
+        self,
+        name: str,
+        at: str,
+        timestamp_ms: int | None,
+        only: Callable[[Segment], bool] | None = None,
+    ) -> dict[int, int]:
+        """``{segment: offset}`` of every segment (``only``: of those it accepts)."""
         stream = self.stream(name)
-        segments = stream.segments.values()
+        segments = [s for s in stream.segments.values() if only is None or only(s)]
         if at == "earliest":
             return {s.number: s.start_offset for s in segments}
         if at == "latest":

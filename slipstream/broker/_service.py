@@ -36,7 +36,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,16 +52,25 @@ from .._errors import (
     PermissionDenied,
     SlipstreamError,
 )
+from ..cluster import coordinator
 from ..format import BatchHeader, verify
 from ..protocol import (
     AccessDecision,
     AccessRule,
+    ClusterInfo,
+    Cut,
+    DescribeStream,
+    GetCut,
     GroupAssignment,
     IdentityInfo,
+    ListStreams,
+    Message,
     Payload,
     QuotaInfo,
     ScaleEventInfo,
+    SegmentInfo,
     StreamInfo,
+    StreamList,
     SubscriptionInfo,
     TokenInfo,
     TokenIssued,
@@ -89,9 +98,11 @@ from ..streams import (
     validate_stream_name,
 )
 from ._browse import EventsPage, events_after, events_before
+from ._cluster import Cluster
 from ._find import Finder, FoundEvents, check_find_arguments
 from ._groups import Subscriptions
 from ._metrics import DETACHED, Metrics
+from ._peers import Peers, gather_answers
 
 if TYPE_CHECKING:
     from ._container import Container
@@ -174,6 +185,10 @@ class Service:
     future, for appends); a protocol turns them into its own error replies."""
 
     metrics: Metrics = DETACHED  #: the broker's (``Metrics.attach``): counts look-ups
+    #: who serves which container (docs/cluster.md); the broker sets its own
+    cluster: Cluster = Cluster("", 1, enabled=False)
+    #: this broker's connections to the others of its cluster (the broker sets them)
+    peers: Peers = Peers(cluster)
 
     def __init__(
         self,
@@ -458,6 +473,10 @@ class Service:
         them to end. Raises StreamNotFound, SegmentNotFound, InvalidArgument."""
         self._authorize(caller, Action.MANAGE, name)
         self._refuse_system(name, "scale")
+        known = self.controller.stream(name).segments
+        for number in segments:
+            if number in known:  # an unknown one is SegmentNotFound from the controller
+                self._served(known[number])
         stream = await self.controller.scale(name, segments, into, self.coordinator.touching)
         self._audited(caller, "stream_scaled", stream=name, segments=list(segments), into=into)
         return stream.info()
@@ -478,16 +497,136 @@ class Service:
         return [s.info() for s in streams]
 
     def describe_stream(self, caller: Caller, name: str) -> StreamInfo:
-        """Any of produce, consume or manage allows it (a producer routes by the segments)."""
+        """Any of produce, consume or manage allows it (a producer routes by the segments).
+        This broker's own view: in a cluster, the segments it does not serve are as of the
+        catalog (``stream_info`` asks their brokers)."""
         self._authorize(caller, None, name)
         return self.controller.stream(name).info()
 
+    async def stream_info(self, caller: Caller, name: str, local: bool = False) -> StreamInfo:
+        """The stream with every segment's live state: in a cluster, each segment as the
+        broker serving it knows it (asked with ``local``); ``local``: only the segments this
+        broker serves. WrongBroker while a container has nobody serving it (moving)."""
+        info = self.describe_stream(caller, name)
+        if not self.cluster.enabled:
+            return info
+        if local:
+            return self._served_part(info)
+        (merged,) = await self._merged([info], lambda: DescribeStream(name, local=True))
+        return merged
+
+    async def list_streams_live(
+        self, caller: Caller, scope: str | None = None, local: bool = False
+    ) -> list[StreamInfo]:
+        """``list_streams`` with every segment's live state (see ``stream_info``)."""
+        infos = self.list_streams(caller, scope)
+        if not self.cluster.enabled:
+            return infos
+        if local:
+            return [self._served_part(info) for info in infos]
+        return await self._merged(infos, lambda: ListStreams(scope, local=True))
+
     async def cut(
-        self, caller: Caller, stream: str, at: str, timestamp_ms: int | None = None
+        self,
+        caller: Caller,
+        stream: str,
+        at: str,
+        timestamp_ms: int | None = None,
+        local: bool = False,
     ) -> dict[int, int]:
-        """``{segment: offset}`` at "earliest", "latest" or "time" (``timestamp_ms``)."""
+        """``{segment: offset}`` at "earliest", "latest" or "time" (``timestamp_ms``); in a
+        cluster each segment's from the broker serving it (``local``: only this one's)."""
         self._authorize(caller, Action.CONSUME, stream)
-        return await self.controller.cut(stream, at, timestamp_ms)
+        return await self._cut(stream, at, timestamp_ms, local)
+
+    async def _cut(
+        self, stream: str, at: str, timestamp_ms: int | None, local: bool = False
+    ) -> dict[int, int]:
+        if not self.cluster.enabled:
+            return await self.controller.cut(stream, at, timestamp_ms)
+        mine = await self.controller.cut(stream, at, timestamp_ms, self._is_served)
+        if local:
+            return mine
+        missing = {
+            n: s.container
+            for n, s in self.controller.stream(stream).segments.items()
+            if n not in mine
+        }
+        if not missing:
+            return mine
+        asked = await gather_answers(
+            self.peers,
+            {
+                owner: GetCut(stream, at, timestamp_ms, local=True)
+                for owner in self._owners_of(missing.values(), f"a segment of {stream!r}")
+            },
+        )
+        positions = dict(mine)
+        for number, cid in missing.items():
+            answer = asked.get(self.cluster.owners[cid])
+            if not isinstance(answer, Cut) or number not in answer.positions:
+                raise self.cluster.wrong_broker(cid, f"segment {number} of {stream!r}")
+            positions[number] = answer.positions[number]
+        return positions
+
+    def _is_served(self, segment: Segment) -> bool:
+        container = self.containers[segment.container]
+        return container.serving and container.segments.get(segment.global_id) is segment
+
+    def _served_part(self, info: StreamInfo) -> StreamInfo:
+        served = {c.id for c in self.containers if c.serving}
+        return msgspec.structs.replace(
+            info, segments=[s for s in info.segments if s.container in served]
+        )
+
+    def _owners_of(self, containers: Iterable[int], what: str) -> set[str]:
+        """The brokers serving ``containers`` (WrongBroker for one that nobody serves)."""
+        owners = set()
+        for cid in containers:
+            owner = self.cluster.owners[cid]
+            if not owner or owner == self.cluster.broker_id:
+                raise self.cluster.wrong_broker(cid, what)
+            owners.add(owner)
+        return owners
+
+    async def _merged(
+        self, infos: list[StreamInfo], local_request: Callable[[], Message]
+    ) -> list[StreamInfo]:
+        """``infos`` with each segment this broker does not serve replaced by what the broker
+        serving it answers to ``local_request``: one request per broker, all at once."""
+        served = {c.id for c in self.containers if c.serving}
+        others = {s.container for i in infos for s in i.segments if s.container not in served}
+        if not others:
+            return infos
+        owners = self._owners_of(others, "a segment")
+        answers = await gather_answers(self.peers, {o: local_request() for o in owners})
+        live: dict[tuple[str, int], SegmentInfo] = {}
+        for owner, answer in answers.items():
+            listed = (
+                [answer]
+                if isinstance(answer, StreamInfo)
+                else answer.streams
+                if isinstance(answer, StreamList)
+                else []
+            )
+            for info in listed:
+                for segment in info.segments:
+                    if self.cluster.owners[segment.container] == owner:
+                        live[info.name, segment.number] = segment
+        merged = []
+        for info in infos:
+            segments = []
+            for segment in info.segments:
+                if segment.container not in served:
+                    found = live.get((info.name, segment.number))
+                    if found is None:
+                        raise self.cluster.wrong_broker(
+                            segment.container, f"segment {segment.number} of {info.name!r}"
+                        )
+                    segment = found
+                segments.append(segment)
+            merged.append(msgspec.structs.replace(info, segments=segments))
+        return merged
 
     # --- produce -----------------------------------------------------------------------------
 
@@ -508,6 +647,7 @@ class Service:
         self._authorize(caller, Action.PRODUCE, stream)
         self._refuse_system(stream, "append to")
         target = self.controller.stream(stream).segment(segment)
+        self._served(target)
         header = verify(batch)
         if header.batch_length != len(batch):
             raise CorruptBatch(
@@ -529,7 +669,9 @@ class Service:
     def segment(self, caller: Caller, stream: str, segment: int) -> Segment:
         """A segment to read (StreamNotFound, SegmentNotFound, PermissionDenied)."""
         self._authorize(caller, Action.CONSUME, stream)
-        return self.controller.stream(stream).segment(segment)
+        target = self.controller.stream(stream).segment(segment)
+        self._served(target)
+        return target
 
     async def read(
         self, caller: Caller, segment: Segment, offset: int, max_bytes: int
@@ -538,7 +680,34 @@ class Service:
         at the end. Raises OffsetOutOfRange, CorruptData, StreamNotFound (deleted),
         PermissionDenied (a rule revoked since the follow began)."""
         self._authorize(caller, Action.CONSUME, segment.stream_name)
+        self._served(segment)
         return await self.containers[segment.container].read(segment, offset, max_bytes)
+
+    def _served(self, segment: Segment) -> None:
+        """In a cluster: WrongBroker unless this broker serves the segment's container (and
+        ``segment`` is its live object, not one a hand-over left behind)."""
+        if not self.cluster.enabled or segment.deleted:
+            return
+        container = self.containers[segment.container]
+        if not container.serving or container.segments.get(segment.global_id) is not segment:
+            raise self.cluster.wrong_broker(
+                segment.container, f"segment {segment.number} of {segment.stream_name!r}"
+            )
+
+    def _coordinated(self, key: str, what: str) -> None:
+        """In a cluster: WrongBroker unless this broker serves the container that coordinates
+        ``key`` (a subscription's group: "stream/name"; a transactional id)."""
+        if not self.cluster.enabled:
+            return
+        cid = coordinator(key, self.cluster.count)
+        if not self.containers[cid].serving:
+            raise self.cluster.wrong_broker(cid, what)
+
+    def describe_cluster(self) -> ClusterInfo:
+        """The brokers and which serves each container: the map clients route by. Any caller
+        may ask (it names no stream); a standalone broker names itself everywhere."""
+        served = [c.id for c in self.containers if c.serving]
+        return self.cluster.info(served)
 
     async def find_events(
         self,
@@ -798,6 +967,8 @@ class Service:
         ``timestamp_ms``, "cut" with ``positions``). Raises StreamNotFound,
         SubscriptionExists, InvalidName, InvalidArgument, OffsetOutOfRange."""
         self._authorize(caller, Action.MANAGE, stream)
+        self._group_here(stream, name)
+        self._queues_here(mode)
         start = await self._start(caller, stream, at, timestamp_ms, positions)
         queue = _queue_options(stream, options or {}) if mode != "ordered" else None
         if mode == "ordered" and options:
@@ -807,6 +978,21 @@ class Service:
             caller, "subscription_created", stream=stream, subscription=name, mode=mode, at=at
         )
         return info
+
+    def _group_here(self, stream: str, subscription: str) -> None:
+        self._coordinated(
+            f"{stream}/{subscription}", f"the group of subscription {subscription!r} of {stream!r}"
+        )
+
+    def _queues_here(self, mode: str) -> None:
+        """Queue subscriptions dispatch from every segment of their stream through one broker,
+        which a cluster does not do yet (docs/cluster.md): refused there, clearly."""
+        if self.cluster.enabled and mode != "ordered":
+            raise InvalidArgument(
+                f"{mode} (queue) subscriptions are not served by a cluster of brokers yet; use "
+                "an ordered subscription with a consumer group, or a standalone broker "
+                "(docs/cluster.md, 'Limits')"
+            )
 
     def list_subscriptions(self, caller: Caller, stream: str) -> list[SubscriptionInfo]:
         self._authorize(caller, Action.CONSUME, stream)
@@ -851,7 +1037,7 @@ class Service:
         positions: dict[int, int] | None,
     ) -> dict[int, int]:
         if at != "cut":  # authorized by the operation (manage), not as a read
-            return await self.controller.cut(stream, at, timestamp_ms)
+            return await self._cut(stream, at, timestamp_ms)
         if positions is None:
             raise InvalidArgument("a start at a StreamCut needs its positions")
         segments = self.controller.stream(stream).segments
@@ -869,6 +1055,8 @@ class Service:
     ) -> tuple[int, int]:
         """Join the subscription's group -> (member id, generation)."""
         self._authorize(caller, Action.CONSUME, stream)
+        self._group_here(stream, subscription)
+        self._queues_here(mode)
         return self.subscriptions.join(
             caller, stream, subscription, mode, member_name, session_timeout_ms
         )
@@ -889,6 +1077,7 @@ class Service:
         positions: dict[int, int],
     ) -> None:
         self._authorize(caller, Action.CONSUME, stream)
+        self._group_here(stream, subscription)
         await self.subscriptions.commit(
             caller, stream, subscription, member_id, generation, positions
         )

@@ -61,6 +61,7 @@ from ..protocol import (
     Data,
     DeleteStream,
     DeleteSubscription,
+    DescribeCluster,
     DescribeStream,
     DescribeSubscription,
     Done,
@@ -598,12 +599,12 @@ class Session(asyncio.BufferedProtocol):
             case DeleteStream(name):
                 await service.delete_stream(caller, name)
                 return Done()
-            case ListStreams(scope):
-                return StreamList(service.list_streams(caller, scope))
-            case DescribeStream(name):
-                return service.describe_stream(caller, name)
-            case GetCut(stream, at, timestamp_ms):
-                return Cut(stream, await service.cut(caller, stream, at, timestamp_ms))
+            case ListStreams(scope, local):
+                return StreamList(await service.list_streams_live(caller, scope, local))
+            case DescribeStream(name, local):
+                return await service.stream_info(caller, name, local)
+            case GetCut(stream, at, timestamp_ms, local):
+                return Cut(stream, await service.cut(caller, stream, at, timestamp_ms, local))
             case Follow():
                 return self._follow(message)
             case Unfollow(sub_id):
@@ -702,6 +703,8 @@ class Session(asyncio.BufferedProtocol):
                 return Done()
             case ListIdentities(prefix):
                 return IdentityList(service.list_identities(caller, prefix))
+            case DescribeCluster():
+                return service.describe_cluster()
             case SetQuota(quota):
                 return QuotaList(await service.set_quota(caller, quota))
             case ListQuotas():

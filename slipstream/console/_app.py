@@ -205,7 +205,7 @@ class Console:
     async def _stream_listing(self, request: Request, caller: Caller) -> dict[str, Any]:
         query = request.query_params.get("q", "").strip()
         page_number = _int(request, "page", 1, minimum=1)
-        streams = self.service.list_streams(caller)
+        streams = await self.service.list_streams_live(caller)
         if query:
             streams = [s for s in streams if query in s.name]
         streams.sort(key=lambda s: s.name)
@@ -239,7 +239,7 @@ class Console:
 
     async def stream(self, request: Request, caller: Caller) -> Response:
         name = _required(request, "name")
-        info = self.service.describe_stream(caller, name)
+        info = await self.service.stream_info(caller, name)
         await self._sample(caller, info)
         rates = self.sampler.rates(info.name, info.created_ms)
         history = self.service.scale_history(caller, name)
@@ -271,7 +271,7 @@ class Console:
 
     async def stream_rates(self, request: Request, caller: Caller) -> Response:
         name = _required(request, "name")
-        info = self.service.describe_stream(caller, name)
+        info = await self.service.stream_info(caller, name)
         await self._sample(caller, info)
         points = self.sampler.history(info.name, info.created_ms)
         return JSONResponse(

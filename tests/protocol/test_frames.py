@@ -35,8 +35,10 @@ from slipstream.protocol import (
     Append,
     AppendAck,
     BeginTxn,
+    BrokerInfo,
     CheckAccess,
     ClaimProducer,
+    ClusterInfo,
     CommitPositions,
     CreateStream,
     CreateSubscription,
@@ -46,6 +48,7 @@ from slipstream.protocol import (
     Data,
     DeleteStream,
     DeleteSubscription,
+    DescribeCluster,
     DescribeStream,
     DescribeSubscription,
     Done,
@@ -470,6 +473,21 @@ MESSAGES[HandOverIdentity] = st.builds(HandOverIdentity, transactional_id=TEXT, 
 MESSAGES[IdentityList] = st.builds(
     IdentityList, identities=st.lists(MESSAGES[IdentityInfo], max_size=3)
 )
+MESSAGES[DescribeCluster] = st.builds(DescribeCluster)
+_BROKER = st.builds(
+    BrokerInfo,
+    broker_id=TEXT,
+    address=TEXT,
+    http_address=TEXT,
+    containers=st.lists(st.integers(0, 1023), max_size=4),
+    started_ms=I64,
+)
+MESSAGES[ClusterInfo] = st.builds(
+    ClusterInfo,
+    containers=st.integers(1, 1024),
+    brokers=st.lists(_BROKER, max_size=3),
+    owners=st.lists(TEXT, max_size=4),
+)
 messages = st.one_of(*MESSAGES.values())
 
 
@@ -584,6 +602,7 @@ def test_kinds_are_a_bijection_covering_every_message() -> None:
     # these only travel inside other messages; every other message has a kind of its own
     assert set(Message.__subclasses__()) - set(KINDS.values()) == {
         AccessRule,
+        BrokerInfo,
         FoundEvent,
         MemberInfo,
         QuotaInfo,

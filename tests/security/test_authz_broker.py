@@ -37,6 +37,7 @@ from slipstream.protocol import (
     Credit,
     DeleteStream,
     DeleteSubscription,
+    DescribeCluster,
     DescribeStream,
     DescribeSubscription,
     EndTxn,
@@ -243,6 +244,7 @@ NOT_REFUSED = {
     Credit: "more credit for a follow of this connection; no answer",
     Unfollow: "ends a follow of this connection",
     ClaimProducer: "proves with its HMAC token that this client was granted the id",
+    DescribeCluster: "the routing map every client needs: brokers and containers, no stream",
 }
 
 
