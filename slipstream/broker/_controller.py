@@ -708,7 +708,8 @@ class Controller:
                 removed += count
                 if count < RETENTION_BATCH:
                     break
-        if self.chunk_sweep.due():
+        # in a cluster one broker sweeps, the one serving container 0 (alone: this one)
+        if self.chunk_sweep.due() and self.containers[0].serving:
             await self.sweep_orphaned_chunks()
         return removed
 

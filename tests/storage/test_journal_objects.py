@@ -33,7 +33,7 @@ from slipstream.format import (
     verify,
 )
 from slipstream.storage import JournalObject, LongTermStore, MetaStore, SqliteMetaStore, chunk_name
-from slipstream.storage._chunks import ChunkSweep, parse_chunk_name
+from slipstream.storage._chunks import ChunkSweep, parse_chunk_name, writer_tag
 from slipstream.storage._journal import Buffer
 from slipstream.storage._journal_objects import ObjectJournal, journal_prefix, object_name
 from slipstream.storage._objects import ObjectChunkStore
@@ -490,6 +490,29 @@ def test_a_move_slower_than_the_commit_window_records_nothing_and_retries_under_
         assert record.name != first
         assert ChunkSweep(store, meta, grace_s=600).sweep(now=time.time() + 10**6) == [first]
         assert await holder.read_all("t/slow") == expected
+        await holder.close()
+
+    asyncio.run(body())
+
+
+def test_the_retention_pass_sweeps_only_on_the_broker_serving_container_0(
+    seaweedfs: SeaweedFS, meta: MetaStore
+) -> None:
+    """In a cluster one broker sweeps (the one serving container 0), not every broker."""
+    store = seaweedfs.store(f"s3://{seaweedfs.create_bucket()}/p")
+    orphan = chunk_name(9, 0, 0, writer_tag(1))
+    store.write_chunk(orphan, [b"left by a failed delete"])
+
+    async def body() -> None:
+        holder = Holder(store, meta, "b1")
+        holder.controller.chunk_sweep = ChunkSweep(store, meta, grace_s=0.0)
+        holder.container.serving = False  # container 0 is another broker's
+        await holder.controller.enforce_retention()
+        assert store.list_chunks() == [orphan]
+        holder.container.serving = True
+        await holder.controller.enforce_retention()
+        assert store.list_chunks() == []
+        assert holder.controller.chunk_sweep.swept == 1
         await holder.close()
 
     asyncio.run(body())
