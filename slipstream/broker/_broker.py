@@ -98,6 +98,10 @@ class BrokerFailed(Exception):
     exits with status 70 on it, so a supervisor restarts the broker."""
 
 
+#: how often a broker of a cluster reads the catalog's version for others' changes
+CATALOG_REFRESH_S = 0.25
+
+
 @dataclass(frozen=True)
 class BrokerConfig:
     data_dir: Path = Path(".slipstream")
@@ -461,6 +465,7 @@ class Broker:
                 await membership.turn()
                 await server.start_serving()
                 background.append(loop.create_task(membership.run(), name="cluster"))
+                background.append(loop.create_task(self._refresh_loop(), name="catalog refresh"))
                 self.membership = membership
             log.info(
                 "listening on %s:%d (data in %s, fsync=%s)",
@@ -540,6 +545,24 @@ class Broker:
     def _accept(self, session: type[Session]) -> Session:
         self._accepted.set()
         return session(self)
+
+    async def refresh_catalog(self) -> bool:
+        """In a cluster: take in what other brokers changed in the catalog (streams, scales,
+        retention, subscriptions, rules, tokens, quotas); True if it had changed."""
+        changed = await self.controller.refresh()
+        if changed:
+            await self.service.reload_settings()
+        return changed
+
+    async def _refresh_loop(self) -> None:
+        """In a cluster, every CATALOG_REFRESH_S: ``refresh_catalog``. A failed read (the
+        catalog unreachable) is logged and tried again."""
+        while True:
+            await asyncio.sleep(CATALOG_REFRESH_S)
+            try:
+                await self.refresh_catalog()
+            except (SlipstreamError, OSError) as exc:
+                log.warning("catalog refresh failed, retrying: %s", exc)
 
     def new_container(self, cid: int) -> Container:
         """A fresh container ``cid`` on its object journal (a cluster's takeover)."""

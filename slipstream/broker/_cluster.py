@@ -203,6 +203,7 @@ class Membership:
             started = time.monotonic()
             container = broker.new_container(cid)
             container.hold(lease, asked + self.ttl_ms / 1000)
+            await broker.refresh_catalog()  # the streams as they are now, before swapping in
             records, chunks = await self._call(_container_catalog, broker.meta, cid)
             segments = broker.controller.fresh_segments(records, chunks, cid)
             container.segments = {s.global_id: s for s in segments}

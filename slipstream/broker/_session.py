@@ -37,7 +37,9 @@ from .._errors import (
     InvalidArgument,
     LimitExceeded,
     ProtocolError,
+    SegmentNotFound,
     SlipstreamError,
+    StreamNotFound,
     TlsError,
     TooManyFollows,
     TooManyRequests,
@@ -432,6 +434,29 @@ class Session(asyncio.BufferedProtocol):
             else:
                 self.in_flight += 1
                 self._spawn_request(self._request(message, cid))
+        except (StreamNotFound, SegmentNotFound) as exc:
+            if not self.service.cluster.enabled:
+                self.send_error(cid, exc)
+                return
+            # made by another broker a moment ago? Known once the catalog is read again
+            assert isinstance(message, Append)
+            self.in_flight += 1
+            self._spawn_request(self._append_after_refresh(message, cid, item.payload, exc))
+        except SlipstreamError as exc:
+            self.send_error(cid, exc)
+
+    async def _append_after_refresh(
+        self, message: Append, cid: int, batch: Payload, first: SlipstreamError
+    ) -> None:
+        """An append to a stream or segment unknown here, in a cluster: tried once more after
+        the catalog is read again (refreshes run in order, so appends retried this way keep
+        the order they came in)."""
+        self.in_flight -= 1
+        try:
+            changed = await self.broker.refresh_catalog()
+            if not changed:
+                raise first
+            self._append(message, cid, batch)
         except SlipstreamError as exc:
             self.send_error(cid, exc)
 
@@ -570,7 +595,13 @@ class Session(asyncio.BufferedProtocol):
             delay = self._throttle(REQUESTS, scope, 1)
             if delay:  # over the request quota: answered later, not refused
                 await asyncio.sleep(delay)
-            reply = await self._handle(message)
+            try:
+                reply = await self._handle(message)
+            except (StreamNotFound, SegmentNotFound):
+                # in a cluster: made by another broker a moment ago? Once more after a refresh
+                if not self.service.cluster.enabled or not await self.broker.refresh_catalog():
+                    raise
+                reply = await self._handle(message)
         except SlipstreamError as exc:
             self.send_error(cid, exc)
         except Exception as exc:
