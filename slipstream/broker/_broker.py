@@ -45,7 +45,7 @@ from .._errors import (
     SlipstreamError,
     StorageError,
 )
-from .._tls import ServerTls
+from .._tls import ServerTls, client_context
 from ..security import TokenKeys
 from ..storage import (
     FileJournal,
@@ -369,11 +369,15 @@ class Broker:
             self.coordinator,
             self.containers,
             max_batch_bytes=self.config.max_batch_bytes,
-            producer_key=load_producer_key(data_dir, fsync=do_sync),
-            token_keys=TokenKeys.load(data_dir, fsync=do_sync) if self.config.auth else None,
+            producer_key=(
+                self.meta.shared_secret("producer-key", lambda: secrets.token_bytes(32))
+                if clustered  # a producer id granted by one broker is claimed on any
+                else load_producer_key(data_dir, fsync=do_sync)
+            ),
+            token_keys=self._token_keys(data_dir, do_sync) if self.config.auth else None,
         )
         self.service.cluster = self.cluster
-        self.service.peers = Peers(self.cluster)
+        self.service.peers = Peers(self.cluster, self._peer_credentials)
         self.metrics.attach(self)
         started = time.monotonic()
         totals = self.controller.recover(journals=not clustered)
@@ -545,6 +549,25 @@ class Broker:
     def _accept(self, session: type[Session]) -> Session:
         self._accepted.set()
         return session(self)
+
+    def _peer_credentials(self) -> tuple[ssl.SSLContext | None, str | None]:
+        """How this broker connects to the others of its cluster: TLS with its own
+        certificate as the client certificate, trusting --tls-client-ca (the cluster's CA;
+        else the system's), and with --auth a short-lived admin token of its own signed with
+        the cluster's keys (docs/cluster.md, "Security")."""
+        tls = self.config.tls
+        context = None if tls is None else client_context(tls.client_ca, tls.cert, tls.key)
+        keys = self.service.token_keys
+        token = None
+        if keys is not None:
+            token = keys.issue(f"broker:{self.broker_id}", "admin", expires_s=3600).token
+        return context, token
+
+    def _token_keys(self, data_dir: Path, do_sync: bool) -> TokenKeys:
+        """The data directory's signing keys; a cluster's, shared through the catalog."""
+        if self.config.clustered:
+            return TokenKeys.shared(self.meta.shared_secret, data_dir, fsync=do_sync)
+        return TokenKeys.load(data_dir, fsync=do_sync)
 
     async def refresh_catalog(self) -> bool:
         """In a cluster: take in what other brokers changed in the catalog (streams, scales,

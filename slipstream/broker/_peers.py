@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
+from collections.abc import Callable
 
 from .._errors import BrokerUnavailable, SlipstreamError
 from ..client._connection import Connection
@@ -27,8 +29,14 @@ PEER_TIMEOUT_S = 5.0
 
 
 class Peers:
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        credentials: Callable[[], tuple[ssl.SSLContext | None, str | None]] = lambda: (None, None),
+    ) -> None:
         self.cluster = cluster
+        #: the TLS context and token to dial another broker with (fresh for each connection)
+        self.credentials = credentials
         self._connections: dict[str, Connection] = {}
         self._opening: dict[str, asyncio.Task[Connection]] = {}
 
@@ -54,9 +62,13 @@ class Peers:
             member = self.cluster.members.get(broker_id)
             if member is None:
                 raise BrokerUnavailable(f"broker {broker_id!r} is not a live member of the cluster")
+            tls, token = self.credentials()
             opening = asyncio.get_running_loop().create_task(
                 Connection.open(
-                    member.address, client_name=f"slipstream-broker/{self.cluster.broker_id}"
+                    member.address,
+                    client_name=f"slipstream-broker/{self.cluster.broker_id}",
+                    tls=tls,
+                    token=token,
                 )
             )
             self._opening[broker_id] = opening

@@ -228,6 +228,14 @@ def up(
             show_default=False,
         ),
     ] = None,
+    advertise: Annotated[
+        str | None,
+        typer.Option(
+            help="In a cluster (docs/cluster.md): the host:port other brokers and clients "
+            "reach this broker at, when it differs from --host:--port (a container, NAT).",
+            show_default=False,
+        ),
+    ] = None,
     lease_ttl: Annotated[
         float,
         typer.Option(
@@ -297,6 +305,8 @@ def up(
         raise typer.BadParameter("needs --objects", param_hint="--s3-endpoint")
     if not lease_ttl >= 0.1:
         raise typer.BadParameter("must be at least 0.1 seconds", param_hint="--lease-ttl")
+    if advertise is not None and not _is_address(advertise):
+        raise typer.BadParameter("use host:port, e.g. 10.0.0.5:7070", param_hint="--advertise")
     if broker_id is not None and not broker_id.strip():
         raise typer.BadParameter("must not be empty", param_hint="--broker-id")
     if journal not in ("files", "objects"):
@@ -331,6 +341,7 @@ def up(
         s3_endpoint=s3_endpoint,
         objects_cache_bytes=0 if objects_cache.strip() == "0" else parse_size_bytes(objects_cache),
         broker_id=broker_id,
+        advertise=advertise,
         lease_ttl_ms=int(lease_ttl * 1000),
         journal=journal,
         journal_group_ms=journal_group_ms,
@@ -1239,3 +1250,8 @@ def main() -> None:
             message += "; is the broker running? Start one with 'slipstream up' or pass --broker"
         err.print(f"[bold red]error[/]: {escape(message)}", highlight=False, soft_wrap=True)
         sys.exit(1)
+
+
+def _is_address(text: str) -> bool:
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536

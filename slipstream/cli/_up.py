@@ -60,6 +60,7 @@ def run_broker(
     s3_endpoint: str | None = None,
     objects_cache_bytes: int = 1024 * 1024 * 1024,
     broker_id: str | None = None,
+    advertise: str | None = None,
     lease_ttl_ms: int = 10_000,
     journal: str = "files",
     journal_group_ms: int | None = None,
@@ -90,6 +91,7 @@ def run_broker(
         s3_endpoint=s3_endpoint,
         objects_cache_bytes=objects_cache_bytes,
         broker_id=broker_id,
+        advertise=advertise,
         lease_ttl_ms=lease_ttl_ms,
         journal=journal,
     )

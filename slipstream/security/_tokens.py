@@ -19,10 +19,11 @@ message says what to do. No message ever holds a token or a key (token ids are f
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import time
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from .._errors import AuthenticationFailed, InvalidArgument
 from ._principal import Principal, Role
+
+log = logging.getLogger("slipstream.security")
+
+#: ``MetaStore.shared_secret``: a value by name, made once by the first caller
+Share = Callable[[str, Callable[[], bytes]], bytes]
 
 ED25519_KEY_FILE = "token-ed25519.pem"
 HS256_KEY_FILE = "token-hs256.key"
@@ -154,6 +160,32 @@ class TokenKeys:
         )
         _check_private(ed_path)
         _check_private(hs_path)
+        return cls(ed_pem, secret)
+
+    @classmethod
+    def shared(
+        cls,
+        share: Callable[[str, Callable[[], bytes]], bytes],
+        data_dir: Path,
+        *,
+        fsync: bool = True,
+    ) -> TokenKeys:
+        """A cluster's keys (docs/cluster.md): every broker signs and verifies with the same
+        ones, kept by the catalog (``share``: ``MetaStore.shared_secret``). The first broker
+        with --auth offers its data directory's keys (made if missing); every broker then
+        writes the cluster's into its data directory (0600), so ``slipstream token create
+        --data-dir`` on any of them signs tokens the whole cluster takes."""
+        local = cls.load(data_dir, fsync=fsync)
+        ed_pem = share("token-ed25519", lambda: (data_dir / ED25519_KEY_FILE).read_bytes())
+        secret = share("token-hs256", lambda: local._secret)
+        for path, key in (
+            (data_dir / ED25519_KEY_FILE, ed_pem),
+            (data_dir / HS256_KEY_FILE, secret),
+        ):
+            if path.read_bytes() != key:
+                log.warning("%s replaced by the cluster's key (from the catalog)", path)
+                path.unlink()
+                _write_new(path, key, fsync=fsync)
         return cls(ed_pem, secret)
 
     def issue(
