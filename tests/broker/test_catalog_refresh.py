@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+from objectstores import ACCESS_KEY, SECRET_KEY
 from raw import batch
 from test_container import Node, make_batch, run
 from test_retention import RecordingChunkStore
@@ -28,18 +30,22 @@ from slipstream import (
     AuthenticationFailed,
     InvalidArgument,
     SegmentNotFound,
+    SlipstreamError,
     StreamNotFound,
     SubscriptionNotFound,
     UnknownMember,
 )
 from slipstream.broker import Broker, BrokerConfig, ContainerConfig
 from slipstream.broker._controller import Controller, build_segment
-from slipstream.security import TokenKeys
+from slipstream.cluster import coordinator
+from slipstream.security import Principal, Role, TokenKeys
 from slipstream.security._quotas import Quota, encode_quota
 from slipstream.security._rules import encode_rule, make_rule
+from slipstream.security._tokens import ED25519_KEY_FILE, HS256_KEY_FILE
 from slipstream.storage import MemoryJournal, MetaStore, SqliteMetaStore, SubscriptionRecord
 
 Catalog = Callable[[], MetaStore]
+ADMIN = Principal("ops", Role.ADMIN)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -343,10 +349,9 @@ def test_random_changes_on_both_brokers_converge(
 # --- a serving broker whose catalog another broker changes -----------------------------------
 
 
-@asynccontextmanager
-async def serving(data_dir: Path, *, auth: bool = False) -> AsyncIterator[Broker]:
-    """A broker serving in this process on an ephemeral port."""
-    broker = Broker(
+def serving(data_dir: Path, *, auth: bool = False) -> AbstractAsyncContextManager[Broker]:
+    """A standalone broker serving in this process on an ephemeral port."""
+    return serving_config(
         BrokerConfig(
             data_dir=data_dir,
             port=0,
@@ -355,6 +360,12 @@ async def serving(data_dir: Path, *, auth: bool = False) -> AsyncIterator[Broker
             container=ContainerConfig(roll_ms=600_000),
         )
     )
+
+
+@asynccontextmanager
+async def serving_config(config: BrokerConfig) -> AsyncIterator[Broker]:
+    """A broker serving in this process."""
+    broker = Broker(config)
     ready = asyncio.Event()
     task = asyncio.create_task(broker.serve(lambda _: ready.set()))
     waiting = asyncio.create_task(ready.wait())
@@ -480,3 +491,127 @@ def test_subscriptions_changed_elsewhere_show_here(tmp_path: Path) -> None:
                 other.close()
 
     run(body())
+
+
+# --- two brokers in cluster mode, in this process ---------------------------------------------
+
+
+async def eventually(check: Callable[[], Any], what: str) -> Any:
+    """``check()``'s first result that raises nothing (the brokers' refresh runs every
+    250 ms; the bound only keeps a broken broker from hanging the test)."""
+    for _ in range(400):
+        try:
+            return check()
+        except (AssertionError, SlipstreamError):
+            await asyncio.sleep(0.05)
+    return check()  # its error says what did not happen
+
+
+def test_two_brokers_of_a_cluster_see_each_others_changes(
+    tmp_path: Path, postgres: Any, seaweedfs: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    database = postgres.create_database()
+    bucket = seaweedfs.create_bucket()
+
+    def config(name: str) -> BrokerConfig:
+        return BrokerConfig(
+            data_dir=tmp_path / name,
+            port=0,
+            containers=2,
+            auth=True,
+            meta=postgres.dsn(database),
+            objects=f"s3://{bucket}/cluster",
+            s3_endpoint=seaweedfs.endpoint,
+            journal="objects",
+            broker_id=name,
+            lease_ttl_ms=2000,
+            container=ContainerConfig(roll_ms=600_000),
+        )
+
+    async def body() -> None:
+        async with serving_config(config("a")) as a:
+            # one set of token keys for both (the catalog's shared secret, where it is)
+            (tmp_path / "b").mkdir()
+            for key in (ED25519_KEY_FILE, HS256_KEY_FILE):
+                shutil.copy2(tmp_path / "a" / key, tmp_path / "b" / key)
+            async with serving_config(config("b")) as b:
+                admin_a = a.service.connect("test", ADMIN)
+                admin_b = b.service.connect("test", ADMIN)
+                await eventually(
+                    lambda: _check([c.serving for c in b.containers].count(True) == 1),
+                    "each broker serves one container",
+                )
+                await a.service.create_stream(admin_a, "demo/x", 2, retention_ms=60_000)
+                info = await eventually(
+                    lambda: b.service.describe_stream(admin_b, "demo/x"), "created on B"
+                )
+                assert [s.number for s in info.segments] == [0, 1]
+                await a.service.update_stream(admin_a, "demo/x", retention_ms=5_000)
+                await eventually(
+                    lambda: _check(b.controller.stream("demo/x").retention_ms == 5_000),
+                    "retention",
+                )
+                mine = next(
+                    s.number
+                    for s in a.controller.stream("demo/x").segments.values()
+                    if a.containers[s.container].serving
+                )
+                await a.service.scale_stream(admin_a, "demo/x", [mine], 2)
+                await eventually(
+                    lambda: _check(b.controller.stream("demo/x").segments[mine].sealed),
+                    "sealed on B",
+                )
+                assert len(b.controller.stream("demo/x").segments) == 4
+                old = b.controller.stream("demo/x")
+                await a.service.delete_stream(admin_a, "demo/x")
+                await a.service.create_stream(admin_a, "demo/x", 1)
+                await eventually(
+                    lambda: _check(b.controller.stream("demo/x").id != old.id), "re-created"
+                )
+                assert len(b.controller.stream("demo/x").segments) == 1
+                assert all(s.deleted for s in old.segments.values())
+                # a group is created on its coordinator's broker, listed by the other
+                here = a.containers[coordinator("demo/x/billing", 2)].serving
+                (maker, admin), (viewer, watcher) = (
+                    ((a, admin_a), (b, admin_b)) if here else ((b, admin_b), (a, admin_a))
+                )
+                await maker.service.create_subscription(admin, "demo/x", "billing")
+                listed = await eventually(
+                    lambda: _nonempty(viewer.service.list_subscriptions(watcher, "demo/x")),
+                    "subscription on the other broker",
+                )
+                assert [s.name for s in listed] == ["billing"]
+
+                # a token revoked on A ends its connection on B
+                issued = await a.service.create_token(admin_a, "alice", "admin")
+                token_id = issued.info.token_id
+                address_b = "{}:{}".format(*b.address)
+                async with slipstream.connect_async(
+                    address_b, token=issued.token, reconnect_timeout=0
+                ) as client:
+                    await client.list_streams()
+                    assert token_id in b.service._by_token
+                    await a.service.revoke_token(admin_a, token_id)
+                    await eventually(
+                        lambda: _check(token_id not in b.service._by_token), "closed on B"
+                    )
+                    with pytest.raises(AuthenticationFailed, match="revoked"):
+                        await client.list_streams()
+
+    run_long(body())
+
+
+def _check(condition: bool) -> None:
+    assert condition
+
+
+def _nonempty(items: list[Any]) -> list[Any]:
+    assert items
+    return items
+
+
+def run_long(coro: Any) -> None:
+    """Run a cluster test body on a fresh loop, failing (not hanging) after 120 s."""
+    asyncio.run(asyncio.wait_for(coro, 120))
