@@ -11,8 +11,14 @@ How the Journal interface maps onto objects:
   records it in the MetaStore (``add_journal_object``), and returns only after both: an
   acknowledgement (the container's group commit acknowledges after ``sync``) means the object
   is stored and its record committed. The object's name: ``journal/<container>/<file id:016d>/
-  <start:016d>``, ``start`` being the position of its first byte in the file. A sync with
-  nothing appended does nothing.
+  <start:016d>-<lease epoch>`` (no ``-<epoch>`` without a lease, as before leases), ``start``
+  being the position of its first byte in the file. A sync with nothing appended does nothing.
+* Why the epoch is in the name: a broker paused (SIGSTOP, a long GC) after choosing its next
+  object's name and before its PUT may resume after another broker took the container over,
+  recovered the file and recorded its own next object at the same position. Its PUT then lands
+  beside that object, not over it (an acknowledged append would read back as the paused
+  broker's bytes), and its record is refused by the lease (LeaseLost): the upload is an orphan
+  for the sweep. Records hold the names, so objects named without an epoch stay readable.
 * If ``sync`` fails, the upload or the record may or may not have happened. ``discard_unsynced``
   drops the entries from memory and leaves the position they took unused: the next object of
   the file starts after it, so no name and no record position is ever used twice in one run
@@ -91,8 +97,10 @@ def journal_prefix(container: int) -> str:
     return f"journal/{container}/"
 
 
-def object_name(container: int, file_id: int, start: int) -> str:
-    return f"{journal_prefix(container)}{file_id:016d}/{start:016d}"
+def object_name(container: int, file_id: int, start: int, epoch: int | None = None) -> str:
+    """A journal object's name; ``epoch``: the writer's lease epoch (module docstring)."""
+    name = f"{journal_prefix(container)}{file_id:016d}/{start:016d}"
+    return name if epoch is None else f"{name}-{epoch}"
 
 
 class ObjectJournal(Journal):
@@ -209,11 +217,17 @@ class ObjectJournal(Journal):
         if not self._pending_bytes:
             return
         data = b"".join(self._pending)
+        lease = self.lease
         record = JournalObject(
             self._active_id,
             self._pending_start,
             len(data),
-            object_name(self.container, self._active_id, self._pending_start),
+            object_name(
+                self.container,
+                self._active_id,
+                self._pending_start,
+                None if lease is None else lease.epoch,
+            ),
         )
         # from here on, whatever fails, this position is not used again (module docstring)
         self._end = self._pending_start + len(data)
@@ -343,7 +357,8 @@ class ObjectJournal(Journal):
             if name in recorded:
                 continue
             try:
-                file_id, start = (int(part) for part in name.rsplit("/", 2)[1:])
+                file_part, start_part = name.rsplit("/", 2)[1:]
+                file_id, start = int(file_part), int(start_part.split("-", 1)[0])
             except ValueError:
                 continue  # not a journal object's name: not ours to delete
             if file_id == self._active_id and start >= self._pending_start:

@@ -320,16 +320,23 @@ def test_a_roll_whose_marker_record_failed_is_retried_without_a_duplicate(
 
 
 class GatedUploads(LongTermStore):
-    """A chunk store that holds every chunk upload (not journal objects) until ``open`` is set:
-    a broker paused between planning a move and uploading, as SIGSTOP would."""
+    """A store that holds every chunk upload (with ``journal``: every journal object upload
+    once ``hold`` is set) until ``open`` is set: a broker paused between choosing a name and
+    uploading, as SIGSTOP would."""
 
-    def __init__(self, store: LongTermStore) -> None:
+    def __init__(self, store: LongTermStore, *, journal: bool = False) -> None:
         self.store = store
+        self.journal = journal
+        self.hold = threading.Event()
         self.waiting = threading.Event()
         self.open = threading.Event()
 
     def write_chunk(self, name: str, buffers: Sequence[Buffer]) -> None:
-        if parse_chunk_name(name) is not None:
+        if self.journal:
+            held = name.startswith("journal/") and self.hold.is_set()
+        else:
+            held = parse_chunk_name(name) is not None
+        if held:
             self.waiting.set()
             assert self.open.wait(30), "the test never let the upload go"
         self.store.write_chunk(name, buffers)
@@ -516,3 +523,49 @@ def test_the_retention_pass_sweeps_only_on_the_broker_serving_container_0(
         await holder.close()
 
     asyncio.run(body())
+
+
+def test_a_holder_paused_before_its_upload_cannot_overwrite_the_new_holder_s_journal_object(
+    seaweedfs: SeaweedFS, pg_dsn: str
+) -> None:
+    """The old holder (epoch 1) chose its next object's name and paused before the PUT; the new
+    holder (epoch 2) recovered the journal, and its next object starts at the same position of
+    the same file. The old holder's PUT, when it resumes, must not land on the object the new
+    one recorded (an acknowledged append would read back as the old holder's bytes)."""
+    from slipstream.storage._meta_pg import PostgresMetaStore
+
+    url = f"s3://{seaweedfs.create_bucket()}/p"
+    meta_old, meta_new = PostgresMetaStore(pg_dsn), PostgresMetaStore(pg_dsn)
+    try:
+        gated = GatedUploads(seaweedfs.store(url), journal=True)
+        old = ObjectJournal(gated, meta_old, 0)
+        old.lease = meta_old.acquire_lease(0, "old", 60_000)
+        entries_of(old)
+        old.append([[b"acknowledged by old"]])
+        old.sync()
+        gated.hold.set()
+        old.append([[b"never acknowledged"]])
+        syncing = ThreadPoolExecutor(1).submit(old.sync)
+        assert gated.waiting.wait(30)  # paused before its PUT
+
+        new = ObjectJournal(seaweedfs.store(url), meta_new, 0)
+        new.lease = meta_new.acquire_lease(0, "new", 60_000, take_over=True)
+        assert entries_of(new) == [b"acknowledged by old"]
+        new.append([[b"acknowledged by new"]])
+        new.sync()
+
+        gated.open.set()  # the old holder resumes: its PUT, then its record is fenced
+        with pytest.raises(LeaseLost):
+            syncing.result(30)
+        again = ObjectJournal(seaweedfs.store(url), meta_new, 0)
+        assert entries_of(again) == [b"acknowledged by old", b"acknowledged by new"]
+        # the old holder's upload is an orphan of the journal's own sweep
+        again.lease = new.lease
+        assert len(again.delete_orphans()) == 1
+        assert entries_of(ObjectJournal(seaweedfs.store(url), meta_new, 0)) == [
+            b"acknowledged by old",
+            b"acknowledged by new",
+        ]
+    finally:
+        meta_old.close()
+        meta_new.close()
