@@ -740,7 +740,10 @@ class Broker:
         while True:
             await asyncio.sleep(SCALING_PASS_S / SCALING_SPEEDUP)
             try:
-                await self.controller.autoscale(self.coordinator.touching)
+                await self.controller.autoscale(
+                    self.coordinator.touching,
+                    self.service.is_served if self.config.clustered else None,
+                )
             except Exception:  # a failed pass (a full disk) is retried, never fatal
                 log.exception("scaling pass failed; will retry")
 
@@ -748,7 +751,9 @@ class Broker:
         while True:
             await asyncio.sleep(self.config.retention_check_ms / 1000)
             try:
-                await self.controller.enforce_retention()
+                await self.controller.enforce_retention(
+                    served=self.service.is_served if self.config.clustered else None
+                )
             except Exception:
                 log.exception("retention pass failed; will retry")
 

@@ -535,7 +535,11 @@ class Controller:
         )
         return stream
 
-    async def autoscale(self, busy: Callable[[Collection[Segment]], bool]) -> int:
+    async def autoscale(
+        self,
+        busy: Callable[[Collection[Segment]], bool],
+        served: Callable[[Segment], bool] | None = None,
+    ) -> int:
         """One pass of automatic scaling: for every stream with a policy, the decisions of
         ``streams.decide`` on its open segments' rates, applied one by one with their
         reasons (see docs/scaling.md). Returns how many scales it made. A decision that no
@@ -559,6 +563,10 @@ class Controller:
                         )
                     )
             for decision in decide(policy, loads, now_ms):
+                if served is not None and not all(
+                    served(stream.segments[n]) for n in decision.segments
+                ):
+                    continue  # in a cluster: the broker serving those segments decides
                 stamped = msgspec.structs.replace(decision, at_ms=int(time.time() * 1000))
                 into = len(decision.ranges) if decision.action == "split" else 1
                 try:
@@ -688,7 +696,9 @@ class Controller:
 
     # --- retention -------------------------------------------------------------------------
 
-    async def enforce_retention(self, now_ms: int | None = None) -> int:
+    async def enforce_retention(
+        self, now_ms: int | None = None, served: Callable[[Segment], bool] | None = None
+    ) -> int:
         """Remove whole old chunks of streams over their time or size limit; returns how many.
 
         Only chunks (long-term storage) are removed: data still in the journal is young by
@@ -704,7 +714,7 @@ class Controller:
             if stream.retention_ms is None and stream.retention_bytes is None:
                 continue
             while True:
-                count = await self._retain(stream, now_ms)
+                count = await self._retain(stream, now_ms, served)
                 removed += count
                 if count < RETENTION_BATCH:
                     break
@@ -724,15 +734,19 @@ class Controller:
             log.warning("sweeping orphaned chunks failed, will retry: %s", exc)
             return []
 
-    async def _retain(self, stream: Stream, now_ms: int) -> int:
-        """One step of retention for ``stream``: how many chunks it removed."""
+    async def _retain(
+        self, stream: Stream, now_ms: int, served: Callable[[Segment], bool] | None = None
+    ) -> int:
+        """One step of retention for ``stream``: how many chunks it removed. In a cluster
+        (``served``) only of the segments this broker serves; the stream's size then counts
+        the others as this broker last read them from the catalog."""
         loop = asyncio.get_running_loop()
         # what the catalog thread plans with, taken on the loop
         horizon = None if stream.retention_ms is None else now_ms - stream.retention_ms
         spans = {
             s.number: (s.start_offset, s.chunk_end)
             for s in stream.segments.values()
-            if s.last_chunk is not None
+            if s.last_chunk is not None and (served is None or served(s))
         }
         total = sum(s.bytes for s in stream.segments.values())
         plan = await loop.run_in_executor(

@@ -544,7 +544,7 @@ class Service:
     ) -> dict[int, int]:
         if not self.cluster.enabled:
             return await self.controller.cut(stream, at, timestamp_ms)
-        mine = await self.controller.cut(stream, at, timestamp_ms, self._is_served)
+        mine = await self.controller.cut(stream, at, timestamp_ms, self.is_served)
         if local:
             return mine
         missing = {
@@ -569,7 +569,8 @@ class Service:
             positions[number] = answer.positions[number]
         return positions
 
-    def _is_served(self, segment: Segment) -> bool:
+    def is_served(self, segment: Segment) -> bool:
+        """Whether this broker serves ``segment`` (its live object, in a container it holds)."""
         container = self.containers[segment.container]
         return container.serving and container.segments.get(segment.global_id) is segment
 
