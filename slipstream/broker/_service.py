@@ -474,9 +474,16 @@ class Service:
         self._authorize(caller, Action.MANAGE, name)
         self._refuse_system(name, "scale")
         known = self.controller.stream(name).segments
-        for number in segments:
-            if number in known:  # an unknown one is SegmentNotFound from the controller
-                self._served(known[number])
+        named = [known[n] for n in segments if n in known]  # unknown: SegmentNotFound below
+        here = [s for s in named if self.is_served(s) or not self.cluster.enabled]
+        if named and not here:
+            self._served(named[0])  # WrongBroker: ask the broker serving them
+        elif len(here) < len(named):
+            raise InvalidArgument(
+                f"segments {sorted(s.number for s in named)} of {name!r} are served by "
+                "different brokers of the cluster, which cannot merge them in one step yet "
+                "(docs/cluster.md, 'Limits'); merge segments served by one broker"
+            )
         stream = await self.controller.scale(name, segments, into, self.coordinator.touching)
         self._audited(caller, "stream_scaled", stream=name, segments=list(segments), into=into)
         return stream.info()
