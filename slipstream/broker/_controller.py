@@ -130,6 +130,7 @@ class Stream:
                     s.first_timestamp,
                     s.last_timestamp,
                     s.predecessors,
+                    s.container,
                 )
                 for s in sorted(self.segments.values(), key=lambda s: s.number)
             ],
