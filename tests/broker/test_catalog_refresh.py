@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import shutil
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -41,7 +40,6 @@ from slipstream.cluster import coordinator
 from slipstream.security import Principal, Role, TokenKeys
 from slipstream.security._quotas import Quota, encode_quota
 from slipstream.security._rules import encode_rule, make_rule
-from slipstream.security._tokens import ED25519_KEY_FILE, HS256_KEY_FILE
 from slipstream.storage import MemoryJournal, MetaStore, SqliteMetaStore, SubscriptionRecord
 
 Catalog = Callable[[], MetaStore]
@@ -531,74 +529,68 @@ def test_two_brokers_of_a_cluster_see_each_others_changes(
         )
 
     async def body() -> None:
-        async with serving_config(config("a")) as a:
-            # one set of token keys for both (the catalog's shared secret, where it is)
-            (tmp_path / "b").mkdir()
-            for key in (ED25519_KEY_FILE, HS256_KEY_FILE):
-                shutil.copy2(tmp_path / "a" / key, tmp_path / "b" / key)
-            async with serving_config(config("b")) as b:
-                admin_a = a.service.connect("test", ADMIN)
-                admin_b = b.service.connect("test", ADMIN)
-                await eventually(
-                    lambda: _check([c.serving for c in b.containers].count(True) == 1),
-                    "each broker serves one container",
-                )
-                await a.service.create_stream(admin_a, "demo/x", 2, retention_ms=60_000)
-                info = await eventually(
-                    lambda: b.service.describe_stream(admin_b, "demo/x"), "created on B"
-                )
-                assert [s.number for s in info.segments] == [0, 1]
-                await a.service.update_stream(admin_a, "demo/x", retention_ms=5_000)
-                await eventually(
-                    lambda: _check(b.controller.stream("demo/x").retention_ms == 5_000),
-                    "retention",
-                )
-                mine = next(
-                    s.number
-                    for s in a.controller.stream("demo/x").segments.values()
-                    if a.containers[s.container].serving
-                )
-                await a.service.scale_stream(admin_a, "demo/x", [mine], 2)
-                await eventually(
-                    lambda: _check(b.controller.stream("demo/x").segments[mine].sealed),
-                    "sealed on B",
-                )
-                assert len(b.controller.stream("demo/x").segments) == 4
-                old = b.controller.stream("demo/x")
-                await a.service.delete_stream(admin_a, "demo/x")
-                await a.service.create_stream(admin_a, "demo/x", 1)
-                await eventually(
-                    lambda: _check(b.controller.stream("demo/x").id != old.id), "re-created"
-                )
-                assert len(b.controller.stream("demo/x").segments) == 1
-                assert all(s.deleted for s in old.segments.values())
-                # a group is created on its coordinator's broker, listed by the other
-                here = a.containers[coordinator("demo/x/billing", 2)].serving
-                (maker, admin), (viewer, watcher) = (
-                    ((a, admin_a), (b, admin_b)) if here else ((b, admin_b), (a, admin_a))
-                )
-                await maker.service.create_subscription(admin, "demo/x", "billing")
-                listed = await eventually(
-                    lambda: _nonempty(viewer.service.list_subscriptions(watcher, "demo/x")),
-                    "subscription on the other broker",
-                )
-                assert [s.name for s in listed] == ["billing"]
+        # one set of token keys for both: the cluster's, kept by the catalog
+        async with serving_config(config("a")) as a, serving_config(config("b")) as b:
+            admin_a = a.service.connect("test", ADMIN)
+            admin_b = b.service.connect("test", ADMIN)
+            await eventually(
+                lambda: _check([c.serving for c in b.containers].count(True) == 1),
+                "each broker serves one container",
+            )
+            await a.service.create_stream(admin_a, "demo/x", 2, retention_ms=60_000)
+            info = await eventually(
+                lambda: b.service.describe_stream(admin_b, "demo/x"), "created on B"
+            )
+            assert [s.number for s in info.segments] == [0, 1]
+            await a.service.update_stream(admin_a, "demo/x", retention_ms=5_000)
+            await eventually(
+                lambda: _check(b.controller.stream("demo/x").retention_ms == 5_000),
+                "retention",
+            )
+            mine = next(
+                s.number
+                for s in a.controller.stream("demo/x").segments.values()
+                if a.containers[s.container].serving
+            )
+            await a.service.scale_stream(admin_a, "demo/x", [mine], 2)
+            await eventually(
+                lambda: _check(b.controller.stream("demo/x").segments[mine].sealed),
+                "sealed on B",
+            )
+            assert len(b.controller.stream("demo/x").segments) == 4
+            old = b.controller.stream("demo/x")
+            await a.service.delete_stream(admin_a, "demo/x")
+            await a.service.create_stream(admin_a, "demo/x", 1)
+            await eventually(
+                lambda: _check(b.controller.stream("demo/x").id != old.id), "re-created"
+            )
+            assert len(b.controller.stream("demo/x").segments) == 1
+            assert all(s.deleted for s in old.segments.values())
+            # a group is created on its coordinator's broker, listed by the other
+            here = a.containers[coordinator("demo/x/billing", 2)].serving
+            (maker, admin), (viewer, watcher) = (
+                ((a, admin_a), (b, admin_b)) if here else ((b, admin_b), (a, admin_a))
+            )
+            await maker.service.create_subscription(admin, "demo/x", "billing")
+            listed = await eventually(
+                lambda: _nonempty(viewer.service.list_subscriptions(watcher, "demo/x")),
+                "subscription on the other broker",
+            )
+            assert [s.name for s in listed] == ["billing"]
 
-                # a token revoked on A ends its connection on B
-                issued = await a.service.create_token(admin_a, "alice", "admin")
-                token_id = issued.info.token_id
-                address_b = "{}:{}".format(*b.address)
-                async with slipstream.connect_async(
-                    address_b, token=issued.token, reconnect_timeout=0
-                ) as client:
+            # a token revoked on A ends its connection on B
+            issued = await a.service.create_token(admin_a, "alice", "admin")
+            token_id = issued.info.token_id
+            address_b = "{}:{}".format(*b.address)
+            async with slipstream.connect_async(
+                address_b, token=issued.token, reconnect_timeout=0
+            ) as client:
+                await client.list_streams()
+                assert token_id in b.service._by_token
+                await a.service.revoke_token(admin_a, token_id)
+                await eventually(lambda: _check(token_id not in b.service._by_token), "closed on B")
+                with pytest.raises(AuthenticationFailed, match="revoked"):
                     await client.list_streams()
-                    assert token_id in b.service._by_token
-                    await a.service.revoke_token(admin_a, token_id)
-                    await eventually(
-                        lambda: _check(token_id not in b.service._by_token), "closed on B"
-                    )
-                    with pytest.raises(AuthenticationFailed, match="revoked"):
-                        await client.list_streams()
 
     run_long(body())
 
