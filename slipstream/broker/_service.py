@@ -53,7 +53,7 @@ from .._errors import (
     SlipstreamError,
 )
 from ..cluster import coordinator
-from ..format import BatchHeader, verify
+from ..format import BatchHeader, decode_header, verify
 from ..protocol import (
     AccessDecision,
     AccessRule,
@@ -690,6 +690,18 @@ class Service:
         self._authorize(caller, Action.CONSUME, segment.stream_name)
         self._served(segment)
         return await self.containers[segment.container].read(segment, offset, max_bytes)
+
+    async def read_segment(
+        self, caller: Caller, stream: str, segment: int, offset: int, max_bytes: int
+    ) -> tuple[list[bytes | bytearray | memoryview], int, int, bool]:
+        """ReadSegment (a queue's coordinator reading a segment it does not serve; docs/
+        cluster.md): whole batches from ``offset`` -> (batches, the offset after them, the
+        segment's durable end, sealed). Raises WrongBroker (not served here), OffsetOutOfRange,
+        StreamNotFound, SegmentNotFound, PermissionDenied (consume)."""
+        target = self.segment(caller, stream, segment)
+        batches = await self.containers[target.container].read(target, offset, max_bytes)
+        after = decode_header(batches[-1]).next_offset if batches else offset
+        return batches, after, target.next_offset, target.sealed
 
     def _served(self, segment: Segment) -> None:
         """In a cluster: WrongBroker unless this broker serves the segment's container (and

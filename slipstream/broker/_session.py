@@ -104,12 +104,14 @@ from ..protocol import (
     PollGroup,
     ProducerGrant,
     QuotaList,
+    ReadSegment,
     ResetSubscription,
     RevokeRule,
     RevokeToken,
     RuleList,
     ScaleHistory,
     ScaleStream,
+    SegmentData,
     SetQuota,
     Settled,
     SettleEvents,
@@ -701,6 +703,11 @@ class Session(asyncio.BufferedProtocol):
                 if member is not None:
                     await self._consume_quota(member.group.stream.name, batches)
                 return _WithPayload(EventsDelivered(deliveries), batches)
+            case ReadSegment(stream, segment, offset, max_bytes):
+                batches, after, end, sealed = await service.read_segment(
+                    caller, stream, segment, offset, max_bytes
+                )
+                return _WithPayload(SegmentData(after, end, sealed), batches)
             case SettleEvents(member_id, acks, nacks, delay_ms):
                 return Settled(
                     await service.settle_events(caller, member_id, acks, nacks, delay_ms)

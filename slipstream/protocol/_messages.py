@@ -773,6 +773,29 @@ class ClusterInfo(Message, frozen=True):
     owners: list[str]
 
 
+class ReadSegment(Message, frozen=True):
+    """Broker to broker, in a cluster (docs/cluster.md, "Queue subscriptions"): whole batches
+    of one segment from the one holding ``offset``, at least one if there is any, then up to
+    ``max_bytes``, like a follow's ``Data`` but asked for -> ``SegmentData``. WrongBroker if
+    this broker does not serve the segment, OffsetOutOfRange like a read. Needs the consume
+    action on the stream."""
+
+    stream: str
+    segment: int
+    offset: int
+    max_bytes: int = 1 << 20
+
+
+class SegmentData(Message, frozen=True):
+    """Payload: the batches read (none at the end). ``next_offset``: the offset after the
+    last one (``offset`` asked when none); ``end_offset``: the segment's end as its broker knows
+    it now; ``sealed``: no event will follow ``end_offset``."""
+
+    next_offset: int
+    end_offset: int
+    sealed: bool = False
+
+
 KINDS: dict[int, type[Message]] = {
     1: Hello,
     2: CreateStream,
@@ -817,6 +840,7 @@ KINDS: dict[int, type[Message]] = {
     43: ListIdentities,
     44: HandOverIdentity,
     45: DescribeCluster,
+    47: ReadSegment,
     64: Welcome,
     65: Error,
     66: Done,
@@ -847,5 +871,6 @@ KINDS: dict[int, type[Message]] = {
     91: QuotaList,
     93: IdentityList,
     94: ClusterInfo,
+    96: SegmentData,
 }
 KIND_OF: dict[type[Message], int] = {cls: kind for kind, cls in KINDS.items()}

@@ -92,6 +92,7 @@ from slipstream.protocol import (
     ProducerGrant,
     QuotaInfo,
     QuotaList,
+    ReadSegment,
     ResetSubscription,
     RevokeRule,
     RevokeToken,
@@ -99,6 +100,7 @@ from slipstream.protocol import (
     ScaleEventInfo,
     ScaleHistory,
     ScaleStream,
+    SegmentData,
     SegmentInfo,
     SetQuota,
     Settled,
@@ -487,6 +489,12 @@ MESSAGES[ClusterInfo] = st.builds(
     containers=st.integers(1, 1024),
     brokers=st.lists(_BROKER, max_size=3),
     owners=st.lists(TEXT, max_size=4),
+)
+MESSAGES[ReadSegment] = st.builds(
+    ReadSegment, stream=TEXT, segment=I64, offset=OFFSETS, max_bytes=I64
+)
+MESSAGES[SegmentData] = st.builds(
+    SegmentData, next_offset=OFFSETS, end_offset=OFFSETS, sealed=st.booleans()
 )
 messages = st.one_of(*MESSAGES.values())
 

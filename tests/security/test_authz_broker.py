@@ -65,6 +65,7 @@ from slipstream.protocol import (
     Message,
     PollGroup,
     QuotaInfo,
+    ReadSegment,
     ResetSubscription,
     RevokeRule,
     RevokeToken,
@@ -235,6 +236,7 @@ def requests(s: Setup) -> dict[str, tuple[Message, bytes]]:
         "SetQuota": (SetQuota(QuotaInfo("demo", requests=1)), b""),
         "ListQuotas": (ListQuotas(), b""),
         "HandOverIdentity": (HandOverIdentity("spark:q", "alice"), b""),  # admin only
+        "ReadSegment": (ReadSegment("demo/orders", 0, 0), b""),  # consume
     }
 
 
