@@ -358,7 +358,13 @@ class Broker:
         else:
             self._take_leases()
         self.controller = Controller(self.meta, self.long_term, self.containers, self.read_pool)
-        self.coordinator = Coordinator(data_dir, self.meta, self.controller, fsync=do_sync)
+        self.coordinator = Coordinator(
+            data_dir,
+            self.meta,
+            self.controller,
+            fsync=do_sync,
+            shared=self.long_term if clustered else None,  # staging in the object store
+        )
         # the names of meta.db (SQLite syncs its WAL's name, not the database's) and of the
         # directories above, also where an older build created them without syncing
         if self.config.journal == "files":
@@ -378,6 +384,7 @@ class Broker:
         )
         self.service.cluster = self.cluster
         self.service.peers = Peers(self.cluster, self._peer_credentials)
+        self.coordinator.peers = self.service.peers  # a transaction's batches for others
         self.metrics.attach(self)
         started = time.monotonic()
         totals = self.controller.recover(journals=not clustered)
@@ -431,14 +438,18 @@ class Broker:
         try:
             # commits a crash interrupted are finished before anyone can read
             await self.coordinator.apply_pending()
-            # the audit stream and its chain's head, before any request can be audited
-            audit_stream = await open_audit_stream(self.controller, self.service.audit)
-            background.append(
-                loop.create_task(
-                    self.service.audit.run(audit_appender(self.controller, audit_stream)),
-                    name="audit",
+            # the audit stream and its chain's head, before any request can be audited; in
+            # a cluster each broker's chain is in its log only (docs/cluster.md, "Limits")
+            if self.config.clustered:
+                self.service.audit.log_only()
+            else:
+                audit_stream = await open_audit_stream(self.controller, self.service.audit)
+                background.append(
+                    loop.create_task(
+                        self.service.audit.run(audit_appender(self.controller, audit_stream)),
+                        name="audit",
+                    )
                 )
-            )
             # the admin API (None without an http_port), first: a port in use fails the start
             http = await start_http(self)
             if http is not None:

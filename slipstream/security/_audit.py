@@ -126,6 +126,7 @@ class AuditLog:
         self.dropped = 0
         #: records appended to the stream by ``run``
         self.appended = 0
+        self._to_stream = True  # False: ``log_only``
 
     def record(self, event: str, *, subject: str | None, peer: str, **details: Any) -> None:
         """Write one record: ``event`` says what happened (``authentication_failed``,
@@ -140,6 +141,12 @@ class AuditLog:
             self._early.append(entry)
             return
         self._chain(*entry)
+
+    def log_only(self) -> None:
+        """No audit stream for this broker (a cluster's, docs/cluster.md "Limits"): the
+        records are chained from seq 1 and go to the log only."""
+        self._to_stream = False
+        self.resume(0, GENESIS_HASH)
 
     def resume(self, seq: int, head: str) -> None:
         """Continue the chain after record ``seq`` whose hash is ``head`` (0 and GENESIS_HASH
@@ -168,6 +175,8 @@ class AuditLog:
         self.seq += 1
         self.head = digest
         log.info("%s", line.decode())
+        if not self._to_stream:
+            return
         if len(self._pending) >= self._max_pending:
             lost, _ = self._pending.popleft()
             self.dropped += 1
