@@ -708,8 +708,7 @@ class Service:
         ``segment`` is its live object, not one a hand-over left behind)."""
         if not self.cluster.enabled or segment.deleted:
             return
-        container = self.containers[segment.container]
-        if not container.serving or container.segments.get(segment.global_id) is not segment:
+        if not self.is_served(segment) or self.containers[segment.container].lease_lost:
             raise self.cluster.wrong_broker(
                 segment.container, f"segment {segment.number} of {segment.stream_name!r}"
             )

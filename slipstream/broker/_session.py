@@ -35,6 +35,7 @@ from .._errors import (
     CreditLimitExceeded,
     IdleTimeout,
     InvalidArgument,
+    LeaseLost,
     LimitExceeded,
     ProtocolError,
     SegmentNotFound,
@@ -573,6 +574,11 @@ class Session(asyncio.BufferedProtocol):
                 base = done.result()  # None: staged in a transaction, no offset yet
                 self.send(AppendAck(-1 if base is None else base, header.event_count), cid)
                 self.broker.metrics.appended(started)
+            elif isinstance(exc, LeaseLost) and self.service.cluster.enabled:
+                # not acknowledged, and the container is moving: the client retries at its
+                # next holder (an idempotent producer's retry is deduplicated there)
+                container = int(exc.details.get("container", 0))
+                self.send_error(cid, self.service.cluster.wrong_broker(container, str(exc)))
             elif isinstance(exc, SlipstreamError):
                 self.send_error(cid, exc)
             else:
