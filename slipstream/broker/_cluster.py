@@ -211,6 +211,9 @@ class Membership:
             old = broker.containers[cid]
             broker.controller.swap_in(container, records, segments)
             _retire(old)
+            # the transactions it coordinates: staging journal and commits to apply (these
+            # in the background, once it serves)
+            await broker.coordinator.adopt(cid, lease, self.cluster.count)
             container.serving = True
             self.tasks[cid] = asyncio.get_running_loop().create_task(
                 broker.run_container(container), name=f"container {cid}"
@@ -246,6 +249,7 @@ class Membership:
         self.changing.add(cid)
         try:
             container.serving = False
+            await broker.coordinator.release(cid)  # its open transactions abort
             for segment in container.segments.values():
                 segment.notify()  # follows at the end wake up and fail with WrongBroker
             await container.drain()

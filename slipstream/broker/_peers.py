@@ -53,6 +53,12 @@ class Peers:
                 raise
             return reply
 
+    async def connection(self, broker_id: str) -> Connection:
+        """The open connection to broker ``broker_id`` (opened if needed; BrokerUnavailable
+        if it is not a live member or cannot be reached): for requests sent in an order the
+        peer must keep (``ApplyBatch``), with ``Connection.send_request``."""
+        return await self._connection(broker_id)
+
     async def _connection(self, broker_id: str) -> Connection:
         connection = self._connections.get(broker_id)
         if connection is not None and connection.closed is None:

@@ -655,7 +655,8 @@ class Service:
         self._authorize(caller, Action.PRODUCE, stream)
         self._refuse_system(stream, "append to")
         target = self.controller.stream(stream).segment(segment)
-        self._served(target)
+        if txn is None:  # a transaction's batches are staged by its coordinator, served or not
+            self._served(target)
         header = verify(batch)
         if header.batch_length != len(batch):
             raise CorruptBatch(
@@ -815,9 +816,11 @@ class Service:
         transactional id belongs to the subject that first initialised it: another subject
         gets PermissionDenied, nothing fenced (``_own_transactional_id``)."""
         self._authorize_somewhere(caller, Action.PRODUCE)
+        home = -1
         if transactional_id is not None:
+            home = self._txn_home(transactional_id)
             await self._own_transactional_id(caller, transactional_id)
-        producer_id, epoch = await self.coordinator.init_producer(transactional_id)
+        producer_id, epoch = await self.coordinator.init_producer(transactional_id, home)
         self._own(caller, producer_id)
         return producer_id, epoch, self._token(producer_id, epoch)
 
@@ -849,11 +852,20 @@ class Service:
         transaction can change is decided there), and an anonymous one is shared only by
         connections of the subject that began it (``_check_anonymous_owner``)."""
         self._authorize_somewhere(caller, Action.PRODUCE)
+        home = -1
         if producer_id >= 0:
             self.coordinator.check_epoch(producer_id, epoch)
             if producer_id not in caller.producers:
                 raise self._not_owner(caller, producer_id)
-        txn_id = await self.coordinator.begin(producer_id, epoch, timeout_ms, label)
+            transactional_id = self.coordinator.transactional_id(producer_id)
+            if transactional_id is not None:
+                home = self._txn_home(transactional_id)
+        elif self.cluster.enabled:  # anonymous: staged by the lowest container served here
+            served = [c.id for c in self.containers if c.serving]
+            if not served:
+                raise self.cluster.wrong_broker(0, "a transaction")
+            home = served[0]
+        txn_id = await self.coordinator.begin(producer_id, epoch, timeout_ms, label, home)
         if producer_id < 0 and caller.principal is not None:
             owners = self._anonymous_owners
             if len(owners) > 2 * len(self.coordinator.open) + 1024:  # ended ones, now and then
@@ -930,7 +942,48 @@ class Service:
         ``init_producer``)."""
         self._authorize_somewhere(caller, Action.PRODUCE)
         self._check_transactional_id(caller, transactional_id)
+        self._txn_home(transactional_id)
         return self.coordinator.identity(transactional_id)
+
+    def _txn_home(self, transactional_id: str) -> int:
+        """The container coordinating ``transactional_id``'s transactions in a cluster
+        (WrongBroker unless this broker serves it); -1 standalone."""
+        if not self.cluster.enabled:
+            return -1
+        self._coordinated(transactional_id, f"transactional id {transactional_id!r}")
+        return coordinator(transactional_id, self.cluster.count)
+
+    def apply_batch(
+        self,
+        caller: Caller,
+        stream: str,
+        segment: int,
+        producer_id: int,
+        epoch: int,
+        batch: Payload,
+    ) -> tuple[asyncio.Future[int], int]:
+        """Broker to broker (``ApplyBatch``): a committed transaction's batch for a segment
+        served here; the future gives its base offset once durable (-1: the segment held it
+        already) and the second value the batch's event count. An empty ``batch`` asks the
+        sequence the segment expects next from ``producer_id`` at ``epoch`` (the second
+        value; the future gives -1). Admin only with authentication on; InvalidArgument on a
+        standalone broker; CorruptBatch for a batch that is not a stamped one; WrongBroker
+        unless this broker serves the segment."""
+        self._authorize(caller, Action.ADMIN, None)
+        if not self.cluster.enabled:
+            raise InvalidArgument("ApplyBatch is sent between the brokers of a cluster")
+        target = self.controller.stream(stream).segment(segment)
+        self._served(target)
+        if not batch:
+            done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            done.set_result(-1)
+            return done, self.coordinator.next_sequence_of(target, producer_id, epoch)
+        header = verify(batch)
+        if header.batch_length != len(batch) or header.producer_id < 0:
+            raise CorruptBatch(
+                "an ApplyBatch carries exactly one batch, stamped by a transaction's coordinator"
+            )
+        return self.coordinator.apply_batch(target, batch, header), header.event_count
 
     async def hand_over_identity(self, caller: Caller, transactional_id: str, subject: str) -> None:
         """Make ``subject`` the owner of a transactional id (authentication on: admin only;

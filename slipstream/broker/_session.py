@@ -52,6 +52,7 @@ from ..protocol import (
     PROTOCOL_VERSION,
     Append,
     AppendAck,
+    ApplyBatch,
     BeginTxn,
     CheckAccess,
     ClaimProducer,
@@ -431,6 +432,12 @@ class Session(asyncio.BufferedProtocol):
                 ),
             )
             return
+        if isinstance(message, ApplyBatch):  # here, not in a task: batches keep their order
+            try:
+                self._apply_batch(message, cid, item.payload)
+            except SlipstreamError as exc:
+                self.send_error(cid, exc)
+            return
         try:
             if isinstance(message, Append):
                 self._append(message, cid, item.payload)
@@ -541,6 +548,28 @@ class Session(asyncio.BufferedProtocol):
                 reason="expired",
             )
         )
+
+    def _apply_batch(self, message: ApplyBatch, cid: int, batch: Payload) -> None:
+        """Another broker's committed transaction's batch for a segment served here (or,
+        without a batch, its question for the next sequence): answered with AppendAck."""
+        assert self.caller is not None
+        future, count = self.service.apply_batch(
+            self.caller, message.stream, message.segment, message.producer_id, message.epoch, batch
+        )
+        self.in_flight += 1
+
+        def answered(done: asyncio.Future[int]) -> None:
+            self.in_flight -= 1
+            exc = done.exception()
+            if exc is None:
+                self.send(AppendAck(done.result(), count), cid)
+            elif isinstance(exc, SlipstreamError):
+                self.send_error(cid, exc)
+            else:
+                log.error("a transaction's batch failed unexpectedly", exc_info=exc)
+                self.send_error(cid, SlipstreamError(f"internal error: {exc}"))
+
+        future.add_done_callback(answered)
 
     def _append(self, message: Append, cid: int, batch: Payload) -> None:
         started = time.perf_counter()

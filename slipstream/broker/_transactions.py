@@ -28,6 +28,22 @@ like any other.
 
 Open transactions live in memory only: a broker restart aborts them, and their owner's next
 call fails with TransactionAborted (run the transaction again).
+
+In a cluster (docs/cluster.md, "Transactions") each transaction has a *home*: the container
+that coordinates it (a transactional id's ``slipstream.cluster.coordinator``; an anonymous
+transaction's, the lowest container the broker serves when it begins). Only the broker serving
+the home answers InitProducer, BeginTxn, EndTxn and GetIdentity for it, and stages its appends,
+whichever broker serves their segments. Staging goes to an ObjectJournal of the home
+(``staging_container``: container ids from 1,000,000 up, never a data container's), fenced by
+the home's lease, and so is the commit record (``commit_txn(lease=...)``), which names the home.
+Applying appends a batch whose segment this broker serves to its container, as above, and sends
+any other to the broker serving it (``ApplyBatch``), retrying while that container moves; the
+receiver skips what its segment already holds (same producer id, epoch and sequence), so every
+batch lands once however often it is sent. A broker that takes a container (``adopt``) recovers
+its staging journal and the commit records it coordinated and applies them in the background;
+the home's transactional ids wait for that before they begin anything new. A broker that hands
+a container over (``release``) aborts the open transactions it coordinated; commits past their
+record go on applying (the adopter applies them too, exactly once by the same skip).
 """
 
 from __future__ import annotations
@@ -42,9 +58,10 @@ from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._errors import (
+    BrokerUnavailable,
     InvalidArgument,
     ProducerFenced,
     SlipstreamError,
@@ -52,25 +69,40 @@ from .._errors import (
     TransactionAborted,
     TransactionNotFound,
 )
+from ..client._connection import Connection
 from ..format import FLAG_TRANSACTIONAL, MAGIC, BatchHeader, decode_header, restamp
-from ..protocol import IdentityInfo, Payload, TxnEnded, TxnInfo, TxnRange
+from ..protocol import (
+    AppendAck,
+    ApplyBatch,
+    IdentityInfo,
+    Message,
+    Payload,
+    TxnEnded,
+    TxnInfo,
+    TxnRange,
+)
 from ..storage import (
     CommitPart,
     FileJournal,
     Identity,
+    Journal,
     JournalAddress,
+    Lease,
+    LongTermStore,
     MetaStore,
     PositionCommit,
     TxnCommit,
 )
-from ..streams import SEQUENCE_MODULUS, next_sequence
+from ..streams import SEQUENCE_MODULUS, ProducerState, next_sequence
 from ._container import JOURNAL_CHECKPOINT_SECONDS, sealed_error
 from ._faults import FAULT, crash_point
 from ._metrics import DETACHED, Metrics
+from ._peers import PEER_TIMEOUT_S
 from ._segment import Segment, segment_global_id, split_global_id
 
 if TYPE_CHECKING:
     from ._controller import Controller
+    from ._peers import Peers
 
 log = logging.getLogger("slipstream.txn")
 
@@ -87,6 +119,25 @@ _APPLY_WINDOW_BYTES = 64 * 1024 * 1024
 #: 1,000,000 x 100 B merged into one commit: broker CPU 0.8 -> 0.4 s, commit 0.6 -> 0.2 s.
 #: Past the budget, batches are read back.
 _HOLD_BYTES = 256 * 1024 * 1024
+#: a standalone broker's one staging journal (``<data-dir>/txns``), as a transaction's home
+LOCAL = -1
+#: staging journals of a cluster's containers use these container ids (see ``staging_container``)
+STAGING_CONTAINER_BASE = 1_000_000
+#: how long an apply waits before it sends again to a segment whose container is moving
+_APPLY_RETRY_S = 0.5
+#: how long an apply waits for other brokers to acknowledge the batches it sent them
+_REMOTE_APPLY_S = 60.0
+
+
+def _behind(sequence: int, state: ProducerState) -> bool:
+    """Whether a batch at ``sequence`` lies before what ``state`` expects next (modular)."""
+    return 0 < (state.next_sequence - sequence) % SEQUENCE_MODULUS < SEQUENCE_MODULUS // 2
+
+
+def staging_container(cid: int) -> int:
+    """The journal container id of container ``cid``'s staging journal (object names
+    ``journal/<id>/...`` and catalog records), apart from every data container's."""
+    return STAGING_CONTAINER_BASE + cid
 
 
 @dataclass(slots=True, eq=False)
@@ -98,6 +149,7 @@ class _Staged:
     address: JournalAddress
     header: BatchHeader
     data: Payload | None = None
+    home: int = LOCAL  # whose staging journal holds it
 
 
 @dataclass(eq=False)
@@ -113,6 +165,7 @@ class _Txn:
     bytes: int = 0
     outcome: asyncio.Future[TxnEnded] | None = None
     label: str = ""
+    home: int = LOCAL  # the container coordinating it (in a cluster), whose journal stages it
 
     @property
     def anonymous(self) -> bool:
@@ -135,10 +188,20 @@ class _Txn:
         )
 
 
-async def _settled(futures: list[asyncio.Future[int]]) -> list[int]:
+async def _settled(futures: list[asyncio.Future[int]], remote: bool = False) -> list[int]:
     """The futures' results, once every one is done; then the first failure, if any, raised.
     Waiting for all of them leaves no failure unretrieved ("Future exception was never
-    retrieved") when several appends of a group fail together."""
+    retrieved") when several appends of a group fail together. ``remote``: some are another
+    broker's answers, waited for at most ``_REMOTE_APPLY_S`` (BrokerUnavailable after)."""
+    if remote and futures:
+        _, late = await asyncio.wait(futures, timeout=_REMOTE_APPLY_S)
+        if late:
+            for future in late:
+                future.cancel()  # only answers of peers are cancelled: a container's are done
+            raise BrokerUnavailable(
+                f"{len(late)} batches of a committed transaction were not acknowledged in "
+                f"{_REMOTE_APPLY_S} s by the brokers serving their segments"
+            )
     results = await asyncio.gather(*futures, return_exceptions=True)
     for result in results:
         if isinstance(result, BaseException):
@@ -164,6 +227,8 @@ def _note_range(
     if _failed(future):
         return
     base = future.result()
+    if base < 0:  # another broker's segment held it already
+        return
     span = ranges.setdefault(segment, [base, base + header.event_count])
     span[0], span[1] = min(span[0], base), max(span[1], base + header.event_count)
 
@@ -185,17 +250,36 @@ class _Ids:
 
 class Coordinator:
     metrics: Metrics = DETACHED  #: the broker's (``Metrics.attach``)
+    #: in a cluster: the broker's connections to the others, for ``ApplyBatch`` (the broker
+    #: sets them), and which broker serves each container
+    peers: Peers | None = None
 
     def __init__(
-        self, data_dir: Path, meta: MetaStore, controller: Controller, *, fsync: bool = True
+        self,
+        data_dir: Path,
+        meta: MetaStore,
+        controller: Controller,
+        *,
+        fsync: bool = True,
+        shared: LongTermStore | None = None,
     ) -> None:
-        # damage in synced staging data loses only the damaged entries (see FileJournal)
-        self.staging = FileJournal(
-            data_dir / "txns",
-            fsync=fsync,
-            resync=(MAGIC, _STAGED.size),
-            checkpoint_seconds=JOURNAL_CHECKPOINT_SECONDS,
-        )
+        """``shared``: the cluster's object store (cluster mode: each home container's staging
+        journal is an ObjectJournal there, opened by ``adopt``); None: a standalone broker,
+        staging in ``<data-dir>/txns``."""
+        self._shared = shared
+        self._journals: dict[int, Journal] = {}  # home -> its staging journal
+        self._leases: dict[int, Lease] = {}  # home -> the lease that fences its writes
+        #: home -> set once the commits it coordinated before this broker adopted it are
+        #: applied: its transactional ids wait for that before they begin anything new
+        self._adopted: dict[int, asyncio.Event] = {}
+        if shared is None:
+            # damage in synced staging data loses only the damaged entries (see FileJournal)
+            self._journals[LOCAL] = FileJournal(
+                data_dir / "txns",
+                fsync=fsync,
+                resync=(MAGIC, _STAGED.size),
+                checkpoint_seconds=JOURNAL_CHECKPOINT_SECONDS,
+            )
         self.meta = meta
         self.controller = controller
         self._io = ThreadPoolExecutor(1, thread_name_prefix="txn-io")
@@ -209,53 +293,79 @@ class Coordinator:
         self._ended: OrderedDict[int, TxnEnded] = OrderedDict()
         self._pending: list[tuple[TxnCommit, list[_Staged]]] = []
         # Threads: everything above belongs to the event loop. The txn-io thread (``_io``, one
-        # thread, FIFO) owns the staging journal, the id blocks and ``_file_users``: a write
+        # thread, FIFO) owns the staging journals, the id blocks and ``_file_users``: a write
         # registers its transaction as a user of a staging file there, before it can roll
         # the file, so a cleanup queued behind it never deletes a file still in use.
-        self._file_users: dict[int, set[int]] = {}  # staging file id -> transactions in it
+        # (home, staging file id) -> transactions in it
+        self._file_users: dict[tuple[int, int], set[int]] = {}
         self._held = 0  # bytes of staged batches held in memory
         # commits under way: owned here, not by the request that asked (see ``end``)
         self._commits: set[asyncio.Task[TxnEnded]] = set()
+        self._adoptions: set[asyncio.Task[None]] = set()  # applies of adopted homes' commits
+
+    @property
+    def staging(self) -> Journal:
+        """A standalone broker's staging journal."""
+        return self._journals[LOCAL]
+
+    @property
+    def clustered(self) -> bool:
+        return self._shared is not None
 
     # --- startup ---------------------------------------------------------------------------
 
     def recover(self) -> dict[str, int]:
-        """Load identities, and the staged batches of committed transactions still to be
-        applied (``apply_pending`` does that once containers run). Every other staged entry
-        belongs to a transaction this restart aborted."""
+        """Load identities, and (standalone) the staged batches of committed transactions
+        still to be applied (``apply_pending`` does that once containers run). Every other
+        staged entry belongs to a transaction this restart aborted. In a cluster the staging
+        journals and commits are each home's, recovered when it is taken (``adopt``)."""
         for identity in self.meta.identities():
             self.identities[identity.transactional_id] = identity
             self._epochs[identity.producer_id] = identity.epoch
             self._tid_of[identity.producer_id] = identity.transactional_id
-        pending = {c.txn_id: c for c in self.meta.pending_commits()}
-        staged: dict[int, list[_Staged]] = {
-            txn_id: [] for commit in pending.values() for txn_id in (commit.txn_id, *commit.merged)
+        if not self.clustered:
+            pending = [c for c in self.meta.pending_commits() if c.coordinator == LOCAL]
+            found = self._staged_entries(self.staging, pending)
+            for commit, entries in found:
+                batches = []
+                for address, global_id, header in entries:
+                    segment = self._segment(*split_global_id(global_id))
+                    if segment is not None:
+                        batches.append(_Staged(segment, address, header))
+                self._pending.append((commit, batches))
+        return {"identities": len(self.identities), "commits": len(self._pending)}
+
+    @staticmethod
+    def _staged_entries(
+        journal: Journal, pending: list[TxnCommit]
+    ) -> list[tuple[TxnCommit, list[tuple[JournalAddress, int, BatchHeader]]]]:
+        """Each pending commit with its staged entries (address, segment global id, header),
+        the owner's first, then each merged transaction's, in staging order. Reads the whole
+        journal (on the thread that owns it)."""
+        staged: dict[int, list[tuple[JournalAddress, int, BatchHeader]]] = {
+            txn_id: [] for commit in pending for txn_id in (commit.txn_id, *commit.merged)
         }
         aborted: set[int] = set()
-        for address, payload in self.staging.recover():
+        for address, payload in journal.recover():
             txn_id, global_id = _STAGED.unpack_from(payload)
             if txn_id not in staged:
                 aborted.add(txn_id)
                 continue
-            segment = self._segment(*split_global_id(global_id))
-            if segment is not None:
-                staged[txn_id].append(
-                    _Staged(segment, address, decode_header(payload, _STAGED.size))
-                )
-        for commit in pending.values():  # the owner's batches first, then each merged one's
-            batches = [b for txn_id in (commit.txn_id, *commit.merged) for b in staged[txn_id]]
-            self._pending.append((commit, batches))
+            staged[txn_id].append((address, global_id, decode_header(payload, _STAGED.size)))
         if aborted:  # the staging journal does not say which of them had committed
             log.info(
                 "ignored the staged entries of %d transactions: left open by the last run "
                 "(now aborted) or committed and applied before it stopped",
                 len(aborted),
             )
-        return {"identities": len(self.identities), "commits": len(self._pending)}
+        return [
+            (commit, [b for txn_id in (commit.txn_id, *commit.merged) for b in staged[txn_id]])
+            for commit in pending
+        ]
 
     async def apply_pending(self) -> None:
         """Finish the commits a crash interrupted (before the broker serves anyone), then
-        start staging afresh."""
+        start staging afresh (a standalone broker's; in a cluster ``adopt`` does this)."""
         loop = asyncio.get_running_loop()
         pending, self._pending = self._pending, []
         for commit, staged in pending:
@@ -275,36 +385,159 @@ class Coordinator:
                 commit.transactional_id,
                 len(ranges),
             )
-        await loop.run_in_executor(self._io, self._drop_sealed, True)
+        if not self.clustered:
+            await loop.run_in_executor(self._io, self._drop_sealed, LOCAL, True)
 
-    def _drop_sealed(self, roll: bool = False) -> None:
-        """Delete sealed staging files no open transaction uses (after rolling, if asked).
-        Runs on the txn-io thread."""
+    # --- homes in a cluster ----------------------------------------------------------------
+
+    async def adopt(self, cid: int, lease: Lease, containers: int) -> None:
+        """This broker now serves container ``cid`` (``lease``, of a cluster of ``containers``):
+        it becomes the home of the transactions that container coordinates. Recovers its
+        staging journal and the commit records it coordinated that are not marked applied, and
+        applies them in a background task (retrying while storage or a segment's broker is
+        unavailable); transactions of the home begin only after that (``_ready``). Raises
+        StorageError / LeaseLost if the journal or catalog cannot be read: the caller fails
+        the take. Every staged entry of a transaction without a record is an abort's."""
+        from ..cluster import coordinator
+        from ..storage._journal_objects import ObjectJournal
+
+        assert self._shared is not None, "adopt is for cluster mode"
+        loop = asyncio.get_running_loop()
+        journal = ObjectJournal(self._shared, self.meta, staging_container(cid))
+        journal.lease = lease
+
+        def read() -> tuple[list[Identity], list[tuple[TxnCommit, list[Any]]]]:
+            pending = [c for c in self.meta.pending_commits() if c.coordinator == cid]
+            return self.meta.identities(), self._staged_entries(journal, pending)
+
+        ready = self._adopted[cid] = asyncio.Event()
+        identities, found = await loop.run_in_executor(self._io, read)
+        for identity in identities:  # the home's ids as the last coordinator left them
+            if coordinator(identity.transactional_id, containers) == cid:
+                self.identities[identity.transactional_id] = identity
+                self._epochs[identity.producer_id] = identity.epoch
+                self._tid_of[identity.producer_id] = identity.transactional_id
+        self._journals[cid], self._leases[cid] = journal, lease
+        pending: list[tuple[TxnCommit, list[_Staged]]] = []
+        for commit, entries in found:
+            batches = []
+            for address, global_id, header in entries:
+                segment = self._segment(*split_global_id(global_id))
+                if segment is not None:
+                    batches.append(_Staged(segment, address, header, home=cid))
+            pending.append((commit, batches))
+        if pending:
+            log.info("container %d: %d transactions to apply", cid, len(pending))
+        task = loop.create_task(
+            self._apply_adopted(cid, journal, pending, ready), name=f"txns {cid}"
+        )
+        self._adoptions.add(task)
+        task.add_done_callback(self._adoptions.discard)
+
+    async def _apply_adopted(
+        self,
+        cid: int,
+        journal: Journal,
+        pending: list[tuple[TxnCommit, list[_Staged]]],
+        ready: asyncio.Event,
+    ) -> None:
+        """Apply an adopted home's pending commits, each until it is applied (or the home is
+        given up meanwhile: its next adopter applies it), then open the home for business."""
+        loop = asyncio.get_running_loop()
+        for commit, staged in pending:
+            landed: dict[Segment, list[int]] = {}
+            while self._journals.get(cid) is journal:
+                try:
+                    await self._apply(commit, staged, landed)
+                    break
+                except (SlipstreamError, OSError) as exc:
+                    log.warning("applying transaction %d failed, retrying: %s", commit.txn_id, exc)
+                    await asyncio.sleep(_APPLY_RETRY_S)
+            else:
+                return
+            await loop.run_in_executor(self._io, self._finish, commit.txn_id)
+            log.info(
+                "applied transaction %d of %r coordinated by container %d before it was taken",
+                commit.txn_id,
+                commit.transactional_id,
+                cid,
+            )
+        await loop.run_in_executor(self._io, self._drop_sealed, cid, True)
+        ready.set()
+
+    async def release(self, cid: int) -> None:
+        """This broker no longer serves container ``cid``: the open transactions it
+        coordinated abort (their owners run them again at the new home). Commits past their
+        record go on applying; the next adopter applies them too, and each batch lands once."""
+        ready = self._adopted.pop(cid, None)
+        if ready is not None:
+            ready.set()  # whoever waits finds the home gone (WrongBroker)
+        for txn in [t for t in self.open.values() if t.home == cid and t.state == "open"]:
+            await self._abort(txn, f"container {cid}, coordinating it, moved to another broker")
+        journal = self._journals.pop(cid, None)
+        self._leases.pop(cid, None)
+        if journal is not None:
+            await asyncio.get_running_loop().run_in_executor(self._io, journal.close)
+
+    async def _ready(self, home: int) -> None:
+        """Wait until the commits an adopted home had pending are applied."""
+        ready = self._adopted.get(home)
+        if ready is not None and not ready.is_set():
+            await ready.wait()
+        if home != LOCAL and home not in self._journals:
+            raise TransactionAborted(
+                f"container {home} no longer coordinates transactions on this broker; begin "
+                "again (the client asks the broker that serves it now)"
+            )
+
+    def _drop_sealed(self, home: int, roll: bool = False) -> None:
+        """Delete sealed staging files of ``home`` that no open transaction uses (after
+        rolling, if asked). Runs on the txn-io thread."""
+        journal = self._journals.get(home)
+        if journal is None:
+            return
         try:
             if roll:
-                self.staging.roll()
-            for file_id in self.staging.sealed_files():
-                if not self._file_users.get(file_id):
-                    self._file_users.pop(file_id, None)
-                    self.staging.delete_file(file_id)
+                journal.roll()
+            for file_id in journal.sealed_files():
+                if not self._file_users.get((home, file_id)):
+                    self._file_users.pop((home, file_id), None)
+                    journal.delete_file(file_id)
+            delete_orphans = getattr(journal, "delete_orphans", None)
+            if delete_orphans is not None:  # an object journal: the deleted files' objects
+                delete_orphans()
         except (SlipstreamError, OSError) as exc:  # the next transaction to end tries again
             log.warning("could not delete a used-up staging file: %s", exc)
 
     def _segment(self, stream_id: int, number: int) -> Segment | None:
+        """The segment's object: the live one if this broker serves its container."""
+        found = None
         for container in self.controller.containers:
             segment = container.segments.get(segment_global_id(stream_id, number))
             if segment is not None:
-                return segment
-        return None
+                if container.serving and container.id == segment.container:
+                    return segment
+                found = found or segment
+        if found is None:  # a segment of a container no object lists (cannot hurt to look)
+            for stream in self.controller.streams.values():
+                if stream.id == stream_id:
+                    return stream.segments.get(number)
+        return found
 
     # --- producers -------------------------------------------------------------------------
 
-    async def init_producer(self, transactional_id: str | None) -> tuple[int, int]:
+    async def init_producer(
+        self, transactional_id: str | None, home: int = LOCAL
+    ) -> tuple[int, int]:
+        """A producer id (and epoch 0), or for a transactional id its stable producer id and
+        next epoch, which fences the older ones and aborts their open transaction (a commit
+        under way finishes first). ``home``: in a cluster, the id's coordinating container."""
         loop = asyncio.get_running_loop()
         if transactional_id is None:
             return await loop.run_in_executor(self._io, self._producer_ids.take), 0
         if not transactional_id or len(transactional_id) > 255:
             raise InvalidArgument("a transactional id is 1 to 255 characters")
+        await self._ready(home)
         old = self.identities.get(transactional_id)
         if old is None or old.epoch >= MAX_EPOCH:
             producer_id = await loop.run_in_executor(self._io, self._producer_ids.take)
@@ -372,18 +605,24 @@ class Coordinator:
 
     # --- transactions ----------------------------------------------------------------------
 
-    async def begin(self, producer_id: int, epoch: int, timeout_ms: int, label: str = "") -> int:
+    async def begin(
+        self, producer_id: int, epoch: int, timeout_ms: int, label: str = "", home: int = LOCAL
+    ) -> int:
         """Open a transaction. ``producer_id`` -1 opens an *anonymous* one: it stages events
         (from any process that knows its id, e.g. a Spark task) and commits only as part of a
-        transactional id's commit (``merge``), or aborts."""
+        transactional id's commit (``merge``), or aborts. ``home``: in a cluster, the
+        container coordinating it (its staging journal's)."""
         if not 0 < timeout_ms <= MAX_TIMEOUT_MS:
             raise InvalidArgument(f"timeout_ms must be in 1..{MAX_TIMEOUT_MS}, not {timeout_ms}")
         if len(label) > 255:
             raise InvalidArgument("a transaction label is at most 255 characters")
         loop = asyncio.get_running_loop()
+        await self._ready(home)
         if producer_id < 0:
             txn_id = await loop.run_in_executor(self._io, self._txn_ids.take)
-            self.open[txn_id] = _Txn(txn_id, Identity("", -1, -1), timeout_ms, label=label)
+            self.open[txn_id] = _Txn(
+                txn_id, Identity("", -1, -1), timeout_ms, label=label, home=home
+            )
             return txn_id
         self.check_epoch(producer_id, epoch)
         tid = self._tid_of.get(producer_id)
@@ -400,7 +639,7 @@ class Coordinator:
             else:
                 await self._abort(previous, "its owner began a new transaction")
         txn_id = await loop.run_in_executor(self._io, self._txn_ids.take)
-        txn = _Txn(txn_id, identity, timeout_ms, label=label)
+        txn = _Txn(txn_id, identity, timeout_ms, label=label, home=home)
         self.open[txn_id] = txn
         self._by_tid[identity.transactional_id] = txn
         return txn_id
@@ -438,8 +677,12 @@ class Coordinator:
             segment.sealing and not any(s.segment is segment for s in txn.staged)
         ):
             raise sealed_error(segment)
+        if txn.home not in self._journals:
+            raise TransactionAborted(f"transaction {txn_id} lost its home", txn_id=txn_id)
         entry = [_STAGED.pack(txn_id, segment.global_id), batch]
-        future = asyncio.get_running_loop().run_in_executor(self._io, self._write, txn_id, [entry])
+        future = asyncio.get_running_loop().run_in_executor(
+            self._io, self._write, txn.home, txn_id, [entry]
+        )
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         txn.writes.add(done)
 
@@ -452,7 +695,9 @@ class Coordinator:
             address = write.result()[0]
             held = self._held + len(batch) <= _HOLD_BYTES
             self._held += len(batch) if held else 0
-            txn.staged.append(_Staged(segment, address, header, batch if held else None))
+            txn.staged.append(
+                _Staged(segment, address, header, batch if held else None, home=txn.home)
+            )
             txn.events += header.event_count
             txn.bytes += header.batch_length
             done.set_result(None)
@@ -460,16 +705,44 @@ class Coordinator:
         future.add_done_callback(written)
         return done
 
-    def _write(self, txn_id: int, entries: list[list[Payload | bytes]]) -> list[JournalAddress]:
-        """Stage entries of one transaction (on the txn-io thread). The transaction becomes a
-        user of the file before the file can be rolled: once sealed, a file is deleted as soon
-        as it has no users, possibly by the very next job on this thread."""
-        addresses = self.staging.append(entries)
+    def _write(
+        self, home: int, txn_id: int, entries: list[list[Payload | bytes]]
+    ) -> list[JournalAddress]:
+        """Stage entries of one transaction in ``home``'s journal (on the txn-io thread). The
+        transaction becomes a user of the file before the file can be rolled: once sealed, a
+        file is deleted as soon as it has no users, possibly by the very next job here."""
+        journal = self._journals.get(home)
+        if journal is None:
+            raise TransactionAborted(f"transaction {txn_id} lost its home", txn_id=txn_id)
+        addresses = journal.append(entries)
         for file_id in {address.file_id for address in addresses}:
-            self._file_users.setdefault(file_id, set()).add(txn_id)
-        if self.staging.active_bytes >= _STAGING_ROLL_BYTES:
-            self.staging.roll()
+            self._file_users.setdefault((home, file_id), set()).add(txn_id)
+        if journal.active_bytes >= _STAGING_ROLL_BYTES:
+            journal.roll()
         return addresses
+
+    async def _restage(self, txn: _Txn, home: int) -> None:
+        """Copy a merged transaction's staged batches into ``home``'s journal (the
+        committing transaction's), so that one journal holds every batch its record names:
+        the one the home's next adopter reads."""
+        loop = asyncio.get_running_loop()
+        for item in txn.staged:
+            if item.home == home:
+                continue
+            data: Payload | None = item.data
+            if data is None:
+                journal = self._journals.get(item.home)
+                if journal is None:
+                    raise TransactionAborted(
+                        f"transaction {txn.txn_id} lost its home", txn_id=txn.txn_id
+                    )
+                payload = await loop.run_in_executor(self._io, journal.read, item.address)
+                data = bytearray(memoryview(payload)[_STAGED.size :])
+            entry = [_STAGED.pack(txn.txn_id, item.segment.global_id), data]
+            (address,) = await loop.run_in_executor(
+                self._io, self._write, home, txn.txn_id, [entry]
+            )
+            item.address, item.home = address, home
 
     async def end(
         self,
@@ -576,22 +849,35 @@ class Coordinator:
             raise StreamNotFound(
                 f"stream {gone[0].stream_name!r} was deleted; transaction {txn.txn_id} aborted"
             )
+        home = txn.home
+        journal = self._journals.get(home)
         try:
-            await loop.run_in_executor(self._io, self.staging.sync)
+            if journal is None:
+                raise TransactionAborted(
+                    f"container {home}, coordinating transaction {txn.txn_id}, moved to "
+                    "another broker"
+                )
+            for one in merged:  # begun at another home of this broker: one journal holds all
+                await self._restage(one, home)
+            await loop.run_in_executor(self._io, journal.sync)
         except SlipstreamError as exc:
             # what was staged since the last sync is in an unknown state: cut it off, and
             # abort every transaction that may have lost entries with it
-            await loop.run_in_executor(self._io, self.staging.discard_unsynced)
+            if journal is not None:
+                await loop.run_in_executor(self._io, journal.discard_unsynced)
             for other in list(self.open.values()):
-                if other.state == "open" or other in everyone:
+                if (other.state == "open" and other.home == home) or other in everyone:
                     await self._abort(other, f"staging could not be made durable: {exc}")
             raise
         parts: dict[Segment, CommitPart] = {}
-        for segment in (s.segment for s in staged):
-            if segment not in parts:
-                state = segment.producers.get(identity.producer_id)
-                start = state.next_sequence if state and state.epoch == identity.epoch else 0
-                parts[segment] = CommitPart(segment.stream_id, segment.number, start)
+        try:
+            for segment in (s.segment for s in staged):
+                if segment not in parts:
+                    start = await self._next_sequence(segment, identity.producer_id, identity.epoch)
+                    parts[segment] = CommitPart(segment.stream_id, segment.number, start)
+        except (SlipstreamError, TimeoutError) as exc:
+            await abort_all(f"a segment's broker did not answer: {exc}")
+            raise
         record = TxnCommit(
             txn.txn_id,
             identity.transactional_id,
@@ -603,10 +889,14 @@ class Coordinator:
             len(staged),
             [m.txn_id for m in merged],
             positions,
+            home,
         )
         crash_point("txn.before_commit_record")
         try:
-            await loop.run_in_executor(self._io, self.meta.commit_txn, record)
+            await loop.run_in_executor(
+                self._io,
+                functools.partial(self.meta.commit_txn, record, lease=self._leases.get(home)),
+            )
         except SlipstreamError as exc:
             await abort_all(f"the commit record could not be stored: {exc}")
             raise
@@ -621,18 +911,30 @@ class Coordinator:
         )
         txn.identity = self.identities[identity.transactional_id]
         landed: dict[Segment, list[int]] = {}  # across attempts: a retry skips what landed
+        applied = True
         while True:  # committed: it must be applied, however long storage trouble lasts
             try:
                 ranges = await self._apply(record, staged, landed)
                 break
             except (SlipstreamError, OSError) as exc:
+                if home != LOCAL and self._journals.get(home) is not journal:
+                    # the home moved: its adopter applies the record (each batch once)
+                    log.warning(
+                        "transaction %d committed; container %d moved before it was applied "
+                        "here, its new broker applies it",
+                        txn.txn_id,
+                        home,
+                    )
+                    ranges, applied = [], False  # not marked applied: its adopter does that
+                    break
                 log.error("applying transaction %d failed, retrying: %s", txn.txn_id, exc)
-                await asyncio.sleep(1)
+                await asyncio.sleep(_APPLY_RETRY_S if home != LOCAL else 1)
         crash_point("txn.after_apply")
         # Marking the record applied need not hold up the answer: a restart before it lands
         # applies the record again, and finds every batch already in place. (The io thread is
         # FIFO, so staging files this transaction used are deleted only after it.)
-        loop.run_in_executor(self._io, self._finish, txn.txn_id)
+        if applied:
+            loop.run_in_executor(self._io, self._finish, txn.txn_id)
         for one in everyone:
             self._forget(one, TxnEnded(one.txn_id, True))
         return TxnEnded(txn.txn_id, True, ranges)
@@ -652,7 +954,12 @@ class Coordinator:
         so the reply names a segment whose batches all landed before a retry (which skips
         them). A segment's batches land as a gap-free prefix: once one fails, no later one of
         that segment is queued (and the container fails those already queued behind it), so
-        the retry's skip count, from the segment's next expected sequence, is exact."""
+        the retry's skip count, from the segment's next expected sequence, is exact.
+
+        In a cluster a segment another broker serves gets its batches over ``ApplyBatch``, in
+        order on one connection, every one of them: the receiver skips those its segment holds
+        (it knows its producer state; this broker does not). WrongBroker or no answer from it
+        fails the attempt, like a storage error (the caller retries)."""
         loop = asyncio.get_running_loop()
         sequence: dict[tuple[int, int], int] = {}
         skip: dict[tuple[int, int], int] = {}
@@ -660,6 +967,9 @@ class Coordinator:
             key = (part.stream_id, part.segment)
             sequence[key] = part.start_sequence
             segment = self._segment(*key)
+            if segment is not None and not self._serves(segment):
+                skip[key] = 0  # the broker serving it skips what it holds
+                continue
             state = None if segment is None else segment.producers.get(record.producer_id)
             already = 0
             if state is not None and state.epoch == record.epoch:
@@ -679,9 +989,12 @@ class Coordinator:
         window = 0
         sequential = FAULT == "txn.mid_apply"
         first_part: tuple[int, int] | None = None
+        connections: dict[str, Connection] = {}  # the brokers serving other segments
+        remote = False
         for item in staged:
-            segment, header = item.segment, item.header
-            key = (segment.stream_id, segment.number)
+            header = item.header
+            key = (item.segment.stream_id, item.segment.number)
+            segment = self._segment(*key) or item.segment  # live: a takeover swaps objects
             if segment.deleted or key not in sequence:
                 continue
             if skip[key] >= header.event_count:  # already in the segment
@@ -694,7 +1007,13 @@ class Coordinator:
             first_part = first_part or key
             batch = self._release(item)
             if batch is None:
-                payload = await loop.run_in_executor(self._io, self.staging.read, item.address)
+                journal = self._journals.get(item.home)
+                if journal is None:
+                    raise TransactionAborted(
+                        f"the staging journal of container {item.home} is no longer this "
+                        "broker's; its new broker applies the transaction"
+                    )
+                payload = await loop.run_in_executor(self._io, journal.read, item.address)
                 batch = bytearray(memoryview(payload)[_STAGED.size :])
             if _failed(latest.get(key)):  # checked after the read's await: it may have failed
                 continue  # stored past the failed batch, this one would hide its loss
@@ -706,18 +1025,108 @@ class Coordinator:
                 sequence=sequence[key],
             )
             sequence[key] = next_sequence(sequence[key], header.event_count)
-            container = self.controller.containers[segment.container]
-            future = container.append(segment, batch, decode_header(batch), applying=True)
+            if self._serves(segment):
+                container = self.controller.containers[segment.container]
+                future = container.append(segment, batch, decode_header(batch), applying=True)
+            else:
+                remote = True
+                future = await self._send_batch(connections, segment, batch)
             future.add_done_callback(functools.partial(_note_range, ranges, segment, header))
             latest[key] = future
             in_flight.append((segment, future, header.event_count))
             window += len(batch)
             if window > _APPLY_WINDOW_BYTES:
-                await _settled([f for _, f, _ in in_flight])
+                await _settled([f for _, f, _ in in_flight], remote)
                 window = 0
         # each future's _note_range ran before _settled returns (callbacks run in order)
-        await _settled([f for _, f, _ in in_flight])
+        await _settled([f for _, f, _ in in_flight], remote)
         return [TxnRange(s.stream_name, s.number, lo, hi) for s, (lo, hi) in ranges.items()]
+
+    def _serves(self, segment: Segment) -> bool:
+        """Whether this broker appends to ``segment`` itself (standalone: always)."""
+        if not self.clustered:
+            return True
+        container = self.controller.containers[segment.container]
+        return container.serving and container.segments.get(segment.global_id) is segment
+
+    async def _owner(self, connections: dict[str, Connection], segment: Segment) -> Connection:
+        """A connection to the broker serving ``segment`` (WrongBroker while nobody does)."""
+        assert self.peers is not None
+        cluster = self.peers.cluster
+        owner = cluster.owners[segment.container]
+        if not owner or owner == cluster.broker_id:
+            raise cluster.wrong_broker(
+                segment.container, f"segment {segment.number} of {segment.stream_name!r}"
+            )
+        connection = connections.get(owner)
+        if connection is None or connection.closed is not None:
+            async with asyncio.timeout(PEER_TIMEOUT_S):
+                connection = connections[owner] = await self.peers.connection(owner)
+        return connection
+
+    async def _send_batch(
+        self, connections: dict[str, Connection], segment: Segment, batch: Payload
+    ) -> asyncio.Future[int]:
+        """Send a stamped batch to the broker serving ``segment``: its base offset once
+        durable there, -1 if the segment held it already. Batches sent on one connection
+        are appended there in the order sent."""
+        connection = await self._owner(connections, segment)
+        sent = connection.send_request(ApplyBatch(segment.stream_name, segment.number), [batch])
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def answered(sent: asyncio.Future[tuple[Message, Payload]]) -> None:
+            if future.done():
+                return
+            if sent.cancelled():
+                future.cancel()
+            elif (exc := sent.exception()) is not None:
+                future.set_exception(exc)
+            else:
+                reply = sent.result()[0]
+                future.set_result(reply.base_offset if isinstance(reply, AppendAck) else -1)
+
+        sent.add_done_callback(answered)
+        return future
+
+    async def _next_sequence(self, segment: Segment, producer_id: int, epoch: int) -> int:
+        """The sequence ``segment`` expects next from ``producer_id`` at ``epoch`` (0 if it
+        has none of that epoch): where a commit's batches for it start. Asked of the broker
+        serving it if that is not this one."""
+        live = self._segment(segment.stream_id, segment.number) or segment
+        if self._serves(live):
+            state = live.producers.get(producer_id)
+            return state.next_sequence if state and state.epoch == epoch else 0
+        connection = await self._owner({}, live)
+        async with asyncio.timeout(PEER_TIMEOUT_S):
+            reply, _ = await connection.request(
+                ApplyBatch(live.stream_name, live.number, producer_id, epoch)
+            )
+        if not isinstance(reply, AppendAck):
+            raise SlipstreamError(f"unexpected answer to ApplyBatch: {type(reply).__name__}")
+        return reply.event_count
+
+    def apply_batch(
+        self, segment: Segment, batch: Payload, header: BatchHeader
+    ) -> asyncio.Future[int]:
+        """A batch another broker's transaction committed, for ``segment`` (served here,
+        checked by the caller): appended like the coordinator's own applies, unless the
+        segment holds it already (the same producer id and epoch at this sequence or past it,
+        or a newer epoch: see ``_apply``), then -1 at once, nothing appended."""
+        state = segment.producers.get(header.producer_id)
+        if state is not None and (
+            state.epoch > header.producer_epoch
+            or (state.epoch == header.producer_epoch and _behind(header.sequence, state))
+        ):
+            done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            done.set_result(-1)
+            return done
+        container = self.controller.containers[segment.container]
+        return container.append(segment, batch, header, applying=True)
+
+    def next_sequence_of(self, segment: Segment, producer_id: int, epoch: int) -> int:
+        """``_next_sequence`` for a segment served here (ApplyBatch without a batch)."""
+        state = segment.producers.get(producer_id)
+        return state.next_sequence if state and state.epoch == epoch else 0
 
     def _release(self, item: _Staged) -> Payload | None:
         """Take a staged batch's bytes out of memory (None if they were not held)."""
@@ -762,13 +1171,14 @@ class Coordinator:
     def _release_files(self, txn_id: int) -> None:
         """An ended transaction no longer uses its staging files (on the txn-io thread);
         delete those that are sealed and now unused."""
-        released = False
-        for users in self._file_users.values():
+        released = set()
+        for (home, _), users in self._file_users.items():
             if txn_id in users:
                 users.discard(txn_id)
-                released |= not users
-        if released:
-            self._drop_sealed()
+                if not users:
+                    released.add(home)
+        for home in released:
+            self._drop_sealed(home)
 
     def list(self) -> list[TxnInfo]:
         return [txn.info() for txn in self.open.values()]
@@ -783,9 +1193,13 @@ class Coordinator:
                     await self._abort(txn, f"timed out after {txn.timeout_ms} ms")
 
     async def close(self) -> None:
-        """Stop: commits under way are cancelled (a stored record is applied on restart)."""
-        for task in self._commits:
+        """Stop: commits under way are cancelled (a stored record is applied on restart, or
+        in a cluster by the container's next holder)."""
+        tasks = [*self._commits, *self._adoptions]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._commits, return_exceptions=True)
-        await asyncio.get_running_loop().run_in_executor(self._io, self.staging.close)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        for journal in list(self._journals.values()):
+            await loop.run_in_executor(self._io, journal.close)
         self._io.shutdown(wait=True)

@@ -796,6 +796,21 @@ class SegmentData(Message, frozen=True):
     sealed: bool = False
 
 
+class ApplyBatch(Message, frozen=True):
+    """Broker to broker, in a cluster (docs/cluster.md, "Transactions"): payload, one batch of
+    a committed transaction, stamped with its owner's producer id, epoch and sequence, for a
+    segment the asking broker (the transaction's coordinator) does not serve. -> ``AppendAck``
+    once durable; a batch the segment already holds (a re-apply) is answered with
+    ``base_offset`` -1 and appended nothing. Without a payload it asks the sequence the segment
+    expects next from ``producer_id`` at ``epoch`` (0 if none of that epoch): ``AppendAck(-1,
+    next)``. With authentication on, only brokers (admin) may send it."""
+
+    stream: str
+    segment: int
+    producer_id: int = -1
+    epoch: int = 0
+
+
 KINDS: dict[int, type[Message]] = {
     1: Hello,
     2: CreateStream,
@@ -841,6 +856,7 @@ KINDS: dict[int, type[Message]] = {
     44: HandOverIdentity,
     45: DescribeCluster,
     47: ReadSegment,
+    46: ApplyBatch,
     64: Welcome,
     65: Error,
     66: Done,

@@ -198,6 +198,9 @@ class TxnCommit(msgspec.Struct, frozen=True):
     batches: int = 0  # staged batches, to notice staging lost after the commit record
     merged: list[int] = []  # anonymous transactions committed with it (their batches follow)
     positions: list[PositionCommit] = []  # subscription positions committed with it
+    #: the container whose staging journal holds its batches, in a cluster (docs/cluster.md,
+    #: "Transactions"); -1: a standalone broker's own staging directory
+    coordinator: int = -1
 
 
 class QueueOptions(msgspec.Struct, frozen=True):
@@ -493,8 +496,11 @@ class MetaStore(ABC):
         """Store a transactional id's producer id and epoch (keeps its last commit)."""
 
     @abstractmethod
-    def commit_txn(self, commit: TxnCommit) -> None:
-        """Store a commit record and make it its transactional id's last commit, atomically."""
+    def commit_txn(self, commit: TxnCommit, *, lease: Lease | None = None) -> None:
+        """Store a commit record and make it its transactional id's last commit, atomically.
+        With ``lease`` (the coordinating container's, in a cluster): LeaseLost, nothing stored,
+        unless it is that container's current holding (a coordinator that lost its container
+        can no longer commit what the new holder would never apply)."""
 
     @abstractmethod
     def pending_commits(self) -> list[TxnCommit]:
@@ -1179,8 +1185,10 @@ class SqliteMetaStore(MetaStore):
                 (identity.transactional_id, identity.producer_id, identity.epoch),
             )
 
-    def commit_txn(self, commit: TxnCommit) -> None:
+    def commit_txn(self, commit: TxnCommit, *, lease: Lease | None = None) -> None:
         with self._transaction() as cur:
+            if lease is not None:
+                _check_lease(cur, lease)
             for part in commit.positions:  # first: a stale generation refuses the whole commit
                 self._commit_positions(
                     cur, part.stream_id, part.subscription, part.generation, part.positions, None

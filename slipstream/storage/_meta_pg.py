@@ -892,8 +892,10 @@ class PostgresMetaStore(MetaStore):
                 (identity.transactional_id, identity.producer_id, identity.epoch),
             )
 
-    def commit_txn(self, commit: TxnCommit) -> None:
+    def commit_txn(self, commit: TxnCommit, *, lease: Lease | None = None) -> None:
         with self._transaction() as cur:
+            if lease is not None:
+                _check_lease(cur, lease)
             # first: a stale generation refuses the whole commit; in the subscriptions' order
             for part in sorted(commit.positions, key=lambda p: (p.stream_id, p.subscription)):
                 self._commit_positions(

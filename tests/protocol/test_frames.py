@@ -34,6 +34,7 @@ from slipstream.protocol import (
     AccessRule,
     Append,
     AppendAck,
+    ApplyBatch,
     BeginTxn,
     BrokerInfo,
     CheckAccess,
@@ -390,6 +391,7 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
         scaling=st.none() | TEXT,
     ),
     Append: st.builds(Append, stream=TEXT, segment=I64, txn=OPTIONAL_I64),
+    ApplyBatch: st.builds(ApplyBatch, stream=TEXT, segment=I64, producer_id=I64, epoch=I64),
     GetCut: st.builds(GetCut, stream=TEXT, at=TEXT, timestamp_ms=OPTIONAL_I64),
     Follow: st.builds(
         Follow,

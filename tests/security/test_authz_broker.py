@@ -27,6 +27,7 @@ from slipstream.protocol import (
     KINDS,
     AccessRule,
     Append,
+    ApplyBatch,
     BeginTxn,
     CheckAccess,
     ClaimProducer,
@@ -237,6 +238,7 @@ def requests(s: Setup) -> dict[str, tuple[Message, bytes]]:
         "ListQuotas": (ListQuotas(), b""),
         "HandOverIdentity": (HandOverIdentity("spark:q", "alice"), b""),  # admin only
         "ReadSegment": (ReadSegment("demo/orders", 0, 0), b""),  # consume
+        "ApplyBatch": (ApplyBatch("demo/orders", 0), batch(2)),  # brokers (admin) only
     }
 
 
