@@ -551,7 +551,9 @@ class FindEvents(Message, frozen=True):
     routing key ``key`` (nil: any key) and a time in ``[start_ms, end_ms)`` (nil: open), at
     most ``limit`` (1..10,000): the newest, newest first (``newest_first``), or the oldest,
     oldest first. The broker reads only the batches its find indexes name (docs/format.md).
-    Errors: ``stream_not_found``, ``invalid_argument`` (limit, an empty window)."""
+    Errors: ``stream_not_found``, ``invalid_argument`` (limit, an empty window). In a cluster
+    any broker answers for every segment (it asks the brokers serving the others, with
+    ``local``, and merges); ``wrong_broker`` while a segment has nobody serving it."""
 
     stream: str
     key: bytes | None = None
@@ -559,6 +561,8 @@ class FindEvents(Message, frozen=True):
     end_ms: int | None = None
     limit: int = 100
     newest_first: bool = True
+    #: in a cluster: search only the segments this broker serves (brokers asking each other)
+    local: bool = False
 
 
 class FoundEvent(Message, frozen=True):
@@ -574,11 +578,14 @@ class FoundEvent(Message, frozen=True):
 
 class EventsFound(Message, frozen=True):
     """``events`` in the order asked for; ``batches_read``: batches the broker decoded;
-    ``truncated``: it stopped at 4 MiB of keys and values before ``limit``."""
+    ``truncated``: it stopped at 4 MiB of keys and values before ``limit``; ``searched``:
+    the segments the answer covers, named for a ``local`` find (the asking broker checks that
+    each it asked for was searched by the broker serving it)."""
 
     events: list[FoundEvent]
     batches_read: int = 0
     truncated: bool = False
+    searched: list[int] = []
 
 
 # --- quotas (docs/protocol.md "Quotas"): requests 40-41, reply 91 -----------------------------
