@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .._errors import BrokerUnavailable, SlipstreamError
 from ..client._connection import Connection
-from ..protocol import Message
+from ..protocol import Message, Payload
 from ._cluster import Cluster
 
 log = logging.getLogger("slipstream.peers")
@@ -43,15 +44,22 @@ class Peers:
     async def ask(self, broker_id: str, message: Message) -> Message:
         """``message``'s answer from broker ``broker_id``; raises BrokerUnavailable if it is
         not a live member or does not answer within PEER_TIMEOUT_S, or the error it answers."""
+        reply, _ = await self.exchange(broker_id, message)
+        return reply
+
+    async def exchange(
+        self, broker_id: str, message: Message, payload: Sequence[Any] = ()
+    ) -> tuple[Message, Payload]:
+        """``ask`` with a payload each way (an Append's batch, ReadSegment's batches); raises
+        TimeoutError after PEER_TIMEOUT_S."""
         async with asyncio.timeout(PEER_TIMEOUT_S):
             connection = await self._connection(broker_id)
             try:
-                reply, _ = await connection.request(message)
+                return await connection.request(message, payload)
             except BrokerUnavailable:
                 connection.close()
                 self._connections.pop(broker_id, None)
                 raise
-            return reply
 
     async def connection(self, broker_id: str) -> Connection:
         """The open connection to broker ``broker_id`` (opened if needed; BrokerUnavailable

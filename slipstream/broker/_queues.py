@@ -53,12 +53,14 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from .._errors import (
+    BrokerUnavailable,
     InvalidArgument,
     ModeMismatch,
     OffsetOutOfRange,
     SlipstreamError,
     StaleGeneration,
     StreamExists,
+    WrongBroker,
 )
 from ..format import (
     FLAG_NO_KEYS,
@@ -69,11 +71,13 @@ from ..format import (
     encode_header,
     events_of,
     headers_array,
+    iter_batches,
     make_record_batch,
     read_body,
     timestamp_array,
     verify,
 )
+from ..protocol import Append, AppendAck, Message, Payload, ReadSegment, SegmentData
 from ..storage import QueueOptions, QueueSegment
 from ..streams import Router
 
@@ -81,7 +85,7 @@ if TYPE_CHECKING:
     from ._controller import Stream
     from ._groups import Group, Member, Subscriptions
     from ._segment import Segment
-    from ._service import Caller
+    from ._service import Caller, Service
 
 log = logging.getLogger("slipstream.queues")
 
@@ -97,10 +101,24 @@ MAX_FETCH_EVENTS = 10_000
 MAX_FETCH_WAIT_MS = 30_000
 #: a failed dead-letter append is tried again after this long
 DEAD_LETTER_RETRY_S = 1.0
+#: in a cluster: a segment served by another broker is asked for new events this often while
+#: members wait (nothing tells this broker of them), and after a failed ask at most this often
+REMOTE_POLL_S = 0.1
+REMOTE_RETRY_MAX_S = 2.0
 
 Batch = bytes | bytearray | memoryview
 #: a batch with the offsets it holds: (base offset, next offset, batch)
 Located = tuple[int, int, Batch]
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentRead:
+    """What a read of a segment found: whole batches, and the segment's durable end and
+    whether it is sealed, as the broker serving it knows them."""
+
+    batches: list[Batch]
+    end: int
+    sealed: bool
 
 
 @dataclass(slots=True)
@@ -135,6 +153,11 @@ class _SegmentQueue:
         self.fresh: set[int] = set()  # offsets read and not handed out since
         self.dead_lettered = 0
         self.reading = asyncio.Lock()
+        # a segment served by another broker: its end and seal as last heard, when to ask next
+        self.end = 0
+        self.sealed = False
+        self.poll_at = 0.0
+        self.failures = 0
         self.advance()
 
     def advance(self) -> None:
@@ -238,9 +261,28 @@ class Dispatcher:
             predecessor, queue = stream.segments.get(number), self.segments.get(number)
             if predecessor is None or queue is None:
                 continue  # gone with retention or its stream: nothing left to settle
-            if not predecessor.sealed or queue.floor < predecessor.next_offset:
+            end, sealed = self._bounds(queue, predecessor)
+            if not sealed or queue.floor < end:
                 return False
         return True
+
+    def _bounds(self, queue: _SegmentQueue, segment: Segment) -> tuple[int, bool]:
+        """The segment's durable end and whether it is sealed: live when this broker serves
+        it; else the later of the catalog's view and the last answer of its broker (both only
+        grow)."""
+        if self.queues.serves(segment):
+            return segment.next_offset, segment.sealed
+        return max(segment.next_offset, queue.end), segment.sealed or queue.sealed
+
+    def _due(self, queue: _SegmentQueue, segment: Segment, now: float) -> bool:
+        """Whether ``fill`` would read the segment now: events known past what was read, or
+        (another broker's segment) time to ask it again."""
+        if queue.scanned - queue.floor >= MAX_AHEAD:
+            return False
+        end, sealed = self._bounds(queue, segment)
+        if queue.scanned < end:
+            return True
+        return not sealed and not self.queues.serves(segment) and now >= queue.poll_at
 
     def close(self) -> None:
         self.closed = True
@@ -255,19 +297,27 @@ class Dispatcher:
     # --- reading -------------------------------------------------------------------------
 
     async def fill(self, want: int) -> None:
-        """Read more of the log while fewer than ``want`` events are ready."""
+        """Read more of the log while fewer than ``want`` events are ready. Segments served
+        here are read in turn; those another broker serves are asked all at once (a broker
+        that does not answer delays this fill by at most PEER_TIMEOUT_S, then is asked again
+        after a backoff)."""
         self.sync_segments()
         queues = list(self.segments.values())
+        now = asyncio.get_running_loop().time()
+        remote: list[tuple[_SegmentQueue, Segment]] = []
         for queue in queues:
             if self.closed or self.ready_count() >= want:
-                return
+                break
             segment = self.group.stream.segments.get(queue.number)
             if segment is None or queue.reading.locked() or not self._may_read(segment):
                 continue
             if segment.start_offset > queue.floor:
                 queue.skip_to(segment.start_offset)
                 self._changed(queue)
-            if queue.scanned >= segment.next_offset or queue.scanned - queue.floor >= MAX_AHEAD:
+            if not self._due(queue, segment, now):
+                continue
+            if not self.queues.serves(segment):
+                remote.append((queue, segment))
                 continue
             async with queue.reading:
                 container = self.queues.controller.containers[segment.container]
@@ -279,6 +329,46 @@ class Dispatcher:
                     return
                 for batch in batches:
                     self._scan(queue, batch)
+        if remote and not self.closed:
+            await asyncio.gather(*(self._fill_remote(q, s) for q, s in remote))
+
+    async def _fill_remote(self, queue: _SegmentQueue, segment: Segment) -> None:
+        """Read on from another broker's segment (``Queues.read``). Its broker gone, the
+        container moving (WrongBroker, BrokerUnavailable) or any other failure: asked again
+        after a backoff; below its retained start: skipped to it."""
+        async with queue.reading:
+            loop = asyncio.get_running_loop()
+            try:
+                read = await self.queues.read(segment, queue.scanned, READ_BYTES)
+            except OffsetOutOfRange as exc:
+                oldest = exc.details.get("oldest")
+                if isinstance(oldest, int) and oldest > queue.floor:
+                    queue.skip_to(oldest)
+                    self._changed(queue)
+                queue.poll_at = loop.time() + REMOTE_POLL_S
+                return
+            except SlipstreamError as exc:
+                queue.failures += 1
+                queue.poll_at = loop.time() + min(
+                    REMOTE_POLL_S * 2**queue.failures, REMOTE_RETRY_MAX_S
+                )
+                if queue.failures == 1 or not isinstance(exc, WrongBroker | BrokerUnavailable):
+                    log.info(
+                        "segment %d of %s not read (asked again): %s",
+                        queue.number,
+                        self.queues.label(self.group),
+                        exc,
+                    )
+                return
+            queue.failures = 0
+            queue.end = max(queue.end, read.end)
+            queue.sealed = queue.sealed or read.sealed
+            if self.closed:
+                return
+            for batch in read.batches:
+                self._scan(queue, batch)
+            # read on at once while its broker has more; else ask again in a moment
+            queue.poll_at = loop.time() + (REMOTE_POLL_S if queue.scanned >= queue.end else 0)
 
     def _scan(self, queue: _SegmentQueue, batch: Batch) -> None:
         header = decode_header(batch)
@@ -362,7 +452,13 @@ class Dispatcher:
         batches: dict[tuple[int, int], Located] = {}
         for number, offset, count, located in picked:
             if located is None:
-                located = self._from(batches, number, offset) or await self._read(number, offset)
+                try:
+                    located = self._from(batches, number, offset) or await self._read(
+                        number, offset
+                    )
+                except SlipstreamError as exc:  # another broker's segment, unreadable now
+                    self._take_back(number, offset, count, exc)
+                    continue
             if located is None:
                 continue  # removed by retention meanwhile: settled as gone
             batches.setdefault((number, located[0]), located)
@@ -376,14 +472,38 @@ class Dispatcher:
                 return located
         return None
 
+    def _take_back(self, number: int, offset: int, count: int, exc: SlipstreamError) -> None:
+        """A delivery that could not be made after all (its batch unreadable now): undone,
+        not counted, ready again."""
+        queue = self.segments[number]
+        flight = queue.in_flight.get(offset)
+        if flight is None or flight.count != count:
+            return
+        del queue.in_flight[offset]
+        self.held.get(flight.member, {}).pop((number, offset), None)
+        if count > 1:
+            queue.counts[offset] = count - 1
+        else:
+            queue.counts.pop(offset, None)
+        heapq.heappush(queue.ready, offset)
+        log.info(
+            "event %d of segment %d of %s not delivered now (read again later): %s",
+            offset,
+            number,
+            self.queues.label(self.group),
+            exc,
+        )
+
     async def _read(self, number: int, offset: int) -> Located | None:
         """The batch holding ``offset``, read again; None (and the event settled) if
-        retention removed it."""
+        retention removed it. Raises what reading another broker's segment raised
+        (WrongBroker, BrokerUnavailable: nothing settled)."""
         segment = self.group.stream.segments[number]
-        container = self.queues.controller.containers[segment.container]
         try:
-            batches = await container.read(segment, offset, 1)
-        except OffsetOutOfRange:
+            batches = (await self.queues.read(segment, offset, 1)).batches
+        except OffsetOutOfRange as exc:
+            if "end" in exc.details:  # past the end its broker knows: not retention
+                raise
             batches = []
         for batch in batches:
             header = decode_header(batch)
@@ -497,7 +617,7 @@ class Dispatcher:
             woken = True
         if not woken and self.fetchers:
             woken = len(self.segments) != len(self.group.stream.segments) or any(
-                q.scanned < s.next_offset and q.scanned - q.floor < MAX_AHEAD
+                self._due(q, s, now)
                 for q in self.segments.values()
                 if (s := self.group.stream.segments.get(q.number)) is not None
             )
@@ -571,9 +691,7 @@ class Dispatcher:
                 body, event_count=len(evs), min_timestamp=min(stamps), max_timestamp=max(stamps)
             )
             batch = bytearray(b"".join([head, *(bytes(p) for p in body)]))
-            segment = target.segments[number]
-            container = self.queues.controller.containers[segment.container]
-            await container.append(segment, batch, verify(batch))
+            await self.queues.append(target.segments[number], batch)
             if self.closed:
                 return
             for queue, event, _ in items:
@@ -637,14 +755,115 @@ class Queues:
         self.subscriptions = subscriptions
         self.controller = subscriptions.controller
         self.dispatchers: dict[Group, Dispatcher] = {}
+        #: the service (set by it): in a cluster, who coordinates a group and the other
+        #: brokers' segments (None: every segment is served here, as in a standalone broker)
+        self.service: Service | None = None
+        self._starting = asyncio.Lock()
 
-    def dispatcher(self, group: Group) -> Dispatcher:
+    @property
+    def clustered(self) -> bool:
+        return self.service is not None and self.service.cluster.enabled
+
+    async def dispatcher(self, group: Group) -> Dispatcher:
+        """The group's dispatcher, started from its stored state if it has none (in a
+        cluster the catalog's state is read first: the coordinator may have moved here from
+        a broker that acknowledged events since this one last looked)."""
         dispatcher = self.dispatchers.get(group)
-        if dispatcher is None or dispatcher.generation != group.record.generation:
+        if dispatcher is not None and dispatcher.generation == group.record.generation:
+            return dispatcher
+        async with self._starting:  # one start at a time: a second would void the first's
+            dispatcher = self.dispatchers.get(group)
+            if dispatcher is not None and dispatcher.generation == group.record.generation:
+                return dispatcher
+            if self.clustered:
+                await self._stored(group)
             if dispatcher is not None:
                 dispatcher.close()
             dispatcher = self.dispatchers[group] = Dispatcher(self, group)
-        return dispatcher
+            return dispatcher
+
+    async def _stored(self, group: Group) -> None:
+        """Take the catalog's record of ``group`` (positions and queue state written by the
+        broker that coordinated it before). A newer generation there (a reset made through
+        another broker): the reset is applied here (members join again)."""
+        controller, seen = self.controller, group.record
+        stored = await asyncio.get_running_loop().run_in_executor(
+            controller.read_pool, controller.meta.subscriptions, seen.stream_id
+        )
+        for record in stored:
+            if record.name != seen.name or group.record is not seen:
+                continue
+            if record.generation == seen.generation:
+                group.record = record
+            elif record.generation > seen.generation:
+                group.record = record
+                self.reset(group)
+
+    def check_here(self, group: Group) -> None:
+        """In a cluster: WrongBroker unless this broker coordinates ``group`` (its members
+        join again at the broker that does)."""
+        if self.clustered:
+            assert self.service is not None
+            self.service._group_here(group.stream.name, group.record.name)
+
+    def serves(self, segment: Segment) -> bool:
+        """Whether this broker serves ``segment`` (always, standalone)."""
+        if not self.clustered:
+            return True
+        container = self.controller.containers[segment.container]
+        return container.serving and container.segments.get(segment.global_id) is segment
+
+    async def read(self, segment: Segment, offset: int, max_bytes: int) -> SegmentRead:
+        """Whole batches of ``segment`` from ``offset`` (at least one if any, then up to
+        ``max_bytes``): from its container when this broker serves it, else from the broker
+        that does (ReadSegment). Raises OffsetOutOfRange (details ``oldest``: below the
+        retained start), WrongBroker (nobody serves it now, or the owner handed it over),
+        BrokerUnavailable (the owner does not answer), or what the read raised."""
+        if self.serves(segment):
+            batches = await self.controller.containers[segment.container].read(
+                segment, offset, max_bytes
+            )
+            return SegmentRead(batches, segment.next_offset, segment.sealed)
+        reply, payload = await self._ask(
+            segment, ReadSegment(segment.stream_name, segment.number, offset, max_bytes)
+        )
+        if not isinstance(reply, SegmentData):
+            raise SlipstreamError(f"a broker answered ReadSegment with {type(reply).__name__}")
+        batches = [batch for _, batch in iter_batches(payload)]
+        return SegmentRead(batches, reply.end_offset, reply.sealed)
+
+    async def append(self, segment: Segment, batch: bytearray) -> None:
+        """Append ``batch`` to ``segment`` and return once it is durable: through its
+        container here, else as a plain Append to the broker serving it. Not idempotent: an
+        append whose answer is lost (a timeout, the owner dying after it made the batch
+        durable) fails and is appended again by the caller's retry (at-least-once)."""
+        if self.serves(segment):
+            await self.controller.containers[segment.container].append(
+                segment, batch, verify(batch)
+            )
+            return
+        reply, _ = await self._ask(segment, Append(segment.stream_name, segment.number), [batch])
+        if not isinstance(reply, AppendAck):
+            raise SlipstreamError(f"a broker answered Append with {type(reply).__name__}")
+
+    async def _ask(
+        self,
+        segment: Segment,
+        message: Append | ReadSegment,
+        payload: list[bytearray] | None = None,
+    ) -> tuple[Message, Payload]:
+        """``message`` for ``segment`` to the broker serving it (Peers.exchange)."""
+        assert self.service is not None
+        cluster = self.service.cluster
+        owner = cluster.owners[segment.container]
+        if not owner or owner == cluster.broker_id:  # nobody serves it, or it is leaving here
+            raise cluster.wrong_broker(
+                segment.container, f"segment {segment.number} of {segment.stream_name!r}"
+            )
+        try:
+            return await self.service.peers.exchange(owner, message, payload or ())
+        except TimeoutError:
+            raise BrokerUnavailable(f"broker {owner!r} did not answer in time") from None
 
     def _member(self, caller: Caller, member_id: int) -> Member:
         member = self.subscriptions.member(caller, member_id)
@@ -672,8 +891,9 @@ class Queues:
         deadline = loop.time() + wait
         while True:
             member = self._member(caller, member_id)
+            self.check_here(member.group)
             member.last_seen = loop.time()
-            dispatcher = self.dispatcher(member.group)
+            dispatcher = await self.dispatcher(member.group)
             room = min(
                 max_events,
                 MAX_FETCH_EVENTS,
@@ -717,8 +937,9 @@ class Queues:
                 raise InvalidArgument(f"a delivery is [segment, offset], not {pair}")
         loop = asyncio.get_running_loop()
         member = self._member(caller, member_id)
+        self.check_here(member.group)
+        dispatcher = await self.dispatcher(member.group)
         member.last_seen = now = loop.time()
-        dispatcher = self.dispatcher(member.group)
         was_full = dispatcher.held_by(member_id) >= dispatcher.options.max_unacked
         unknown: list[list[int]] = []
         settled = False
@@ -790,6 +1011,15 @@ class Queues:
             now = loop.time()
             for dispatcher in list(self.dispatchers.values()):
                 if dispatcher.closed:
+                    continue
+                try:
+                    self.check_here(dispatcher.group)
+                except WrongBroker:  # its coordinator moved: that broker dispatches now
+                    log.info(
+                        "%s is coordinated by another broker now: its dispatcher stops here",
+                        self.label(dispatcher.group),
+                    )
+                    self.drop(dispatcher.group)
                     continue
                 dispatcher.tick(now)
                 if dispatcher.exhausted() and now >= dispatcher.dead_letter_after:

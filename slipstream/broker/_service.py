@@ -208,6 +208,7 @@ class Service:
         self._owners: dict[int, Caller] = {}  # producer id -> the caller that owns it
         self._connection_ids = itertools.count(1)
         self.subscriptions = Subscriptions(controller)
+        self.subscriptions.queues.service = self  # queues read other brokers' segments
         self._finder: Finder | None = None  # made on the first find
         #: quotas per scope (settings kind "quotas"); the Session applies their delays
         self.quotas = Quotas(
@@ -1040,7 +1041,6 @@ class Service:
         SubscriptionExists, InvalidName, InvalidArgument, OffsetOutOfRange."""
         self._authorize(caller, Action.MANAGE, stream)
         self._group_here(stream, name)
-        self._queues_here(mode)
         start = await self._start(caller, stream, at, timestamp_ms, positions)
         queue = _queue_options(stream, options or {}) if mode != "ordered" else None
         if mode == "ordered" and options:
@@ -1055,16 +1055,6 @@ class Service:
         self._coordinated(
             f"{stream}/{subscription}", f"the group of subscription {subscription!r} of {stream!r}"
         )
-
-    def _queues_here(self, mode: str) -> None:
-        """Queue subscriptions dispatch from every segment of their stream through one broker,
-        which a cluster does not do yet (docs/cluster.md): refused there, clearly."""
-        if self.cluster.enabled and mode != "ordered":
-            raise InvalidArgument(
-                f"{mode} (queue) subscriptions are not served by a cluster of brokers yet; use "
-                "an ordered subscription with a consumer group, or a standalone broker "
-                "(docs/cluster.md, 'Limits')"
-            )
 
     def list_subscriptions(self, caller: Caller, stream: str) -> list[SubscriptionInfo]:
         self._authorize(caller, Action.CONSUME, stream)
@@ -1128,7 +1118,6 @@ class Service:
         """Join the subscription's group -> (member id, generation)."""
         self._authorize(caller, Action.CONSUME, stream)
         self._group_here(stream, subscription)
-        self._queues_here(mode)
         return self.subscriptions.join(
             caller, stream, subscription, mode, member_name, session_timeout_ms
         )

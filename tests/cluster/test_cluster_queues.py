@@ -1,0 +1,181 @@
+"""Queue subscriptions across the brokers of a cluster (issue 20): the broker coordinating a
+queue's group reads the segments other brokers serve through ``ReadSegment`` and appends dead
+letters through the broker serving the dead-letter segment. A consumer connected through the
+broker list gets every event, acks each once, sees its nacks delivered again and its poison
+events in the dead-letter stream; when the coordinator is killed -9 mid-stream the queue goes
+on at the broker that takes its container over, from the state stored in the catalog: no
+event whose ack was answered is delivered again (unanswered ones may be: at-least-once)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from harness import Cluster
+from objectstores import SeaweedFS
+from pg import PgCluster
+
+import slipstream
+from slipstream import QueueConsumer, SlipstreamError
+from slipstream.cluster import coordinator
+
+STREAM = "cq/orders"
+SEGMENTS = 6
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, postgres: PgCluster, seaweedfs: SeaweedFS) -> Iterator[Cluster]:
+    base = tmp_path / "cluster"
+    base.mkdir()
+    with Cluster(base, postgres, seaweedfs, brokers=3, containers=4).start() as started:
+        deadline = time.monotonic() + 60
+        while len(set(started.wait_until_all_containers_served().values())) < 3:
+            assert time.monotonic() < deadline, "containers still moving"  # a bound, no timing
+            time.sleep(0.1)
+        yield started
+
+
+def _queue_consumer(client: slipstream.Client, name: str) -> QueueConsumer:
+    consumer = client.consumer(STREAM, name, max_in_flight=64)
+    assert isinstance(consumer, QueueConsumer)
+    return consumer
+
+
+def _layout(cluster: Cluster, client: slipstream.Client, name: str) -> tuple[str, set[str]]:
+    """(the broker id coordinating subscription ``name``, the ids serving the stream's
+    segments), checked to make the coordinator read at least one other broker's segment;
+    once every broker knows the subscription."""
+    for broker in cluster.brokers:  # the client asks any broker for the subscription's mode
+        with slipstream.connect(broker.address) as one:
+            deadline = time.monotonic() + 30
+            while name not in {s.name for s in one.list_subscriptions(STREAM)}:
+                assert time.monotonic() < deadline, f"{broker.address} does not know {name}"
+                time.sleep(0.05)
+    served = cluster.wait_until_all_containers_served()
+    info = client.describe_stream(STREAM)
+    owners = {served[s.container] for s in info.segments}
+    home = served[coordinator(f"{STREAM}/{name}", cluster.containers)]
+    assert len(owners) >= 2 and owners - {home}, (home, owners)
+    return home, owners
+
+
+def test_a_queue_over_two_brokers_delivers_acks_nacks_and_dead_letters(cluster: Cluster) -> None:
+    with slipstream.connect(cluster.addresses(), reconnect_timeout=60) as client:
+        client.create_stream(STREAM, SEGMENTS)
+        client.create_subscription(
+            STREAM, "work", mode="queue", max_deliveries=2, backoff=0.05, ack_timeout=30
+        )
+        _layout(cluster, client, "work")
+        count = 600
+        with client.producer(STREAM, linger_ms=2) as producer:
+            for i in range(count):
+                producer.send(b"%d" % i, key=f"k{i}")
+            for i in range(4):  # nacked on every delivery: dead-lettered after two
+                producer.send(b"poison %d" % i, key=f"p{i}", headers={"app": b"x"})
+        positions = {
+            int(e.value): (e.segment, e.offset)
+            for e in client.reader(STREAM, end=client.tail(STREAM))
+            if not e.value.startswith(b"poison")
+        }
+        assert len({s for s, _ in positions.values()}) == SEGMENTS
+
+        deliveries: list[tuple[bytes, int, int, int]] = []  # value, segment, offset, count
+        acked: list[int] = []
+        dead_letters: list[slipstream.Event] = []
+        dlq = f"{STREAM}.dlq"
+        with _queue_consumer(client, "work") as consumer:
+            deadline = time.monotonic() + 120
+            looked = 0.0
+            while len(acked) < count or len(dead_letters) < 4:
+                assert time.monotonic() < deadline, (len(acked), len(dead_letters))
+                for event in consumer.poll(0.2):
+                    deliveries.append((event.value, event.segment, event.offset, event.deliveries))
+                    if event.value.startswith(b"poison"):
+                        event.nack()
+                    elif int(event.value) % 50 == 0 and event.deliveries == 1:
+                        event.nack()  # once: delivered again, then acked
+                    else:
+                        event.ack()
+                        acked.append(int(event.value))
+                if len(acked) >= count and time.monotonic() - looked > 0.5:
+                    looked = time.monotonic()
+                    if dlq in {s.name for s in client.list_streams()}:
+                        dead_letters = list(client.reader(dlq, end=client.tail(dlq)))
+            consumer.flush_acks()
+            assert consumer.poll(0.5) == []
+
+        assert sorted(acked) == list(range(count)), "an event acked twice or never"
+        by_value: dict[bytes, list[tuple[int, int, int]]] = {}
+        for value, segment, offset, n in deliveries:
+            by_value.setdefault(value, []).append((segment, offset, n))
+        for i in range(count):
+            expected = (
+                [(*positions[i], 1), (*positions[i], 2)] if i % 50 == 0 else [(*positions[i], 1)]
+            )
+            assert by_value[b"%d" % i] == expected, i
+        for i in range(4):
+            assert [n for _, _, n in by_value[b"poison %d" % i]] == [1, 2]
+
+        assert sorted(e.value for e in dead_letters) == [b"poison %d" % i for i in range(4)]
+        dlq_info = client.describe_stream(dlq)
+        assert len(dlq_info.segments) == SEGMENTS
+        served = cluster.wait_until_all_containers_served()
+        assert len({served[s.container] for s in dlq_info.segments}) >= 2
+        for dead in dead_letters:
+            assert dead.headers["app"] == b"x"
+            assert dead.headers["x-deliveries"] == b"2"
+            assert dead.headers["x-source-stream"] == STREAM.encode()
+            assert dead.headers["x-source-subscription"] == b"work"
+            source = by_value[dead.value][0]
+            assert dead.headers["x-source-segment"] == str(source[0]).encode()
+            assert dead.headers["x-source-offset"] == str(source[1]).encode()
+
+
+def test_the_queue_goes_on_at_a_new_coordinator_after_kill_9(cluster: Cluster) -> None:
+    """Events are acked and each batch's acks flushed; those whose flush was answered are
+    stored. The coordinator is killed mid-stream: the consumer joins the broker that takes
+    its container over, which must not deliver any of those again; the others (acks lost
+    with the broker, events in flight) come again, and in the end every event is acked."""
+    count = 3000
+    with slipstream.connect(cluster.addresses(), reconnect_timeout=60) as client:
+        client.create_stream(STREAM, SEGMENTS)
+        client.create_subscription(STREAM, "work", mode="queue", ack_timeout=30)
+        home, _ = _layout(cluster, client, "work")
+        with client.producer(STREAM, linger_ms=2) as producer:
+            for i in range(count):
+                producer.send(b"%d" % i, key=f"k{i}")
+
+        confirmed: set[tuple[int, int]] = set()  # acks answered: stored
+        maybe: set[int] = set()  # acks whose answer was lost with the broker, or void
+        settled: set[int] = set()
+        redelivered: list[tuple[int, int]] = []
+        killed = False
+        with _queue_consumer(client, "work") as consumer:
+            deadline = time.monotonic() + 240
+            quiet_since = None
+            while len(settled | maybe) < count or time.monotonic() - (quiet_since or 0) < 2:
+                assert time.monotonic() < deadline, f"{len(settled)} of {count} events acked"
+                events = consumer.poll(0.2)
+                quiet_since = quiet_since if not events else None
+                if not events and len(settled | maybe) >= count and quiet_since is None:
+                    quiet_since = time.monotonic()
+                for event in events:
+                    if (event.segment, event.offset) in confirmed:
+                        redelivered.append((event.segment, event.offset))
+                    event.ack()
+                try:
+                    consumer.flush_acks()
+                except SlipstreamError:  # not known to be stored: may come again
+                    maybe.update(int(e.value) for e in events)
+                    continue
+                confirmed.update((e.segment, e.offset) for e in events)
+                settled.update(int(e.value) for e in events)
+                if not killed and len(settled) >= count // 3:
+                    cluster.kill(int(home[1:]))
+                    killed = True
+        assert killed
+        assert redelivered == [], f"{len(redelivered)} events delivered again after their ack"
+        assert settled | maybe == set(range(count))
+        assert len(maybe - settled) < count // 3  # (only what was out when the broker died)
