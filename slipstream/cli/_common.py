@@ -24,7 +24,10 @@ BrokerOption = Annotated[
     typer.Option(
         "--broker",
         envvar="SLIPSTREAM_BROKER",
-        help="Broker address host:port (default: $SLIPSTREAM_BROKER, else 127.0.0.1:7070).",
+        help=(
+            "Broker address host:port, or a cluster's list h1:7070,h2:7070 (default: "
+            "$SLIPSTREAM_BROKER, else 127.0.0.1:7070)."
+        ),
         show_default=False,
     ),
 ]

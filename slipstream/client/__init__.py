@@ -14,6 +14,7 @@ from ._client import (
     connect_async,
     default_address,
 )
+from ._cluster import split_addresses
 from ._connection import DEFAULT_ADDRESS, parse_address
 from ._consumer import AsyncConsumer, Consumer
 from ._producer import BulkReceipt, Receipt
@@ -41,4 +42,5 @@ __all__ = [
     "connect_async",
     "default_address",
     "parse_address",
+    "split_addresses",
 ]

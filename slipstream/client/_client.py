@@ -41,6 +41,7 @@ from .._errors import (
     SubscriptionExists,
     TransactionAborted,
     TransactionNotFound,
+    WrongBroker,
 )
 from .._tls import from_env as tls_from_env
 from ..format import Event, events_of
@@ -102,6 +103,7 @@ from ..protocol import (
     UpdateStream,
 )
 from ..streams import Router, ScalingPolicy, StreamCut, parse_duration_ms, parse_size_bytes
+from ._cluster import Cluster, Links, Target, split_addresses
 from ._connection import DEFAULT_ADDRESS, Connection
 from ._consumer import (
     AsyncConsumer,
@@ -260,18 +262,41 @@ class AsyncClient:
     :class:`Client`, with ``await`` and ``async for``.
 
     When the connection drops (a broker restart), the next request dials again, for up to
-    ``reconnect_timeout`` seconds; idempotent producers resend what was not acknowledged.
-    Readers do not survive a lost connection: they raise BrokerUnavailable.
+    ``reconnect_timeout`` seconds; idempotent producers resend what was not acknowledged, and
+    readers follow again from the next offset they have not received.
+
+    Several brokers (docs/cluster.md): the address may be a list, ``"h1:7070,h2:7070"``; the
+    client starts from the first that answers, learns from it which broker serves which
+    container (``DescribeCluster``), keeps one connection per broker it needs, and sends
+    appends and follows to the broker serving the segment, group requests to the one
+    coordinating the subscription and transaction requests to the one coordinating the
+    transactional id. A broker that answers WrongBroker (the container moved) is left for the
+    new owner, and the request sent again there (``slipstream.client._cluster``).
     """
 
     def __init__(
-        self, connection: Connection, *, timeout: float = 10.0, reconnect_timeout: float = 30.0
+        self,
+        connection: Connection,
+        *,
+        timeout: float = 10.0,
+        reconnect_timeout: float = 30.0,
+        cluster: Cluster | None = None,
     ) -> None:
-        self.connection = connection
-        self.address = connection.address
+        if cluster is None:
+            cluster = Cluster(
+                [connection.address],
+                timeout=timeout,
+                reconnect_timeout=reconnect_timeout,
+                tls=connection.tls,
+                token=connection.token,
+            )
+            cluster.connections[connection.address] = connection
+        cluster.prepare = self._claim
+        self.cluster = cluster
+        self.address = ",".join(cluster.bootstrap)
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
-        self._redial: asyncio.Task[Connection] | None = None
+        self._first = connection
         self._identities: dict[str, tuple[int, int]] = {}
         self._grants: dict[int, tuple[int, bytes]] = {}  # producer id -> epoch, claim token
         self._cores: weakref.WeakSet[ProducerCore] = weakref.WeakSet()
@@ -291,70 +316,101 @@ class AsyncClient:
         token: str | None = None,
     ) -> AsyncClient:
         context = tls_from_env(tls, ca, cert, key)
-        connection = await Connection.open(
-            address or default_address(),
+        cluster = Cluster(
+            split_addresses(address or default_address()),
             timeout=timeout,
+            reconnect_timeout=reconnect_timeout,
             tls=context,
             token=token or os.environ.get("SLIPSTREAM_TOKEN") or None,
         )
-        return cls(connection, timeout=timeout, reconnect_timeout=reconnect_timeout)
+        connection = await cluster.start()
+        return cls(
+            connection, timeout=timeout, reconnect_timeout=reconnect_timeout, cluster=cluster
+        )
 
-    async def live_connection(self) -> Connection:
-        """The connection, dialled again if it was lost (raises BrokerUnavailable once
-        ``reconnect_timeout`` passes without a broker)."""
-        if self.connection.closed is None:
-            return self.connection
-        if self._redial is None or self._redial.done():
-            self._redial = asyncio.get_running_loop().create_task(self._dial_again())
-        return await asyncio.shield(self._redial)
+    @property
+    def _primary(self) -> Connection:
+        """The connection to the broker that answers requests for no container in
+        particular (the first of the list that answered, until it is lost)."""
+        return self.cluster.cached(None) or self.cluster.connections.get(
+            self.cluster.primary, self._first
+        )
 
-    async def _dial_again(self) -> Connection:
-        deadline = time.monotonic() + self.reconnect_timeout
-        delay = 0.05
-        while True:
-            try:
-                connection = await Connection.open(
-                    self.address,
-                    timeout=self.timeout,
-                    tls=self.connection.tls,
-                    token=self.connection.token,
-                )
-                try:
-                    await self._claim(connection)
-                except BrokerUnavailable:
-                    connection.close()
-                    raise
-                self.connection = connection
-                return connection
-            except BrokerUnavailable:
-                if time.monotonic() + delay > deadline:
-                    raise
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+    async def live_connection(self, target: Target = None) -> Connection:
+        """A connection to the broker for ``target`` (a container; None: any live broker),
+        dialled again if it was lost and the cluster described again (raises
+        BrokerUnavailable once ``reconnect_timeout`` passes without one)."""
+        return await self.cluster.reach(target)
+
+    def _group_target(self, stream: str, subscription: str) -> int:
+        """The container coordinating the subscription's group."""
+        return self.cluster.coordinator(f"{stream}/{subscription}")
+
+    async def _segment_target(self, stream: str, segment: int) -> int:
+        """The container of a segment (the stream described again if it is new here)."""
+        info = self._described.get(stream)
+        if info is None or all(s.number != segment for s in info.segments):
+            info = self._described[stream] = await self.describe_stream(stream)
+        return next((s.container for s in info.segments if s.number == segment), 0)
 
     async def _init_producer(self, transactional_id: str | None) -> tuple[int, int]:
         """A producer id and epoch owned by this client's connection; the grant's token
-        claims them again on the next connection (``_claim``)."""
-        grant = await self._request(InitProducer(transactional_id))
+        claims them on every other connection (``_claim``). With a transactional id, asked
+        of the broker coordinating it."""
+        target = None if transactional_id is None else self.cluster.coordinator(transactional_id)
+        grant, connection = await self._exchange(InitProducer(transactional_id), target)
         assert isinstance(grant, ProducerGrant)
         self._grants[grant.producer_id] = (grant.epoch, grant.token)
+        connection.claimed.add(grant.producer_id)
         return grant.producer_id, grant.epoch
 
     async def _claim(self, connection: Connection) -> None:
-        """Claim this client's producer ids on a new connection (the broker binds them to the
-        connection), so idempotent producers resend there and transactions end there."""
+        """Claim this client's producer ids on a connection that has not claimed them yet
+        (the broker binds them to the connection; the brokers of a cluster share the claim
+        tokens' key), so idempotent producers resend there and transactions end there."""
+        if not self._grants.keys() - connection.claimed:
+            return
         in_use = {core.identity[0] for core in self._cores if core.identity is not None}
         in_use.update(producer_id for producer_id, _ in self._identities.values())
         for producer_id in [p for p in self._grants if p not in in_use]:
             del self._grants[producer_id]
-        for producer_id, (epoch, token) in self._grants.items():
+        for producer_id, (epoch, token) in list(self._grants.items()):
+            if producer_id in connection.claimed:
+                continue
             with contextlib.suppress(ProducerFenced, NotOwner):  # its next use says so
                 await connection.request(ClaimProducer(producer_id, epoch, token))
+            connection.claimed.add(producer_id)
 
-    async def _request(self, message: Message) -> Message:
-        connection = await self.live_connection()
-        reply, _ = await connection.request(message)
+    async def _request(self, message: Message, target: Target = None) -> Message:
+        reply, _ = await self._exchange(message, target)
         return reply
+
+    async def _exchange(
+        self, message: Message, target: Target = None
+    ) -> tuple[Message, Connection]:
+        """Send ``message`` to the broker for ``target``; the reply and the connection that
+        answered. A WrongBroker answer (the container is served elsewhere, or moving) sends it
+        again to the owner it names, or, while nobody serves the container, after describing
+        the cluster again, for up to ``reconnect_timeout``: nothing of a refused request was
+        done. A request whose connection is lost is not sent again (it may have been done)."""
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.02
+        while True:
+            connection = await self.cluster.reach(target)
+            try:
+                reply, _ = await connection.request(message)
+                return reply, connection
+            except WrongBroker as exc:
+                self.cluster.learn(exc.details)
+                container = exc.details.get("container")
+                if isinstance(container, int):
+                    target = container
+                if time.monotonic() + delay > deadline:
+                    raise
+                if not exc.details.get("address"):
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    await self.cluster.refresh()
 
     async def __aenter__(self) -> Self:
         return self
@@ -367,10 +423,8 @@ class AsyncClient:
     async def close(self) -> None:
         for core in list(self._cores):
             await core.stop()
-        if self._redial is not None:
-            self._redial.cancel()
-            await asyncio.gather(self._redial, return_exceptions=True)
-        self.connection.close()
+        await self.cluster.close()
+        self._first.close()
 
     async def create_stream(
         self,
@@ -546,6 +600,7 @@ class AsyncClient:
         transactional_id: str | None,
         txn: int | None,
         options: dict[str, Any],
+        home: Target = None,
     ) -> ProducerCore:
         info = self._described.get(stream) if txn is not None else None
         if info is None:
@@ -553,13 +608,20 @@ class AsyncClient:
         identity = None
         if txn is None and (idempotent or transactional_id is not None):
             identity = await self._init_producer(transactional_id)
+        containers = {s.number: s.container for s in info.segments}
 
         async def describe() -> StreamInfo:  # after a scale sealed a segment the core writes
             self._described[stream] = info = await self.describe_stream(stream)
+            containers.update((s.number, s.container) for s in info.segments)
             return info
 
+        def target_of(segment: int) -> Target:
+            return home if txn is not None else containers.get(segment, 0)
+
+        links = Links(self.cluster, target_of, None if identity is None else identity[0])
+        connection = await self.live_connection()
         core = ProducerCore(
-            self.connection,
+            connection,
             asyncio.get_running_loop(),
             stream,
             _router(info),
@@ -568,16 +630,20 @@ class AsyncClient:
             reconnect=self.live_connection,
             eager=txn is None,
             describe=describe,
+            links=links,
             **options,
         )
         self._cores.add(core)
+        for segment in core.router.segments:  # connect (and claim) ahead of the first batch
+            with contextlib.suppress(BrokerUnavailable):  # the first send retries
+                await links.connect(segment)
         return core
 
     def reader(
         self, stream: str, start: Start = "earliest", end: StreamCut | None = None
     ) -> AsyncReader:
         """An async iterator of events; see :class:`Reader`."""
-        return AsyncReader(self.connection, stream, start, end)
+        return AsyncReader(self._primary, stream, start, end, self.cluster)
 
     # --- subscriptions and consumers -------------------------------------------------------
 
@@ -600,7 +666,7 @@ class AsyncClient:
             stream, name, mode, kind, timestamp_ms, positions, _queue_options(queue_options)
         )
         try:
-            reply = await self._request(request)
+            reply = await self._request(request, self._group_target(stream, name))
         except SubscriptionExists:
             if not exist_ok:
                 raise
@@ -615,18 +681,23 @@ class AsyncClient:
 
     async def describe_subscription(self, stream: str, name: str) -> SubscriptionInfo:
         """Per segment: position, backlog in events and bytes, lag; and the members."""
-        reply = await self._request(DescribeSubscription(stream, name))
+        reply = await self._request(
+            DescribeSubscription(stream, name), self._group_target(stream, name)
+        )
         assert isinstance(reply, SubscriptionInfo)
         return reply
 
     async def delete_subscription(self, stream: str, name: str) -> None:
-        await self._request(DeleteSubscription(stream, name))
+        await self._request(DeleteSubscription(stream, name), self._group_target(stream, name))
 
     async def reset_subscription(self, stream: str, name: str, to: Start) -> SubscriptionInfo:
         """Move every position to ``to``; live consumers restart from there at once."""
         kind, timestamp_ms, cut = parse_start(to)
         positions = cut_positions(stream, cut) if cut is not None else None
-        reply = await self._request(ResetSubscription(stream, name, kind, timestamp_ms, positions))
+        reply = await self._request(
+            ResetSubscription(stream, name, kind, timestamp_ms, positions),
+            self._group_target(stream, name),
+        )
         assert isinstance(reply, SubscriptionInfo)
         return reply
 
@@ -637,7 +708,8 @@ class AsyncClient:
         refused with GroupActive while consumers are joined."""
         info = await self.describe_subscription(stream, name)
         await self._request(
-            CommitPositions(stream, name, 0, info.generation, cut_positions(stream, positions))
+            CommitPositions(stream, name, 0, info.generation, cut_positions(stream, positions)),
+            self._group_target(stream, name),
         )
 
     def consumer(
@@ -705,22 +777,27 @@ class AsyncClient:
     async def _begin(
         self, transactional_id: str | None, timeout: float, label: str, options: dict[str, Any]
     ) -> AsyncTransaction:
+        home: Target
         if transactional_id is None:
             identity = (-1, -1)
+            home = (await self.live_connection()).address  # it stays where it began
         else:
+            home = self.cluster.coordinator(transactional_id)
             known = self._identities.get(transactional_id)
             if known is None:
                 known = await self._init_producer(transactional_id)
                 self._identities[transactional_id] = known
             identity = known
-        begun = await self._request(BeginTxn(*identity, int(timeout * 1000), label))
+        begun = await self._request(BeginTxn(*identity, int(timeout * 1000), label), home)
         assert isinstance(begun, TxnBegun)
-        return AsyncTransaction(self, begun.txn_id, transactional_id, options)
+        return AsyncTransaction(self, begun.txn_id, transactional_id, options, home)
 
     async def last_commit(self, transactional_id: str) -> CommitInfo | None:
         """What the last committed transaction of ``transactional_id`` stored as metadata
         (None if it never committed): how a restarted application knows where it was."""
-        reply = await self._request(GetIdentity(transactional_id))
+        reply = await self._request(
+            GetIdentity(transactional_id), self.cluster.coordinator(transactional_id)
+        )
         assert isinstance(reply, IdentityInfo)
         if reply.last_txn_id < 0:
             return None
@@ -854,14 +931,16 @@ class AsyncClient:
         metadata: bytes,
         merge: Sequence[int] = (),
         positions: Sequence[TxnPositions] = (),
+        home: Target = None,
     ) -> TxnEnded:
-        """End a transaction; a commit whose answer was lost with the connection is asked
-        again (the broker answers a repeated commit with the first one's outcome)."""
+        """End a transaction at ``home`` (the broker coordinating its transactional id); a
+        commit whose answer was lost with the connection is asked again (the broker answers a
+        repeated commit with the first one's outcome)."""
         message = EndTxn(txn_id, commit, metadata, list(merge), False, list(positions))
         try:
-            reply = await self._request(message)
+            reply = await self._request(message, home)
         except BrokerUnavailable:
-            reply = await self._request(message)
+            reply = await self._request(message, home)
         assert isinstance(reply, TxnEnded)
         return reply
 
@@ -885,10 +964,13 @@ class AsyncTransaction:
         txn_id: int,
         transactional_id: str | None,
         options: dict[str, Any],
+        home: Target = None,
     ) -> None:
         self.client = client
         self.txn_id = txn_id
         self.transactional_id = transactional_id
+        #: where its appends and its end go: the coordinator of its transactional id
+        self.home = home
         self._options = options
         self._cores: dict[str, ProducerCore] = {}
         self._consumed: dict[ConsumerCore, Handed] = {}
@@ -911,7 +993,9 @@ class AsyncTransaction:
     async def _core(self, stream: str) -> ProducerCore:
         core = self._cores.get(stream)
         if core is None:
-            core = await self.client._producer_core(stream, False, None, self.txn_id, self._options)
+            core = await self.client._producer_core(
+                stream, False, None, self.txn_id, self._options, self.home
+            )
             self._cores[stream] = core
         return core
 
@@ -973,7 +1057,9 @@ class AsyncTransaction:
         data = metadata if metadata is not None else self.metadata
         encoded = b"" if data is None else json.dumps(data).encode()
         positions = [p for _, p in consumed]
-        self.result = await self.client._end(self.txn_id, True, encoded, merge, positions)
+        self.result = await self.client._end(
+            self.txn_id, True, encoded, merge, positions, self.home
+        )
         for core, position in consumed:
             core.committed.update(position.positions)
         self._close_cores()
@@ -985,7 +1071,7 @@ class AsyncTransaction:
             return
         self._close_cores()
         try:
-            self.result = await self.client._end(self.txn_id, False, b"")
+            self.result = await self.client._end(self.txn_id, False, b"", home=self.home)
         except (TransactionAborted, TransactionNotFound):
             self.result = TxnEnded(self.txn_id, False)
 
@@ -1071,10 +1157,15 @@ class AsyncReader:
     ``async for batch in reader.batches()``. Close it (or use ``async with``) to stop."""
 
     def __init__(
-        self, connection: Connection, stream: str, start: Start, end: StreamCut | None
+        self,
+        connection: Connection,
+        stream: str,
+        start: Start,
+        end: StreamCut | None,
+        cluster: Cluster | None = None,
     ) -> None:
         self._queue: asyncio.Queue[Delivery] = asyncio.Queue()
-        self.core = ReaderCore(connection, stream, start, end, self._queue.put_nowait)
+        self.core = ReaderCore(connection, stream, start, end, self._queue.put_nowait, cluster)
         self._started = False
 
     async def _positioned(self) -> AsyncIterator[tuple[int, int, pa.RecordBatch]]:
@@ -1226,7 +1317,7 @@ class Client:
         except BaseException:
             self._loop.stop()
             raise
-        self.address = self._async.connection.address
+        self.address = self._async.address
 
     def __enter__(self) -> Client:
         return self
@@ -1527,7 +1618,8 @@ class Client:
         yields new events as soon as they are durable. Raises OffsetOutOfRange if retention
         removed the start position.
         """
-        return Reader(self._loop, self._loop.run(self._async.live_connection()), stream, start, end)
+        connection = self._loop.run(self._async.live_connection())
+        return Reader(self._loop, connection, stream, start, end, self._async.cluster)
 
     # --- subscriptions and consumers -------------------------------------------------------
 
@@ -1808,10 +1900,11 @@ class Reader:
         stream: str,
         start: Start,
         end: StreamCut | None,
+        cluster: Cluster | None = None,
     ) -> None:
         self._loop = loop
         self._queue: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
-        self.core = ReaderCore(connection, stream, start, end, self._queue.put)
+        self.core = ReaderCore(connection, stream, start, end, self._queue.put, cluster)
         self._started = False
 
     def _positioned(self) -> Iterator[tuple[int, int, pa.RecordBatch]]:

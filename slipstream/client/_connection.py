@@ -149,6 +149,8 @@ class Connection(asyncio.BufferedProtocol):
         self.address = "?"
         self.tls: ssl.SSLContext | None = None  # what it was opened with: a redial uses it
         self.token: str | None = None  # likewise
+        #: producer ids claimed on (or granted by) this connection's broker session
+        self.claimed: set[int] = set()
         # Until the broker's Welcome: the first bytes received, to tell another service
         # (an HTTP server, a database) from a broker and name it in the error.
         self._greeting: bytearray | None = bytearray()

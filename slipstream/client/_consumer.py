@@ -50,6 +50,7 @@ from .._errors import (
     SlipstreamError,
     StaleGeneration,
     UnknownMember,
+    WrongBroker,
     error_from_wire,
 )
 from ..format import Event, events_of
@@ -104,6 +105,8 @@ class _Lease:
     starts: dict[int, int] = field(default_factory=dict)
     ends: dict[int, int | None] = field(default_factory=dict)
     positions: dict[int, int] = field(default_factory=dict)
+    #: the connection its follow is on (several brokers: the one serving the segment)
+    connection: Connection | None = None
 
     def __post_init__(self) -> None:
         self.starts[self.segment] = self.start
@@ -150,6 +153,8 @@ class ConsumerCore:
         self._released: list[int] = []
         self._poll: asyncio.Task[None] | None = None
         self._autocommit: asyncio.Task[None] | None = None
+        # a follow lost its broker (moved or gone): the poll loop rejoins
+        self._follow_lost = False
         self.closed = False
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -177,16 +182,24 @@ class ConsumerCore:
                 await self._commit_processed()
         for segment in list(self.leases):
             await self._stop(segment)
-        if self.member_id and self.connection is not None and self.connection.closed is None:
-            with contextlib.suppress(SlipstreamError):
-                await self.connection.request(LeaveGroup(self.member_id))
+        await self._leave()
         self.member_id = 0
         self.deliver(_Item(None))  # wakes a consuming side waiting for items
 
+    async def _leave(self) -> None:
+        """Leave the group if its broker is still there (so the next join is not held back
+        by this member's session); a best effort."""
+        if self.member_id and self.connection is not None and self.connection.closed is None:
+            with contextlib.suppress(SlipstreamError):
+                await self.connection.request(LeaveGroup(self.member_id))
+
     async def _join(self) -> None:
-        self.connection = connection = await self.client.live_connection()
-        reply, _ = await connection.request(
-            JoinGroup(self.stream, self.subscription, "ordered", self.name, self.session_timeout_ms)
+        """Join at the broker coordinating the group (WrongBroker: where it moved)."""
+        reply, self.connection = await self.client._exchange(
+            JoinGroup(
+                self.stream, self.subscription, "ordered", self.name, self.session_timeout_ms
+            ),
+            self.client._group_target(self.stream, self.subscription),
         )
         assert isinstance(reply, GroupJoined)
         self.member_id = reply.member_id
@@ -195,10 +208,14 @@ class ConsumerCore:
 
     async def _run(self) -> None:
         """Poll for the assignment until closed; rejoin after the broker forgot this member
-        (a restart, an expired session); fail the consumer on anything else."""
+        (a restart, an expired session), when the group's coordinator moved (WrongBroker) or
+        a follow lost its broker; fail the consumer on anything else."""
         wait_ms = min(MAX_POLL_WAIT_MS, self.session_timeout_ms // 3)
         while not self.closed:
             try:
+                if self._follow_lost:
+                    self._follow_lost = False
+                    raise BrokerUnavailable("a followed segment moved to another broker")
                 if not self.member_id:
                     await self._join()
                 assert self.connection is not None
@@ -208,10 +225,13 @@ class ConsumerCore:
                 )
                 assert isinstance(reply, GroupAssignment)
                 await self._apply(reply)
-            except (UnknownMember, BrokerUnavailable) as exc:
+            except (UnknownMember, BrokerUnavailable, WrongBroker) as exc:
                 log.info("consumer of %s:%s rejoins: %s", self.stream, self.subscription, exc)
+                if isinstance(exc, WrongBroker):
+                    self.client.cluster.learn(exc.details)
                 for segment in list(self.leases):
                     await self._stop(segment)
+                await self._leave()
                 self.member_id = 0
                 self.generation = -1
                 if isinstance(exc, UnknownMember):
@@ -239,9 +259,13 @@ class ConsumerCore:
             await self._follow(segment, reply.assigned[segment], credit)
 
     async def _follow(self, segment: int, start: int, credit: int) -> None:
-        assert self.connection is not None
-        sub_id = next(self.connection.follow_ids)
-        lease = self.leases[segment] = _Lease(self.stream, segment, start, sub_id)
+        """Follow a granted segment at the broker serving it (several brokers: not
+        necessarily the group's)."""
+        target = await self.client._segment_target(self.stream, segment)
+        connection = await self.client.live_connection(target)
+        sub_id = next(connection.follow_ids)
+        lease = _Lease(self.stream, segment, start, sub_id, connection=connection)
+        self.leases[segment] = lease
         self.committed[segment] = start
         self.processed.pop(segment, None)
 
@@ -249,30 +273,34 @@ class ConsumerCore:
             if isinstance(message, Data):
                 self.deliver(_Item(lease, payload))
             elif isinstance(message, FollowFailed | FollowEnded | SlipstreamError):
-                if self.connection is not None:
-                    self.connection.follows.pop(sub_id, None)
+                connection.follows.pop(sub_id, None)
                 if isinstance(message, FollowFailed):
                     error = error_from_wire(message.code, message.message, message.details)
-                    if self.leases.get(segment) is lease:
+                    if isinstance(error, WrongBroker):
+                        self.client.cluster.learn(error.details)
+                        self._follow_lost = True  # rejoin: followed again at the new owner
+                    elif self.leases.get(segment) is lease:
                         self.deliver(_Item(lease, error=error))
-                # a lost connection: the poll loop rejoins and follows again
+                elif isinstance(message, SlipstreamError) and connection is not self.connection:
+                    self._follow_lost = True  # that broker is gone; the group's is not
+                # the group's connection lost: the poll loop rejoins and follows again
 
-        self.connection.follows[sub_id] = handle
-        await self.connection.request(Follow(sub_id, self.stream, segment, start, None, credit))
+        connection.follows[sub_id] = handle
+        await connection.request(Follow(sub_id, self.stream, segment, start, None, credit))
 
     async def _stop(self, segment: int) -> None:
         lease = self.leases.pop(segment, None)
-        if lease is None or self.connection is None:
+        if lease is None or lease.connection is None:
             return
-        if self.connection.follows.pop(lease.sub_id, None) is not None:
+        if lease.connection.follows.pop(lease.sub_id, None) is not None:
             with contextlib.suppress(SlipstreamError):
-                await self.connection.request(Unfollow(lease.sub_id))
+                await lease.connection.request(Unfollow(lease.sub_id))
 
     # --- positions -------------------------------------------------------------------------
 
     def grant(self, lease: _Lease, nbytes: int) -> None:
         """The consuming side is done with ``nbytes`` of ``lease``: more may come."""
-        connection = self.connection
+        connection = lease.connection
         current = self.leases.get(lease.segment) is lease
         if current and connection is not None and lease.sub_id in connection.follows:
             connection.send_oneway(Credit(lease.sub_id, nbytes))
@@ -286,7 +314,7 @@ class ConsumerCore:
         while True:
             await asyncio.sleep(AUTO_COMMIT_S)
             with contextlib.suppress(
-                NotAssigned, StaleGeneration, UnknownMember, BrokerUnavailable
+                NotAssigned, StaleGeneration, UnknownMember, BrokerUnavailable, WrongBroker
             ):
                 await self._commit_processed()
 

@@ -47,6 +47,7 @@ from .._errors import (
     InvalidArgument,
     SegmentSealed,
     SlipstreamError,
+    WrongBroker,
 )
 from ..format import (
     COMPRESSIONS,
@@ -64,6 +65,7 @@ from ..format import (
 )
 from ..protocol import Append, AppendAck, StreamInfo
 from ..streams import WINDOW, Position, Router, next_sequence
+from ._cluster import Links
 from ._connection import Connection
 from ._rerouting import KeyRanges, open_ranges, resplit
 
@@ -341,6 +343,7 @@ class ProducerCore:
         request_timeout: float = 30.0,
         eager: bool = True,
         describe: Callable[[], Awaitable[StreamInfo]] | None = None,
+        links: Links | None = None,
     ) -> None:
         if identity is not None and not 1 <= max_in_flight <= WINDOW:
             raise InvalidArgument(
@@ -405,6 +408,8 @@ class ProducerCore:
         # refused by a sealed segment: re-routed once everything in flight is answered
         self._refused: list[_InFlight] = []
         self._describe = describe
+        # where each segment's batches go (several brokers); None: all on ``connection``
+        self._links = links
         self._recovery: asyncio.Task[None] | None = None
 
     # --- any thread --------------------------------------------------------------------------
@@ -693,15 +698,21 @@ class ProducerCore:
         self._transmit(_InFlight(next(self._order), segment, [head, *body], future, size, count))
 
     def _transmit(self, flight: _InFlight) -> None:
+        connection = self.connection
+        if self._links is not None:
+            found = self._links.cached(flight.segment)
+            if found is None:  # not connected (or claimed) there yet: nothing was sent
+                self._retry.append(flight)
+                self._start_recovery()
+                return
+            connection = found
         flight.sent = time.monotonic()
-        flight.connection = self.connection
+        flight.connection = connection
         self._flights[flight.order] = flight
         if self._watchdog is None:
             self._watchdog = self.loop.call_later(self.request_timeout, self._check_stalled)
         self._in_flight += 1
-        reply = self.connection.send_request(
-            Append(self.stream, flight.segment, self.txn), flight.parts
-        )
+        reply = connection.send_request(Append(self.stream, flight.segment, self.txn), flight.parts)
         reply.add_done_callback(lambda done: self._acked(done, flight))
 
     def _check_stalled(self) -> None:
@@ -727,6 +738,16 @@ class ProducerCore:
         self._flights.pop(flight.order, None)
         self._in_flight -= 1
         exc = done.exception()
+        if (
+            isinstance(exc, WrongBroker)
+            and self._links is not None
+            and self._links.follows_move(exc, flight.segment)
+            and self._resendable(flight)
+        ):
+            self._links.moved(exc)  # nothing of it was stored: send it to the new owner
+            self._retry.append(flight)
+            self._start_recovery()
+            return
         if exc is not None and self._retriable(exc, flight):
             self._retry.append(flight)
             self._start_recovery()
@@ -759,6 +780,9 @@ class ProducerCore:
             if not waiter.done():
                 waiter.set_result(None)
 
+    def _resendable(self, flight: _InFlight) -> bool:
+        return not self.closed and time.monotonic() - flight.first_sent < self.delivery_timeout
+
     def _retriable(self, exc: BaseException, flight: _InFlight) -> bool:
         return (
             not self.closed
@@ -783,8 +807,11 @@ class ProducerCore:
                 while self._in_flight:  # the rest of the lost connection's batches fail at once
                     await asyncio.sleep(0.001)
                 if self._retry:
-                    assert self._reconnect is not None
-                    self.connection = await self._reconnect()
+                    if self._links is not None:
+                        await self._connect_for(self._retry)
+                    else:
+                        assert self._reconnect is not None
+                        self.connection = await self._reconnect()
                     again, self._retry = sorted(self._retry, key=lambda f: f.order), []
                     for flight in again:
                         self._transmit(flight)
@@ -792,8 +819,8 @@ class ProducerCore:
                 if not self._refused:
                     break
                 await self._reroute()
-                if self._reconnect is not None:  # describing may have dialled again
-                    self.connection = await self._reconnect()
+                if self._reconnect is not None and self._links is None:
+                    self.connection = await self._reconnect()  # describing may have dialled
         except (SlipstreamError, asyncio.CancelledError) as exc:
             self._recovery = None
             self._give_up(
@@ -807,6 +834,25 @@ class ProducerCore:
             return
         self._recovery = None
         self._dispatch()
+
+    async def _connect_for(self, flights: list[_InFlight]) -> None:
+        """Connect to the brokers of the flights' segments (the cluster described again and
+        waited for while a container moves), within delivery_timeout: past it, raises
+        BrokerUnavailable and the flights fail."""
+        assert self._links is not None
+        for segment in sorted({f.segment for f in flights}):
+            if self._links.cached(segment) is not None:
+                continue
+            if time.monotonic() - min(f.first_sent for f in flights) >= self.delivery_timeout:
+                raise BrokerUnavailable(
+                    f"no broker took segment {segment} of {self.stream} within "
+                    f"delivery_timeout ({self.delivery_timeout:g} s)",
+                    stream=self.stream,
+                    segment=segment,
+                )
+            connection = await self._links.connect(segment)
+            if self._links.cached(segment) is None and connection.closed is None:
+                await asyncio.sleep(0.01)  # the map moved meanwhile: the next round looks again
 
     async def _reroute(self) -> None:
         """Send what sealed segments refused or still hold to the segments open now.

@@ -47,6 +47,7 @@ from .._errors import (
     SlipstreamError,
     UnknownDelivery,
     UnknownMember,
+    WrongBroker,
 )
 from ..format import Event, events_of, iter_batches, read_body
 from ..protocol import (
@@ -146,7 +147,7 @@ _Item = list[QueueEvent] | SlipstreamError | None
 
 async def subscription_mode(client: AsyncClient, stream: str, name: str) -> str | None:
     """The mode of ``stream``'s subscription ``name`` (None if there is none)."""
-    reply, _ = await (await client.live_connection()).request(ListSubscriptions(stream))
+    reply = await client._request(ListSubscriptions(stream))
     assert isinstance(reply, SubscriptionList)
     return next((s.mode for s in reply.subscriptions if s.name == name), None)
 
@@ -230,9 +231,12 @@ class QueueCore:
         self.deliver(None)  # wakes a consuming side waiting for events
 
     async def _join(self) -> None:
-        self.connection = connection = await self.client.live_connection()
-        reply, _ = await connection.request(
-            JoinGroup(self.stream, self.subscription, self.mode, self.name, self.session_timeout_ms)
+        """Join at the broker coordinating the queue (WrongBroker: where it moved)."""
+        reply, self.connection = await self.client._exchange(
+            JoinGroup(
+                self.stream, self.subscription, self.mode, self.name, self.session_timeout_ms
+            ),
+            self.client._group_target(self.stream, self.subscription),
         )
         assert isinstance(reply, GroupJoined)
         self.member_id = reply.member_id
@@ -265,8 +269,10 @@ class QueueCore:
                     events = self._events(reply.deliveries, payload)
                     self.held += len(events)
                     self.deliver(events)
-            except (UnknownMember, BrokerUnavailable) as exc:
+            except (UnknownMember, BrokerUnavailable, WrongBroker) as exc:
                 log.info("queue consumer of %s:%s rejoins: %s", self.stream, self.subscription, exc)
+                if isinstance(exc, WrongBroker):  # the queue's coordinator moved
+                    self.client.cluster.learn(exc.details)
                 self.member_id = 0
                 self.session += 1  # what arrived before is void from now on, not from the join
                 self.held = 0

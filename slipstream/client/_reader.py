@@ -19,7 +19,15 @@ from typing import Protocol
 import numpy as np
 import pyarrow as pa
 
-from .._errors import CorruptBatch, CorruptData, InvalidArgument, SlipstreamError, error_from_wire
+from .._errors import (
+    BrokerUnavailable,
+    CorruptBatch,
+    CorruptData,
+    InvalidArgument,
+    SlipstreamError,
+    WrongBroker,
+    error_from_wire,
+)
 from ..format import check_event_schema, iter_batches, numpy_array, read_body
 from ..protocol import (
     Credit,
@@ -36,6 +44,7 @@ from ..protocol import (
     Unfollow,
 )
 from ..streams import StreamCut, preceding, relative_time_ms
+from ._cluster import Cluster, Links
 from ._connection import Connection
 
 Start = str | int | dt.datetime | StreamCut
@@ -101,6 +110,12 @@ class ReaderCore:
     it made readable are registered and before their follows are requested, so a consumer
     that adds ``opened`` to the segments it waits for never stops early.
 
+    Several brokers: each segment is followed on the connection to the broker serving its
+    container. A follow that fails with WrongBroker (the container moved) or loses its
+    connection (the broker died) is opened again at the new owner from the offset after the
+    last batch received, so nothing is lost or delivered twice; for up to the cluster's
+    ``reconnect_timeout``, then the reader raises the error.
+
     Credit: each follow gets a share of ``CREDIT_BYTES`` (at least ``MIN_SEGMENT_CREDIT``); a
     follow opened later gets what the live follows leave, so the total stays within
     ``max(CREDIT_BYTES, live follows x MIN_SEGMENT_CREDIT)``.
@@ -113,8 +128,18 @@ class ReaderCore:
         start: Start,
         end: StreamCut | None,
         deliver: Callable[[Delivery], None],
+        cluster: Cluster | None = None,
     ) -> None:
         self.connection = connection
+        self.links = None if cluster is None else Links(cluster, self._container)
+        #: per segment, the connection its follow is on
+        self.connections: dict[int, Connection] = {}
+        #: per segment, the offset after the last batch received (where a moved follow resumes)
+        self.received: dict[int, int] = {}
+        self._moving: set[int] = set()
+        #: segments whose follow moved and is not open again yet -> when it first moved
+        self._moved_at: dict[int, float] = {}
+        self._refollowing: asyncio.Task[None] | None = None
         self.stream = stream
         self.start_spec = parse_start(start)
         self.end = end
@@ -134,12 +159,19 @@ class ReaderCore:
         self._ended: list[int] = []
         self._advancing: asyncio.Task[None] | None = None
 
+    def _container(self, segment: int) -> int:
+        info = self.segments.get(segment)
+        return 0 if info is None else info.container
+
+    async def _any(self) -> Connection:
+        return self.connection if self.links is None else await self.links.any()
+
     async def _cut(self, at: str, timestamp_ms: int | None = None) -> dict[int, int]:
-        reply, _ = await self.connection.request(GetCut(self.stream, at, timestamp_ms))
+        reply, _ = await (await self._any()).request(GetCut(self.stream, at, timestamp_ms))
         return dict(reply.positions)  # type: ignore[attr-defined]
 
     async def _describe(self) -> None:
-        reply, _ = await self.connection.request(DescribeStream(self.stream))
+        reply, _ = await (await self._any()).request(DescribeStream(self.stream))
         assert isinstance(reply, StreamInfo)
         self.segments = {s.number: s for s in reply.segments}
 
@@ -215,47 +247,127 @@ class ReaderCore:
                 (CREDIT_BYTES - held) // len(segments),
             )
             for segment in segments:
-                sub_id = next(self.connection.follow_ids)
-                self.sub_ids[segment] = sub_id
+                self.sub_ids[segment] = 0  # its follow is requested by _request
                 self._credit[segment] = max(MIN_SEGMENT_CREDIT, share)
-                self.connection.follows[sub_id] = self._handler(segment)
         return segments
 
     async def _request(self, segments: list[int]) -> None:
+        """Open the follows of ``segments``, each at the broker serving it, from the offset
+        after what was received of it (its start, the first time). A WrongBroker answer
+        (the map was stale) is followed to the owner it names, as long as the cluster's
+        ``reconnect_timeout`` allows."""
         for segment in segments:
-            await self.connection.request(
-                Follow(
-                    self.sub_ids[segment],
-                    self.stream,
-                    segment,
-                    self.starts[segment],
-                    self.ends[segment],
-                    self._credit[segment],
-                )
-            )
+            deadline = time.monotonic() + self._patience()
+            while True:
+                connection = self.connection
+                if self.links is not None:
+                    connection = await self.links.connect(segment)
+                sub_id = next(connection.follow_ids)
+                self.sub_ids[segment] = sub_id
+                self.connections[segment] = connection
+                connection.follows[sub_id] = self._handler(segment, connection)
+                offset = self.received.get(segment, self.starts[segment])
+                try:
+                    await connection.request(
+                        Follow(
+                            sub_id,
+                            self.stream,
+                            segment,
+                            offset,
+                            self.ends[segment],
+                            self._credit[segment],
+                        )
+                    )
+                    self._moved_at.pop(segment, None)
+                    break
+                except WrongBroker as exc:
+                    connection.follows.pop(sub_id, None)
+                    if self.links is None or time.monotonic() > deadline:
+                        raise
+                    self.links.moved(exc)
+                    if not exc.details.get("address"):
+                        await asyncio.sleep(0.05)
+                except BrokerUnavailable:
+                    if self.links is None:
+                        raise
+                    # lost with its connection: followed again by the task that follows moves
+                    connection.follows.pop(sub_id, None)
+                    self._move(segment)
+                    break
 
-    def _handler(self, segment: int) -> Callable[[Message | SlipstreamError, Payload], None]:
+    def _patience(self) -> float:
+        return 0.0 if self.links is None else self.links.cluster.reconnect_timeout
+
+    def _handler(
+        self, segment: int, connection: Connection
+    ) -> Callable[[Message | SlipstreamError, Payload], None]:
         def handle(message: Message | SlipstreamError, payload: Payload) -> None:
             if isinstance(message, Data):
+                if self.links is not None:
+                    self._note_received(segment, payload)
                 self.deliver(Delivery(segment, payload))
             elif isinstance(message, FollowEnded):
-                self.connection.follows.pop(message.sub_id, None)
+                connection.follows.pop(message.sub_id, None)
                 self._credit.pop(segment, None)
                 self._ended.append(segment)
                 if self._advancing is None or self._advancing.done():
                     self._advancing = asyncio.get_running_loop().create_task(self._advance())
             elif isinstance(message, FollowFailed):
-                self.connection.follows.pop(message.sub_id, None)
+                connection.follows.pop(message.sub_id, None)
+                error = error_from_wire(message.code, message.message, message.details)
+                if isinstance(error, WrongBroker) and self.links is not None:
+                    self.links.moved(error)
+                    self._move(segment)
+                else:
+                    self.deliver(Delivery(segment, error=error))
+            elif isinstance(message, SlipstreamError):
+                if isinstance(message, BrokerUnavailable) and self.links is not None:
+                    self._move(segment)  # the broker is gone: its containers move
+                else:
+                    self.deliver(Delivery(segment, error=message))
+
+        return handle
+
+    def _note_received(self, segment: int, payload: Payload) -> None:
+        """Remember the offset after the payload's last batch (headers only, no CRC: the
+        consuming side checks every batch)."""
+        with contextlib.suppress(CorruptBatch):
+            for header, _ in iter_batches(payload, check_crc=False):
+                self.received[segment] = header.next_offset
+
+    def _move(self, segment: int) -> None:
+        """Open the segment's follow again at its new owner (owned task, cancelled by close)."""
+        if segment not in self.sub_ids:
+            return
+        self._moving.add(segment)
+        self._moved_at.setdefault(segment, time.monotonic())
+        if self._refollowing is None or self._refollowing.done():
+            self._refollowing = asyncio.get_running_loop().create_task(self._refollow())
+
+    async def _refollow(self) -> None:
+        while self._moving:
+            segment = min(self._moving)
+            self._moving.discard(segment)
+            if segment not in self.sub_ids or segment in self.finished:
+                continue
+            if time.monotonic() - self._moved_at.get(segment, time.monotonic()) > self._patience():
                 self.deliver(
                     Delivery(
                         segment,
-                        error=error_from_wire(message.code, message.message, message.details),
+                        error=BrokerUnavailable(
+                            f"segment {segment} of {self.stream!r}: no broker served its follow "
+                            f"within reconnect_timeout ({self._patience():g} s)",
+                            stream=self.stream,
+                            segment=segment,
+                        ),
                     )
                 )
-            elif isinstance(message, SlipstreamError):
-                self.deliver(Delivery(segment, error=message))
-
-        return handle
+                return
+            try:
+                await self._request([segment])
+            except SlipstreamError as exc:
+                self.deliver(Delivery(segment, error=exc))
+                return
 
     async def _advance(self) -> None:
         """Segments whose follows ended are finished: deliver their ends with the segments
@@ -279,18 +391,21 @@ class ReaderCore:
 
     def grant(self, segment: int, credit: int) -> None:
         sub_id = self.sub_ids.get(segment)
-        if sub_id is not None and sub_id in self.connection.follows:
-            self.connection.send_oneway(Credit(sub_id, credit))
+        connection = self.connections.get(segment, self.connection)
+        if sub_id is not None and sub_id in connection.follows:
+            connection.send_oneway(Credit(sub_id, credit))
 
     async def close(self) -> None:
-        if self._advancing is not None:
-            self._advancing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._advancing
-        for sub_id in self.sub_ids.values():
-            if self.connection.follows.pop(sub_id, None) is not None:
+        for task in (self._advancing, self._refollowing):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        for segment, sub_id in self.sub_ids.items():
+            connection = self.connections.get(segment, self.connection)
+            if connection.follows.pop(sub_id, None) is not None:
                 with contextlib.suppress(SlipstreamError):  # already gone with the connection
-                    await self.connection.request(Unfollow(sub_id))
+                    await connection.request(Unfollow(sub_id))
 
 
 class ReadState(Protocol):

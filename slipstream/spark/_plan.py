@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .._errors import InvalidArgument
-from ..client import DEFAULT_ADDRESS, parse_address
+from ..client import DEFAULT_ADDRESS, split_addresses
 from ..streams import (
     StreamCut,
     preceding,
@@ -85,7 +85,7 @@ def tls_option(options: Mapping[str, str]) -> TlsOptions | None:
 
 def broker_option(options: Mapping[str, str]) -> str:
     broker = options.get("broker") or os.environ.get("SLIPSTREAM_BROKER") or DEFAULT_ADDRESS
-    parse_address(broker)
+    split_addresses(broker)  # host:port, or a cluster's list h1:7070,h2:7070
     return broker
 
 

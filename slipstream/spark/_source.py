@@ -129,8 +129,9 @@ class SegmentRange(InputPartition):
 class SlipstreamDataSource(DataSource):
     """``spark.readStream.format("slipstream")`` / ``spark.read`` / ``writeStream`` / ``write``.
 
-    Options (keys are case-insensitive): ``broker`` (host:port, default SLIPSTREAM_BROKER or
-    127.0.0.1:7070), ``stream`` (required), ``startingPosition`` (streaming: earliest, latest,
+    Options (keys are case-insensitive): ``broker`` (host:port, or a cluster's list
+    ``h1:7070,h2:7070``; default SLIPSTREAM_BROKER or 127.0.0.1:7070), ``stream`` (required),
+    ``startingPosition`` (streaming: earliest, latest,
     an ISO time, a time relative to when the query starts such as ``-1h``, or a StreamCut JSON;
     default latest), ``from``/``to`` (batch reads, the same forms, relative to when the read
     is planned; default the whole stream), ``maxEventsPerTrigger``, ``maxBytesPerTrigger``,
