@@ -64,10 +64,12 @@ from .._errors import (
     BrokerUnavailable,
     InvalidArgument,
     ProducerFenced,
+    SegmentNotFound,
     SlipstreamError,
     StreamNotFound,
     TransactionAborted,
     TransactionNotFound,
+    WrongBroker,
 )
 from ..client._connection import Connection
 from ..format import FLAG_TRANSACTIONAL, MAGIC, BatchHeader, decode_header, restamp
@@ -125,6 +127,8 @@ LOCAL = -1
 STAGING_CONTAINER_BASE = 1_000_000
 #: how long an apply waits before it sends again to a segment whose container is moving
 _APPLY_RETRY_S = 0.5
+#: how long a commit waits for a moving segment's broker to say where its batches start
+_SEQUENCE_WAIT_S = 15.0
 #: how long an apply waits for other brokers to acknowledge the batches it sent them
 _REMOTE_APPLY_S = 60.0
 
@@ -1091,7 +1095,19 @@ class Coordinator:
     async def _next_sequence(self, segment: Segment, producer_id: int, epoch: int) -> int:
         """The sequence ``segment`` expects next from ``producer_id`` at ``epoch`` (0 if it
         has none of that epoch): where a commit's batches for it start. Asked of the broker
-        serving it if that is not this one."""
+        serving it if that is not this one; while its container moves (WrongBroker, no
+        answer), asked again for up to ``_SEQUENCE_WAIT_S``, then the error is raised."""
+        deadline = time.monotonic() + _SEQUENCE_WAIT_S
+        while True:
+            try:
+                return await self._ask_next_sequence(segment, producer_id, epoch)
+            except (WrongBroker, BrokerUnavailable, TimeoutError, StreamNotFound, SegmentNotFound):
+                # moving, or a stream made a moment ago that its broker has not read yet
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(_APPLY_RETRY_S)
+
+    async def _ask_next_sequence(self, segment: Segment, producer_id: int, epoch: int) -> int:
         live = self._segment(segment.stream_id, segment.number) or segment
         if self._serves(live):
             state = live.producers.get(producer_id)

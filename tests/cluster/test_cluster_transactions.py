@@ -1,0 +1,249 @@
+"""Transactions across brokers (issue 20; docs/cluster.md, "Transactions"), on real brokers in
+cluster mode: a transaction whose segments two brokers serve is staged by its coordinator (the
+broker serving its transactional id's container), commits atomically (nothing visible before
+the commit, all of it after), aborts leaving nothing, and when the coordinator is killed -9
+after its commit record (before, during or after applying it) the broker that takes its
+container applies it exactly once.
+
+Frames are sent by hand (tests/raw.py) to the broker each test means, so what is checked is
+the brokers' routing, not a client's."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import Cluster
+from objectstores import SeaweedFS
+from pg import PgCluster
+from raw import RawConnection, batch
+
+from slipstream.cluster import coordinator
+from slipstream.protocol import (
+    Append,
+    AppendAck,
+    BeginTxn,
+    CreateStream,
+    Cut,
+    EndTxn,
+    Error,
+    GetCut,
+    GetIdentity,
+    IdentityInfo,
+    InitProducer,
+    Message,
+    ProducerGrant,
+    StreamInfo,
+    TxnBegun,
+    TxnEnded,
+)
+
+STREAM = "txns/orders"
+SEGMENTS = 4
+CONTAINERS = 4
+#: batches per segment: more than an idempotence window (16), so a re-apply after a takeover
+#: must skip what the segment holds by its sequence, not by the remembered recent batches
+BATCHES = 20
+EVENTS = 3  # per batch
+
+
+class Raw:
+    """A hand-driven connection that answers one request at a time."""
+
+    def __init__(self, address: str) -> None:
+        self.connection = RawConnection(address)
+        self.connection.receive()  # Welcome
+        self._cid = 100
+
+    def ask(self, message: Message, payload: bytes = b"") -> Any:
+        self._cid += 1
+        self.connection.send_frame(message, self._cid, payload)
+        while True:
+            frame = self.connection.receive()
+            if frame.correlation_id == self._cid:
+                return frame.message
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def _cluster(tmp_path: Path, postgres: PgCluster, seaweedfs: SeaweedFS, fault: str = "") -> Cluster:
+    base = tmp_path / "cluster"
+    base.mkdir()
+    cluster = Cluster(base, postgres, seaweedfs, brokers=2, containers=CONTAINERS)
+    if fault:
+        cluster.brokers[0].env["SLIPSTREAM_FAULT"] = fault
+    return cluster.start()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, postgres: PgCluster, seaweedfs: SeaweedFS) -> Iterator[Cluster]:
+    with _cluster(tmp_path, postgres, seaweedfs) as started:
+        yield started
+
+
+def _setup(cluster: Cluster, coordinated_by: str) -> tuple[str, dict[int, str]]:
+    """Create the stream (its segments on both brokers) and pick a transactional id whose
+    coordinating container ``coordinated_by`` serves; returns it and segment -> its broker."""
+    deadline = time.monotonic() + 60
+    while set((owners := cluster.wait_until_all_containers_served()).values()) != {"b0", "b1"}:
+        assert time.monotonic() < deadline, owners  # b1 joined: the assignment gives it half
+        time.sleep(0.2)
+    raw = Raw(cluster.brokers[0].address)
+    try:
+        info = raw.ask(CreateStream(STREAM, SEGMENTS))
+        assert isinstance(info, StreamInfo), info
+        by_segment = {s.number: owners[s.container] for s in info.segments}
+    finally:
+        raw.close()
+    assert set(by_segment.values()) == {"b0", "b1"}, by_segment
+    tid = next(
+        f"tid-{i}"
+        for i in range(1000)
+        if owners[coordinator(f"tid-{i}", CONTAINERS)] == coordinated_by
+    )
+    return tid, by_segment
+
+
+def _tails(cluster: Cluster, via: int) -> dict[int, int]:
+    """Every segment's end, as the cluster answers GetCut (asking the brokers serving them)."""
+    deadline = time.monotonic() + 30
+    while True:
+        raw = Raw(cluster.brokers[via].address)
+        try:
+            cut = raw.ask(GetCut(STREAM, "latest"))
+        finally:
+            raw.close()
+        if isinstance(cut, Cut):
+            return dict(cut.positions)
+        assert time.monotonic() < deadline, cut  # a bound against hanging, not a timing test
+        time.sleep(0.2)  # a container moving: ask again
+
+
+def _stage(raw: Raw, tid: str) -> int:
+    """InitProducer, BeginTxn and BATCHES batches into every segment; the transaction id."""
+    grant = raw.ask(InitProducer(tid))
+    assert isinstance(grant, ProducerGrant), grant
+    begun = raw.ask(BeginTxn(grant.producer_id, grant.epoch, 60_000))
+    assert isinstance(begun, TxnBegun), begun
+    for number in range(SEGMENTS):
+        for i in range(BATCHES):
+            ack = raw.ask(Append(STREAM, number, begun.txn_id), batch(EVENTS, b"%d" % i))
+            assert isinstance(ack, AppendAck) and ack.base_offset == -1, ack
+    return begun.txn_id
+
+
+def test_a_transaction_over_two_brokers_commits_all_or_nothing(cluster: Cluster) -> None:
+    tid, by_segment = _setup(cluster, "b0")
+    raw = Raw(cluster.brokers[0].address)
+    try:
+        txn_id = _stage(raw, tid)
+        # staged on b0, whichever broker serves the segment: nothing readable anywhere yet
+        assert _tails(cluster, 0) == dict.fromkeys(range(SEGMENTS), 0)
+        assert _tails(cluster, 1) == dict.fromkeys(range(SEGMENTS), 0)
+        ended = raw.ask(EndTxn(txn_id, True, b"batch-1"))
+        assert isinstance(ended, TxnEnded) and ended.committed, ended
+        assert {r.segment: (r.start, r.end) for r in ended.ranges} == {
+            n: (0, BATCHES * EVENTS) for n in range(SEGMENTS)
+        }
+        identity = raw.ask(GetIdentity(tid))
+        assert isinstance(identity, IdentityInfo)
+        assert (identity.last_txn_id, identity.last_metadata) == (txn_id, b"batch-1")
+    finally:
+        raw.close()
+    assert _tails(cluster, 1) == dict.fromkeys(range(SEGMENTS), BATCHES * EVENTS)
+    # a second transaction of the same producer continues each segment's sequence
+    raw = Raw(cluster.brokers[0].address)
+    try:
+        grant = raw.ask(InitProducer(tid))
+        begun = raw.ask(BeginTxn(grant.producer_id, grant.epoch, 60_000))
+        for number in range(SEGMENTS):
+            raw.ask(Append(STREAM, number, begun.txn_id), batch(EVENTS))
+        ended = raw.ask(EndTxn(begun.txn_id, True))
+        assert isinstance(ended, TxnEnded) and ended.committed, ended
+    finally:
+        raw.close()
+    assert _tails(cluster, 0) == dict.fromkeys(range(SEGMENTS), (BATCHES + 1) * EVENTS)
+    assert "b1" in by_segment.values()  # the other broker's segments got their share
+
+
+def test_an_aborted_transaction_over_two_brokers_leaves_nothing(cluster: Cluster) -> None:
+    tid, _ = _setup(cluster, "b1")
+    raw = Raw(cluster.brokers[1].address)
+    try:
+        txn_id = _stage(raw, tid)
+        ended = raw.ask(EndTxn(txn_id, False))
+        assert isinstance(ended, TxnEnded) and not ended.committed, ended
+        again = raw.ask(EndTxn(txn_id, True))
+        assert isinstance(again, Error) and again.code == "transaction_aborted", again
+    finally:
+        raw.close()
+    assert _tails(cluster, 0) == dict.fromkeys(range(SEGMENTS), 0)
+
+
+def test_transaction_requests_for_another_coordinator_get_wrong_broker(cluster: Cluster) -> None:
+    tid, _ = _setup(cluster, "b0")
+    raw = Raw(cluster.brokers[1].address)
+    try:
+        for message in (InitProducer(tid), GetIdentity(tid)):
+            answer = raw.ask(message)
+            assert isinstance(answer, Error) and answer.code == "wrong_broker", answer
+            assert answer.details["owner"] == "b0"
+            assert answer.details["container"] == coordinator(tid, CONTAINERS)
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize("fault", ["txn.after_commit_record", "txn.mid_apply", "txn.after_apply"])
+def test_a_coordinator_killed_after_its_commit_record_is_applied_once_by_the_next(
+    tmp_path: Path, postgres: PgCluster, seaweedfs: SeaweedFS, fault: str
+) -> None:
+    """b0 coordinates and dies (SIGKILL at ``fault``) once the commit record is stored: b1
+    takes its containers, finds the record and the staged batches in the object store and
+    applies them, each once: every segment ends at exactly the transaction's events, also
+    where b0 had applied some or all of them (more batches than the idempotence window)."""
+    with _cluster(tmp_path, postgres, seaweedfs, fault) as cluster:
+        tid, by_segment = _setup(cluster, "b0")
+        raw = Raw(cluster.brokers[0].address)
+        try:
+            txn_id = _stage(raw, tid)
+            try:
+                answer = raw.ask(EndTxn(txn_id, True, b"m"))
+            except ConnectionError:
+                answer = None  # b0 died answering
+            assert answer is None, f"b0 answered {answer}, not dying at {fault}{cluster.logs()}"
+        finally:
+            raw.close()
+        cluster.brokers[0].proc.wait(10)  # type: ignore[union-attr]
+        assert f"killing the broker at {fault}" in cluster.brokers[0].log()
+        owners = cluster.wait_until_all_containers_served()
+        assert set(owners.values()) == {"b1"}, owners
+        expected = dict.fromkeys(range(SEGMENTS), BATCHES * EVENTS)
+        deadline = time.monotonic() + 60
+        while (tails := _tails(cluster, 1)) != expected:
+            assert all(t <= BATCHES * EVENTS for t in tails.values()), tails  # no duplicate
+            assert time.monotonic() < deadline, (tails, cluster.logs())
+            time.sleep(0.2)
+        raw = Raw(cluster.brokers[1].address)
+        try:
+            identity = raw.ask(GetIdentity(tid))
+            assert isinstance(identity, IdentityInfo), identity
+            assert (identity.last_txn_id, identity.last_metadata) == (txn_id, b"m")
+            ended = raw.ask(EndTxn(txn_id, True, b"m"))  # the client's retry: committed
+            assert isinstance(ended, TxnEnded) and ended.committed, ended
+            # the id goes on at its new home: the next epoch, a new transaction
+            grant = raw.ask(InitProducer(tid))
+            assert isinstance(grant, ProducerGrant) and grant.epoch == 1, grant
+            begun = raw.ask(BeginTxn(grant.producer_id, grant.epoch, 60_000))
+            for number in range(SEGMENTS):
+                raw.ask(Append(STREAM, number, begun.txn_id), batch(EVENTS))
+            ended = raw.ask(EndTxn(begun.txn_id, True))
+            assert isinstance(ended, TxnEnded) and ended.committed, ended
+        finally:
+            raw.close()
+        time.sleep(1)  # a late duplicate (a second apply) would land now
+        assert _tails(cluster, 1) == dict.fromkeys(range(SEGMENTS), (BATCHES + 1) * EVENTS)
+        assert "b1" in by_segment.values()
