@@ -2,17 +2,17 @@
 checked as a whole history (issue 20, Tests).
 
 Idempotent producers (processes: producer_worker.py) and a consumer group (processes:
-tests/faults/consumer_worker.py) work through the bootstrap list while brokers are killed -9,
-stopped (SIGSTOP) past their leases and resumed, restarted and cut off PostgreSQL at random
+group_worker.py) work through the bootstrap list while brokers are killed -9, stopped (SIGSTOP)
+past their leases and resumed, stopped cleanly, restarted and cut off PostgreSQL at random
 (seeded: the seed is printed and in every failure message; ``SLIPSTREAM_CHAOS_SEED`` replays
 one), then PostgreSQL is restarted under load, then the object store answers 503 and slowly.
 Afterwards: every acknowledged event is read back exactly once at its acknowledged position,
 offsets are contiguous, each key's events in the order they were sent (checker.py); the group
 delivered every acknowledged event, in order within each grant, never from before a commit
-(group_checker.py). Transactional producers through the same faults: every committed
-transaction visible whole and once, none partially (checker.check_transactions); with one
-container for now (transactions across brokers are refused in cluster mode: that variant is
-skipped until they work).
+(group_checker.py). Transactional producers through the same broker faults and a PostgreSQL
+restart: every committed transaction visible whole and once, none partially, none out of
+order (checker.check_transactions), with one container (a transaction local to the broker
+holding it, which moves) and with four (transactions across brokers).
 
 The checkers are shown to catch broken histories first (hand-made: an event dropped,
 duplicated, moved, reordered; a transaction partially visible), and the harness's faults
@@ -57,7 +57,7 @@ from slipstream import Event, Position
 
 HERE = Path(__file__).parent
 PRODUCER = HERE / "producer_worker.py"
-CONSUMER = HERE.parent / "faults" / "consumer_worker.py"
+CONSUMER = HERE / "group_worker.py"
 STREAM = "cluster/orders"
 TXN_STREAM = "cluster/txns"
 SEGMENTS = 6
@@ -65,9 +65,6 @@ PRODUCERS = 3
 MEMBERS = 2
 CHAOS_S = 40.0  # random broker faults for this long, then PostgreSQL, then the store
 
-#: transactions whose segments live on another broker are refused in cluster mode (CLUSTER.md,
-#: last bullet; docs/cluster.md); flip when they work across brokers
-CROSS_BROKER_TRANSACTIONS = False
 CLUSTER_MODE = pytest.mark.skipif(
     importlib.util.find_spec("slipstream.broker._cluster") is None,
     reason="cluster mode (slipstream/broker/_cluster.py) is not in this build yet",
@@ -444,19 +441,7 @@ def test_acknowledged_events_survive_random_broker_catalog_and_store_faults(
 
 @pytest.mark.parametrize(
     "containers",
-    [
-        pytest.param(1, id="one-container"),
-        pytest.param(
-            4,
-            id="across-brokers",
-            marks=pytest.mark.skipif(
-                not CROSS_BROKER_TRANSACTIONS,
-                reason="cluster mode refuses transactions whose segments live on another "
-                "broker (CLUSTER.md, docs/cluster.md); enable with CROSS_BROKER_TRANSACTIONS "
-                "once they work",
-            ),
-        ),
-    ],
+    [pytest.param(1, id="one-container"), pytest.param(4, id="across-brokers")],
 )
 @CLUSTER_MODE
 def test_transactions_are_all_or_nothing_through_broker_faults(
