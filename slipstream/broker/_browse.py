@@ -12,20 +12,28 @@ Events are in order of (timestamp, segment, offset), oldest first.
 
 Reads cost at most ``limit`` events (and batches of up to ``READ_BYTES``) per segment, for at
 most ``MAX_SEGMENTS`` segments: a page never scans a stream. Segments past the newest
-``MAX_SEGMENTS`` holding events are not shown.
+``MAX_SEGMENTS`` holding events are not shown. The segments are read at once.
+
+In a cluster the page's bounds are every segment's live ones (``Service.stream_info``) and a
+segment another broker serves is read from it with ``ReadSegment``, the request a queue's
+coordinator reads with: whole batches, as this broker reads its own. No message of its own:
+the merge above needs only each segment's events near a position, the same bytes wherever
+they are read, so the page is cut here exactly as on one broker.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._errors import InvalidArgument
-from ..format import FLAG_CONTROL, Event, decode_header, events_of, read_body
-from ..protocol import SegmentInfo, StreamInfo
+from .._errors import BrokerUnavailable, InvalidArgument, SlipstreamError
+from ..format import FLAG_CONTROL, Event, decode_header, events_of, iter_batches, read_body
+from ..protocol import ReadSegment, SegmentData, SegmentInfo, StreamInfo
 
 if TYPE_CHECKING:
+    from ._segment import Segment
     from ._service import Caller, Service
 
 READ_BYTES = 1 << 20
@@ -66,10 +74,12 @@ async def events_before(
         n: _clamp(s, before.get(n, s.end_offset) if before else s.end_offset)
         for n, s in bounds.items()
     }
-    found: list[Event] = []
-    for number, segment in bounds.items():
-        start = max(segment.start_offset, upper[number] - limit)
-        found += await _read(service, caller, info.name, number, start, upper[number])
+    found = await _read_all(
+        service,
+        caller,
+        info.name,
+        [(n, max(s.start_offset, upper[n] - limit), upper[n]) for n, s in bounds.items()],
+    )
     found.sort(key=_order)
     shown = found[-limit:]
     older = {n: _first(shown, n, upper[n]) for n in bounds}
@@ -86,10 +96,12 @@ async def events_after(
     limit = _check_limit(limit)
     bounds = {s.number: s for s in _segments(info)}
     lower = {n: _clamp(s, after.get(n, s.start_offset)) for n, s in bounds.items()}
-    found: list[Event] = []
-    for number, segment in bounds.items():
-        end = min(segment.end_offset, lower[number] + limit)
-        found += await _read(service, caller, info.name, number, lower[number], end)
+    found = await _read_all(
+        service,
+        caller,
+        info.name,
+        [(n, lower[n], min(s.end_offset, lower[n] + limit)) for n, s in bounds.items()],
+    )
     found.sort(key=_order)
     shown = found[:limit]
     upper = {n: _last(shown, n, lower[n]) for n in bounds}
@@ -127,17 +139,43 @@ def _last(shown: list[Event], segment: int, default: int) -> int:
     return max((e.offset + 1 for e in shown if e.segment == segment), default=default)
 
 
+async def _read_all(
+    service: Service, caller: Caller, stream: str, ranges: Sequence[tuple[int, int, int]]
+) -> list[Event]:
+    """The events of each ``(segment, start, end)`` in [start, end), the segments read at
+    once (each to its end, even when another fails: then the first error is raised)."""
+    parts = await asyncio.gather(
+        *(_read(service, caller, stream, n, start, end) for n, start, end in ranges),
+        return_exceptions=True,
+    )
+    found: list[Event] = []
+    for part in parts:
+        if isinstance(part, BaseException):
+            raise part
+        found += part
+    return found
+
+
 async def _read(
     service: Service, caller: Caller, stream: str, number: int, start: int, end: int
 ) -> list[Event]:
-    """The events of one segment in [start, end)."""
+    """The events of one segment in [start, end): read here if this broker serves it, else
+    from the broker that does (``_read_elsewhere``)."""
     events: list[Event] = []
     if start >= end:
         return events
-    segment = service.segment(caller, stream, number)
+    served = True
+    if service.cluster.enabled:  # the caller may consume: browse_events checked
+        segment = service.controller.stream(stream).segment(number)
+        served = service.is_served(segment)
+    if served:
+        segment = service.segment(caller, stream, number)
     offset = start
     while offset < end:
-        batches = await service.read(caller, segment, offset, READ_BYTES)
+        if served:
+            batches = await service.read(caller, segment, offset, READ_BYTES)
+        else:
+            batches = await _read_elsewhere(service, segment, offset)
         if not batches:
             break
         for batch in batches:
@@ -149,6 +187,29 @@ async def _read(
                 if start <= event.offset < end:
                     events.append(event)
     return events
+
+
+async def _read_elsewhere(
+    service: Service, segment: Segment, offset: int
+) -> list[bytes | bytearray | memoryview]:
+    """Whole batches of ``segment`` from ``offset``, from the broker serving it
+    (``ReadSegment``). WrongBroker if nobody serves it (moving), its broker does not answer
+    (``PEER_TIMEOUT_S``) or no longer serves it; its other errors (OffsetOutOfRange,
+    CorruptData) as given."""
+    cluster = service.cluster
+    owner = cluster.owners[segment.container]
+    what = f"segment {segment.number} of {segment.stream_name!r}"
+    if not owner or owner == cluster.broker_id:
+        raise cluster.wrong_broker(segment.container, what)
+    try:
+        reply, payload = await service.peers.exchange(
+            owner, ReadSegment(segment.stream_name, segment.number, offset, READ_BYTES)
+        )
+    except (BrokerUnavailable, TimeoutError):
+        raise cluster.wrong_broker(segment.container, what) from None
+    if not isinstance(reply, SegmentData):
+        raise SlipstreamError(f"broker {owner!r} answered ReadSegment with {type(reply).__name__}")
+    return [batch for _, batch in iter_batches(payload)]
 
 
 def _page(

@@ -25,6 +25,13 @@ segment before its successors take the key). Without a key, events are ordered b
 ``(timestamp, segment epoch, segment, offset)``. ``limit`` keeps the first (or, newest first,
 the last) events of that order; finds stop reading once nothing unread can be among them (for
 time order: once the unread batches' time bounds cannot beat the events found).
+
+In a cluster (``find_in_cluster``) only the broker serving a segment has its journal and its
+newest chunks, so a broker searches the segments it serves and, at the same time, asks each
+broker serving others for its part (``FindEvents`` with ``local``: the same find over the
+segments it serves). Each part holds the first ``limit`` events of the order among its own
+segments, so the first ``limit`` of all the parts merged in that order are exactly what one
+broker holding every segment would return (``merge_found``).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -41,7 +48,14 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
-from .._errors import CorruptData, InvalidArgument, OffsetOutOfRange
+from .._errors import (
+    BrokerUnavailable,
+    CorruptData,
+    InvalidArgument,
+    OffsetOutOfRange,
+    SlipstreamError,
+    WrongBroker,
+)
 from ..format import (
     EVENT_SCHEMA,
     Event,
@@ -51,6 +65,7 @@ from ..format import (
     numpy_array,
     read_body,
 )
+from ..protocol import EventsFound, FindEvents
 from ..storage import (
     ChunkRecord,
     FindIndex,
@@ -60,10 +75,12 @@ from ..storage import (
     key_hash32,
 )
 from ..streams import key_hash
+from ._peers import gather_answers
 from ._segment import Chunk, JournalBatch, Segment
 
 if TYPE_CHECKING:
     from ._container import Container
+    from ._service import Service
 
 #: the most events one find returns
 MAX_FIND_LIMIT = 10_000
@@ -76,11 +93,13 @@ _ALL_CHUNKS = 1 << 62
 class FoundEvents:
     """A find's answer: ``events`` in the order asked for (newest first, or oldest first);
     ``batches_read``: how many batches it decoded (what the indexes saved is the rest);
-    ``truncated``: it stopped at ``MAX_FIND_BYTES`` before ``limit``."""
+    ``truncated``: it stopped at ``MAX_FIND_BYTES`` before ``limit``; ``searched``: the
+    numbers of the segments it covers (a cluster's local find names them for the asker)."""
 
     events: list[Event]
     batches_read: int
     truncated: bool = False
+    searched: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,6 +417,136 @@ class Finder:
             if hashes is not None and offset in unknown:
                 unknown[offset].keys = hashes
         return _within_budget([events for events, _ in results], state)
+
+
+async def find_in_cluster(
+    service: Service,
+    finder: Finder,
+    stream: str,
+    segments: Sequence[Segment],
+    *,
+    key: bytes | None,
+    start_ms: int | None,
+    end_ms: int | None,
+    limit: int,
+    newest_first: bool,
+    local: bool,
+) -> FoundEvents:
+    """``Finder.find`` over a stream whose segments several brokers serve: this broker's own
+    segments searched here while the brokers serving the others (with a key: those whose key
+    range holds its hash) are asked at once, the parts merged (``merge_found``). ``local``:
+    this broker's segments only, naming them in ``searched``. Raises WrongBroker when a
+    segment has nobody serving it (moving), when its broker does not answer within the peer
+    timeout or no longer serves it (an answer not naming it in ``searched``); a part's own
+    error (StreamNotFound, CorruptData) as it was given."""
+    served = [s for s in segments if service.is_served(s)]
+    searched = tuple(sorted(s.number for s in served))
+    if local:
+        found = await finder.find(
+            served,
+            key=key,
+            start_ms=start_ms,
+            end_ms=end_ms,
+            limit=limit,
+            newest_first=newest_first,
+        )
+        return FoundEvents(found.events, found.batches_read, found.truncated, searched)
+    h = None if key is None else key_hash(key)
+    cluster = service.cluster
+    wanted: dict[str, dict[int, int]] = {}  # owner -> {segment: container}
+    for segment in segments:
+        if service.is_served(segment):
+            continue
+        if h is not None and not segment.key_lo <= h <= segment.key_hi:
+            continue  # never held the key
+        owner = cluster.owners[segment.container]
+        what = f"segment {segment.number} of {stream!r}"
+        if not owner or owner == cluster.broker_id:
+            raise cluster.wrong_broker(segment.container, what)
+        wanted.setdefault(owner, {})[segment.number] = segment.container
+    request = FindEvents(stream, key, start_ms, end_ms, limit, newest_first, local=True)
+    mine, answers = await asyncio.gather(
+        finder.find(
+            served,
+            key=key,
+            start_ms=start_ms,
+            end_ms=end_ms,
+            limit=limit,
+            newest_first=newest_first,
+        ),
+        gather_answers(service.peers, dict.fromkeys(wanted, request)),
+        return_exceptions=True,
+    )
+    if isinstance(mine, BaseException):
+        raise mine
+    if isinstance(answers, BaseException):
+        raise answers
+    parts = [mine]
+    for owner, answer in answers.items():
+        if isinstance(answer, SlipstreamError) and not isinstance(
+            answer, WrongBroker | BrokerUnavailable
+        ):
+            raise answer
+        covered = set(answer.searched) if isinstance(answer, EventsFound) else set()
+        missing = [n for n in wanted[owner] if n not in covered]
+        if missing or not isinstance(answer, EventsFound):
+            number = (missing or list(wanted[owner]))[0]
+            raise cluster.wrong_broker(wanted[owner][number], f"segment {number} of {stream!r}")
+        parts.append(
+            FoundEvents(
+                [
+                    Event(e.key, e.value, e.headers, e.timestamp, e.segment, e.offset)
+                    for e in answer.events
+                ],
+                answer.batches_read,
+                answer.truncated,
+            )
+        )
+    epochs = {s.number: s.epoch for s in segments}
+    return merge_found(
+        parts, epochs, by_key=key is not None, limit=limit, newest_first=newest_first
+    )
+
+
+def merge_found(
+    parts: Sequence[FoundEvents],
+    epochs: Mapping[int, int],
+    *,
+    by_key: bool,
+    limit: int,
+    newest_first: bool,
+) -> FoundEvents:
+    """The answers of finds over disjoint sets of a stream's segments (``epochs``: segment
+    number -> epoch), each in the order asked for and cut at ``limit``, as one find over all
+    of them: merged in the find's order (with a key ``(epoch, segment, offset)``, else
+    ``(timestamp, epoch, segment, offset)``; newest first reversed), the first ``limit``.
+    ``batches_read`` is the parts' sum. A truncated part makes the answer truncated; with a
+    key, the answer then ends at the truncated part's last event (what follows in the order
+    may be missing from it), so it is a prefix of the key's events, as one broker's would be.
+    The byte budget (``MAX_FIND_BYTES``) holds for the merged answer too."""
+
+    def order(event: Event) -> tuple[int, ...]:
+        at = (epochs.get(event.segment, 0), event.segment, event.offset)
+        return at if by_key else (event.timestamp, *at)
+
+    merged = sorted(
+        (event for part in parts for event in part.events), key=order, reverse=newest_first
+    )[:limit]
+    truncated = any(part.truncated for part in parts)
+    if by_key:
+        for part in parts:
+            if part.truncated and part.events:
+                last = order(part.events[-1])
+                merged = [
+                    e for e in merged if (order(e) >= last if newest_first else order(e) <= last)
+                ]
+    size = 0
+    for count, event in enumerate(merged, 1):
+        size += len(event.value) + len(event.key or b"")
+        if size > MAX_FIND_BYTES:
+            merged, truncated = merged[:count], True
+            break
+    return FoundEvents(merged, sum(part.batches_read for part in parts), truncated)
 
 
 def _within_budget(batches: list[list[Event]], state: _Search) -> list[Event]:

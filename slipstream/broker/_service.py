@@ -99,7 +99,7 @@ from ..streams import (
 )
 from ._browse import EventsPage, events_after, events_before
 from ._cluster import Cluster
-from ._find import Finder, FoundEvents, check_find_arguments
+from ._find import Finder, FoundEvents, check_find_arguments, find_in_cluster
 from ._groups import Subscriptions
 from ._metrics import DETACHED, Metrics
 from ._peers import Peers, gather_answers
@@ -740,15 +740,20 @@ class Service:
         end_ms: int | None = None,
         limit: int = 100,
         newest_first: bool = True,
+        local: bool = False,
     ) -> FoundEvents:
         """Events of ``stream`` with routing key ``key`` (any if None; a str is UTF-8) and a
         time in ``[start_ms, end_ms)`` (open where None), at most ``limit`` (1..10,000), the
         newest (``newest_first``, returned newest first) or the oldest; each with its segment
         and offset. Reads only the batches the find indexes name (broker/_find.py says how,
-        and the order across scaled segments). Raises StreamNotFound (also for a stream
-        deleted meanwhile), InvalidArgument for a bad limit or window, CorruptData for
-        damaged bytes in a batch it must read. The events returned count as consumed, with
-        ``read="lookup"`` (docs/metrics.md)."""
+        and the order across scaled segments). In a cluster the brokers serving the other
+        segments are asked for theirs at once and the answers merged into what one broker
+        would return (``find_in_cluster``); ``local``: only the segments this broker serves,
+        named in ``searched``. Raises StreamNotFound (also for a stream deleted meanwhile),
+        InvalidArgument for a bad limit or window, CorruptData for damaged bytes in a batch
+        it must read, WrongBroker in a cluster while a segment has nobody serving it. The
+        events returned count as consumed, with ``read="lookup"`` (docs/metrics.md), on the
+        broker that was asked (not on those it asked)."""
         self._authorize(caller, Action.CONSUME, stream)
         if isinstance(key, str):
             key = key.encode()
@@ -756,15 +761,36 @@ class Service:
         segments = list(self.controller.stream(stream).segments.values())
         if self._finder is None:
             self._finder = Finder(self.controller.meta, self.containers, self.controller.read_pool)
-        found = await self._finder.find(
-            segments,
-            key=key,
-            start_ms=start_ms,
-            end_ms=end_ms,
-            limit=limit,
-            newest_first=newest_first,
-        )
-        self.metrics.looked_up(stream, found.events)  # consumed, read="lookup"
+        if self.cluster.enabled:
+            found = await find_in_cluster(
+                self,
+                self._finder,
+                stream,
+                segments,
+                key=key,
+                start_ms=start_ms,
+                end_ms=end_ms,
+                limit=limit,
+                newest_first=newest_first,
+                local=local,
+            )
+        else:
+            found = await self._finder.find(
+                segments,
+                key=key,
+                start_ms=start_ms,
+                end_ms=end_ms,
+                limit=limit,
+                newest_first=newest_first,
+            )
+            found = FoundEvents(
+                found.events,
+                found.batches_read,
+                found.truncated,
+                tuple(sorted(s.number for s in segments)),
+            )
+        if not local:
+            self.metrics.looked_up(stream, found.events)  # consumed, read="lookup"
         return found
 
     async def browse_events(
@@ -784,12 +810,15 @@ class Service:
         page from ``cut(at, timestamp_ms)`` on ("earliest", "time"). A cut is ``{segment:
         offset}`` or its text form ``0:12,1:40`` (streams.parse_positions). Raises
         StreamNotFound, InvalidArgument (a bad cut or ``limit``, not 1..500, or both
-        ``before`` and ``after``), CorruptData for damaged bytes it must read. The page's
-        events count as consumed, with ``read="lookup"`` (docs/metrics.md)."""
+        ``before`` and ``after``), CorruptData for damaged bytes it must read. In a cluster
+        the page is cut from every segment's live bounds (``stream_info``), the segments
+        other brokers serve read from them (``ReadSegment``); WrongBroker while one has
+        nobody serving it. The page's events count as consumed, with ``read="lookup"``
+        (docs/metrics.md)."""
         if before is not None and after is not None:
             raise InvalidArgument("browse before a cut or after one, not both")
         self._authorize(caller, Action.CONSUME, stream)
-        info = self.describe_stream(caller, stream)
+        info = await self.stream_info(caller, stream)
         if isinstance(before, str):
             before = parse_positions(before)
         if isinstance(after, str):

@@ -747,7 +747,7 @@ class Session(asyncio.BufferedProtocol):
                 return Settled(
                     await service.settle_events(caller, member_id, acks, nacks, delay_ms)
                 )
-            case FindEvents(stream, key, start_ms, end_ms, limit, newest_first):
+            case FindEvents(stream, key, start_ms, end_ms, limit, newest_first, local):
                 found = await service.find_events(
                     caller,
                     stream,
@@ -756,6 +756,7 @@ class Session(asyncio.BufferedProtocol):
                     end_ms=end_ms,
                     limit=limit,
                     newest_first=newest_first,
+                    local=local,
                 )
                 return EventsFound(
                     [
@@ -766,6 +767,7 @@ class Session(asyncio.BufferedProtocol):
                     ],
                     found.batches_read,
                     found.truncated,
+                    list(found.searched),
                 )
             case ListTxns():
                 return TxnList(service.list_txns(caller))
