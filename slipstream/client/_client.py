@@ -14,7 +14,6 @@ import json
 import os
 import queue
 import threading
-import time
 import weakref
 from collections.abc import (
     AsyncIterator,
@@ -41,7 +40,6 @@ from .._errors import (
     SubscriptionExists,
     TransactionAborted,
     TransactionNotFound,
-    WrongBroker,
 )
 from .._tls import from_env as tls_from_env
 from ..format import Event, events_of
@@ -51,12 +49,14 @@ from ..protocol import (
     BeginTxn,
     CheckAccess,
     ClaimProducer,
+    ClusterInfo,
     CommitPositions,
     CreateStream,
     CreateSubscription,
     CreateToken,
     DeleteStream,
     DeleteSubscription,
+    DescribeCluster,
     DescribeStream,
     DescribeSubscription,
     EndTxn,
@@ -389,28 +389,8 @@ class AsyncClient:
         self, message: Message, target: Target = None
     ) -> tuple[Message, Connection]:
         """Send ``message`` to the broker for ``target``; the reply and the connection that
-        answered. A WrongBroker answer (the container is served elsewhere, or moving) sends it
-        again to the owner it names, or, while nobody serves the container, after describing
-        the cluster again, for up to ``reconnect_timeout``: nothing of a refused request was
-        done. A request whose connection is lost is not sent again (it may have been done)."""
-        deadline = time.monotonic() + self.reconnect_timeout
-        delay = 0.02
-        while True:
-            connection = await self.cluster.reach(target)
-            try:
-                reply, _ = await connection.request(message)
-                return reply, connection
-            except WrongBroker as exc:
-                self.cluster.learn(exc.details)
-                container = exc.details.get("container")
-                if isinstance(container, int):
-                    target = container
-                if time.monotonic() + delay > deadline:
-                    raise
-                if not exc.details.get("address"):
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 1.0)
-                    await self.cluster.refresh()
+        answered (:meth:`Cluster.request`: WrongBroker followed to the owner it names)."""
+        return await self.cluster.request(message, target)
 
     async def __aenter__(self) -> Self:
         return self
@@ -530,6 +510,16 @@ class AsyncClient:
         assert isinstance(reply, StreamInfo)
         return reply
 
+    async def describe_cluster(self) -> ClusterInfo:
+        """The live brokers (addresses, containers served, start time) and the owner of each
+        container (``owners[c]``: a broker id, "" while the container moves); a standalone
+        broker names itself everywhere. Also refreshes the map this client routes by."""
+        connection = await self.live_connection()
+        reply, _ = await connection.request(DescribeCluster())
+        assert isinstance(reply, ClusterInfo)
+        self.cluster.apply(reply, connection.address)
+        return reply
+
     async def tail(self, stream: str) -> StreamCut:
         """The StreamCut of the current durable end: a bounded reader stops there."""
         return await self.cut(stream, "latest")
@@ -538,7 +528,7 @@ class AsyncClient:
         """The StreamCut at ``at``: "earliest", "latest", a time (ISO-8601 text, a datetime or
         ms since the epoch: per segment, the first event at or after it) or a StreamCut (checked
         against the stream). Times and cuts name positions for bounded reads of history."""
-        return await cut_at(await self.live_connection(), stream, at)
+        return await cut_at(self._request, stream, at)
 
     async def find(
         self,
@@ -1403,6 +1393,11 @@ class Client:
 
     def describe_stream(self, name: str) -> StreamInfo:
         return self._loop.run(self._async.describe_stream(name))
+
+    def describe_cluster(self) -> ClusterInfo:
+        """The live brokers and which holds each container (see
+        :meth:`AsyncClient.describe_cluster`)."""
+        return self._loop.run(self._async.describe_cluster())
 
     def tail(self, stream: str) -> StreamCut:
         """The StreamCut of the current durable end of ``stream``."""

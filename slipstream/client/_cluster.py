@@ -38,7 +38,7 @@ from .._errors import (
     WrongBroker,
 )
 from ..cluster import coordinator
-from ..protocol import ClusterInfo, DescribeCluster
+from ..protocol import ClusterInfo, DescribeCluster, Message
 from ._connection import Connection, parse_address
 
 #: A request's destination: a container (its owner), a broker address, or None (any broker).
@@ -304,6 +304,31 @@ class Cluster:
                 self.owners[container] = None  # described again on the next try
             await self.refresh()
             raise
+
+    async def request(self, message: Message, target: Target = None) -> tuple[Message, Connection]:
+        """Send ``message`` to the broker for ``target``; the reply and the connection that
+        answered. A WrongBroker answer (the container is served elsewhere, or moving) sends it
+        again to the owner it names, or, while nobody serves the container, after describing
+        the cluster again, for up to ``reconnect_timeout``: nothing of a refused request was
+        done. A request whose connection is lost is not sent again (it may have been done)."""
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.02
+        while True:
+            connection = await self.reach(target)
+            try:
+                reply, _ = await connection.request(message)
+                return reply, connection
+            except WrongBroker as exc:
+                self.learn(exc.details)
+                container = exc.details.get("container")
+                if isinstance(container, int):
+                    target = container
+                if time.monotonic() + delay > deadline:
+                    raise
+                if not exc.details.get("address"):
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, _MAX_DELAY)
+                    await self.refresh()
 
     def live(self) -> Iterable[Connection]:
         return [c for c in self.connections.values() if c.closed is None]

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -163,15 +163,20 @@ class ReaderCore:
         info = self.segments.get(segment)
         return 0 if info is None else info.container
 
-    async def _any(self) -> Connection:
-        return self.connection if self.links is None else await self.links.any()
+    async def _ask(self, message: Message) -> Message:
+        """A request for no segment in particular: any live broker (WrongBroker followed)."""
+        if self.links is None:
+            reply, _ = await self.connection.request(message)
+        else:
+            reply, _ = await self.links.cluster.request(message)
+        return reply
 
     async def _cut(self, at: str, timestamp_ms: int | None = None) -> dict[int, int]:
-        reply, _ = await (await self._any()).request(GetCut(self.stream, at, timestamp_ms))
+        reply = await self._ask(GetCut(self.stream, at, timestamp_ms))
         return dict(reply.positions)  # type: ignore[attr-defined]
 
     async def _describe(self) -> None:
-        reply, _ = await (await self._any()).request(DescribeStream(self.stream))
+        reply = await self._ask(DescribeStream(self.stream))
         assert isinstance(reply, StreamInfo)
         self.segments = {s.number: s for s in reply.segments}
 
@@ -465,12 +470,14 @@ def with_position(segment: int, base: int, record: pa.RecordBatch) -> pa.RecordB
     ).append_column("offset", numpy_array(np.arange(base, base + count, dtype=np.int64)))
 
 
-async def cut_at(connection: Connection, stream: str, at: Start) -> StreamCut:
-    """Resolve a start/end position to a StreamCut on the broker."""
+async def cut_at(
+    request: Callable[[Message], Awaitable[Message]], stream: str, at: Start
+) -> StreamCut:
+    """Resolve a start/end position to a StreamCut on the broker (``request`` sends GetCut)."""
     kind, timestamp_ms, cut = parse_start(at)
     if cut is not None:
         if cut.stream != stream:
             raise InvalidArgument(f"StreamCut is for {cut.stream!r}, not {stream!r}")
         return cut
-    reply, _ = await connection.request(GetCut(stream, kind, timestamp_ms))
+    reply = await request(GetCut(stream, kind, timestamp_ms))
     return StreamCut(stream, dict(reply.positions))  # type: ignore[attr-defined]

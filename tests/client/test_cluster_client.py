@@ -89,6 +89,16 @@ def test_bootstrap_skips_a_dead_address_and_maps_every_container_to_the_broker(
         assert sorted(values) == sorted(b"v%d" % i for i in range(30))
 
 
+def test_a_standalone_broker_describes_itself_as_the_owner_of_every_container(
+    broker: BrokerProcess,
+) -> None:
+    with broker.client() as client:
+        info = client.describe_cluster()
+    assert [b.broker_id for b in info.brokers] == [info.owners[0]]
+    assert info.owners == [info.owners[0]] * info.containers
+    assert info.brokers[0].containers == list(range(info.containers))
+
+
 def test_every_address_dead_names_them_all() -> None:
     first, second = _dead_address(), _dead_address()
     with pytest.raises(BrokerUnavailable) as raised:
