@@ -42,6 +42,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import threading
 import time
 import urllib.request
@@ -329,7 +330,7 @@ def measure(
     run's stream (with CPU)."""
     import slipstream
 
-    out: dict = {}
+    out: dict = {"load": os.getloadavg()[0]}
     before = counters() if counters else {}
     meter.start()
     time.sleep(sizes["idle_s"])
@@ -385,7 +386,7 @@ def run_jetstream(work: Path, sizes: dict) -> dict:
         assert peer.proc is not None
         pid = peer.proc.pid
         meter = Meter({"nats-server": lambda: cpu_of(pid), "client": cpu_self})
-        out: dict = {}
+        out: dict = {"load": os.getloadavg()[0]}
         meter.start()
         time.sleep(sizes["idle_s"])
         out["idle_cpu_s_per_s"] = {k: v / sizes["idle_s"] for k, v in meter.stop().items()}
@@ -639,10 +640,11 @@ ASSUMPTIONS = [
 def print_report(results: dict) -> None:
     print(f"\nproduce {SIZE} B events ({THREADS} producers, send_many, {SEGMENTS} segments), ")
     print(f"append latency ({PRODUCERS} producers, one {LATENCY_SIZE} B event every {PACE_MS} ms")
-    print("each, send to acknowledgement), replay as Arrow batches; CPU seconds over the produce")
+    print("each, send to acknowledgement), replay as Arrow batches; load: the 1-minute load")
+    print("average at the start; CPU seconds over the produce")
     print(
         f"  {'':12} {'events/s':>9} {'MB/s':>6} {'p50 ms':>7} {'p99 ms':>7} {'replay MB/s':>11}"
-        "  produce CPU s"
+        f" {'load':>5}  produce CPU s"
     )
     for label, r in results["configs"].items():
         if "error" in r:
@@ -652,7 +654,7 @@ def print_report(results: dict) -> None:
         cpu = "  ".join(f"{k} {v:.1f}" for k, v in r["produce_cpu_s"].items())
         print(
             f"  {label:12} {p['events_s']:9.0f} {p['mb_s']:6.1f} {lat['p50_ms']:7.1f} "
-            f"{lat['p99_ms']:7.1f} {r['replay']['mb_s']:11.1f}  {cpu}"
+            f"{lat['p99_ms']:7.1f} {r['replay']['mb_s']:11.1f} {r['load']:5.1f}  {cpu}"
         )
     m = results.get("model")
     if not m:
@@ -712,6 +714,7 @@ def main() -> None:
     sizes = SIZES["quick" if args.quick else "full"]
     os.environ["AWS_ACCESS_KEY_ID"] = ACCESS_KEY  # for the broker subprocesses
     os.environ["AWS_SECRET_ACCESS_KEY"] = SECRET_KEY
+    import pytest
     from pg import PgCluster
 
     load_before = os.getloadavg()
@@ -727,16 +730,25 @@ def main() -> None:
             except Exception as exc:
                 print(f"  {label}: {type(exc).__name__}: {exc}")
                 configs[label] = {"error": f"{type(exc).__name__}: {exc}"}
-        postgres = PgCluster().start()
+        postgres = PgCluster()
         server = SeaweedFS(work / "seaweedfs")
+        started = False
         try:
+            postgres.start()
+            started = True
             server.start()
             dsn = postgres.dsn(postgres.create_database())
             pg_pid = int((postgres.data / "postmaster.pid").read_text().split()[0])
             configs.update(run_clusters(work, server, dsn, pg_pid, sizes))
+        except (Exception, pytest.fail.Exception) as exc:  # SeaweedFS.start fails the pytest way
+            print(f"  cluster: cannot run: {type(exc).__name__}: {exc}")
+            configs["cluster"] = {"error": f"{type(exc).__name__}: {exc}"}
         finally:
             server.stop()
-            postgres.stop()
+            if started:
+                postgres.stop()
+            else:  # initdb or pg_ctl start failed: only the directory to remove
+                shutil.rmtree(postgres.root, ignore_errors=True)
     clusters = {k: v for k, v in configs.items() if k.startswith("cluster") and "error" not in v}
     results = {
         "machine": {"cpus": os.cpu_count(), "load_before": load_before},
