@@ -412,25 +412,28 @@ def test_acknowledged_events_survive_random_broker_catalog_and_store_faults(
         cluster.store_slow(0)
         say("faults over")
         cluster.wait_until_all_containers_served(60)
+        # the full read is checked first: a worker that died of a broker bug says less
         early = workers.exited()
-        assert not early, f"workers exited during the faults: {early}\n{context()}"
         for run in producers:
-            assert workers.stop(run, 180) == 0, f"producer {run} failed\n{context()}"
-        say("producers stopped")
+            if run not in early:
+                workers.stop(run, 180)
+        say(f"producers stopped; exited during the faults: {early}")
+        acknowledged, in_doubt = read_acks(workers.records("idempotent"))
+        say(f"{len(acknowledged)} acknowledged, {len(in_doubt)} in doubt")
+        with slipstream.connect(cluster.addresses()) as client:
+            events = list(client.reader(STREAM, end=client.tail(STREAM)))
+        problems = check_history(acknowledged, events)
+        assert not problems, "\n".join(problems[:30]) + "\n" + context()
+        assert len(acknowledged) > 2000, f"the load was too light\n{context()}"
+        assert not early, f"workers exited during the faults: {early}\n{context()}"
+        assert all(workers.processes[run].returncode == 0 for run in producers), context()
+
         for run in members:
             workers.processes[run].kill()
         final = member(final=True)
         workers.processes[final].wait(180)
         assert workers.processes[final].returncode == 0, f"the final member\n{context()}"
         say("the group drained")
-
-        acknowledged, in_doubt = read_acks(workers.records("idempotent"))
-        say(f"{len(acknowledged)} acknowledged, {len(in_doubt)} in doubt")
-        assert len(acknowledged) > 2000, f"the load was too light\n{context()}"
-        with slipstream.connect(cluster.addresses()) as client:
-            events = list(client.reader(STREAM, end=client.tail(STREAM)))
-        problems = check_history(acknowledged, events)
-        assert not problems, "\n".join(problems[:30]) + "\n" + context()
         report = check_group(acknowledged, read_records(workers.records("member")))
         say(f"group: {report.counts}, duplicate rate {report.duplicate_rate:.3f}")
         assert not report.problems, "\n".join(report.problems) + "\n" + context()
