@@ -76,6 +76,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "limit_exceeded": 429,
     "shutting_down": 503,
     "broker_unavailable": 503,
+    "wrong_broker": 503,  # a cluster container moving: ask again shortly
     "storage_error": 503,
     "storage_full": 507,
 }
