@@ -20,6 +20,8 @@ from ..protocol import StreamInfo
 from ..streams import parse_size_bytes
 from ._acl import acl_app
 from ._audit import audit_app
+from ._cluster import EXAMPLES as CLUSTER_EXAMPLES
+from ._cluster import cluster
 from ._common import BrokerOption, connect, err, examples, out, print_json
 from ._quotas import quota_app
 from ._subscriptions import subscription_app
@@ -74,6 +76,7 @@ app.add_typer(quota_app, name="quota")
 app.add_typer(acl_app, name="acl")
 app.add_typer(audit_app, name="audit")
 app.add_typer(token_app, name="token")
+app.command("cluster", epilog=CLUSTER_EXAMPLES)(cluster)
 
 
 @app.callback()

@@ -213,3 +213,21 @@ def test_txn_identities_over_the_binary_protocol(broker: BrokerProcess) -> None:
     assert table.returncode == 0, table.stderr
     assert "3 transactional ids" in table.stdout and "spark:q-b" in table.stdout
     assert "other" not in table.stdout and "never" in table.stdout
+
+
+def test_cluster_of_a_standalone_broker_is_itself_holding_every_container(
+    broker: BrokerProcess,
+) -> None:
+    """``slipstream cluster`` (DescribeCluster, kind 45): a standalone broker names itself as
+    the holder of every container, in the table and in JSON; a dead first address of the
+    list is skipped."""
+    dead = f"127.0.0.1:{free_port()}"
+    listed = run("cluster", "--json", "--broker", f"{dead},{broker.address}")
+    assert listed.returncode == 0, listed.stderr
+    shown = json.loads(listed.stdout)
+    (me,) = shown["brokers"]
+    assert shown["owners"] == [me["broker_id"]] * shown["containers"]
+    assert me["containers"] == list(range(shown["containers"]))
+    assert me["address"].endswith(f":{broker.port}")
+    table = run("cluster", broker=broker).stdout
+    assert f"{shown['containers']} containers, 1 brokers" in table
