@@ -458,6 +458,28 @@ def test_identities_keep_their_last_commit_across_epochs(durable_kit: Kit) -> No
     assert meta.identities()[0].last_txn_id == 42
 
 
+def test_a_commit_fenced_by_an_old_lease_is_refused_and_stores_nothing(kit: Kit) -> None:
+    """In a cluster a commit record names its coordinating container and is stored only under
+    that container's current lease: a coordinator that lost it commits nothing."""
+    meta = kit.meta
+    meta.save_identity(Identity("app-1", 7, 0))
+    old = meta.acquire_lease(2, "broker-a", 0)
+    assert old is not None
+    new = meta.acquire_lease(2, "broker-b", 60_000)
+    assert new is not None
+    refused = TxnCommit(1, "app-1", 7, 0, [CommitPart(1, 0, 0)], b"old", 1_700, 1, coordinator=2)
+    with pytest.raises(LeaseLost):
+        meta.commit_txn(refused, lease=old)
+    assert meta.pending_commits() == []
+    assert meta.identities()[0].last_txn_id == -1
+    stored = TxnCommit(2, "app-1", 7, 0, [CommitPart(1, 0, 0)], b"new", 1_800, 1, coordinator=2)
+    meta.commit_txn(stored, lease=new)
+    assert meta.pending_commits() == [stored]
+    assert meta.pending_commits()[0].coordinator == 2
+    if kit.durable:
+        assert kit.reopen().pending_commits() == [stored]
+
+
 def test_chunk_producer_snapshots_round_trip(meta: MetaStore) -> None:
     stream_id = create(meta, "s/p", 1)
     record = ChunkRecord(stream_id, 0, 0, 5, 100, 1, 2, "c", b"\0" * 24, b"snapshot")
