@@ -23,6 +23,7 @@ from slipstream.cluster import coordinator
 
 STREAM = "cq/orders"
 SEGMENTS = 6
+POISON = 8
 
 
 @pytest.fixture
@@ -67,12 +68,12 @@ def test_a_queue_over_two_brokers_delivers_acks_nacks_and_dead_letters(cluster: 
         client.create_subscription(
             STREAM, "work", mode="queue", max_deliveries=2, backoff=0.05, ack_timeout=30
         )
-        _layout(cluster, client, "work")
+        home, _ = _layout(cluster, client, "work")
         count = 600
         with client.producer(STREAM, linger_ms=2) as producer:
             for i in range(count):
                 producer.send(b"%d" % i, key=f"k{i}")
-            for i in range(4):  # nacked on every delivery: dead-lettered after two
+            for i in range(POISON):  # nacked on every delivery: dead-lettered after two
                 producer.send(b"poison %d" % i, key=f"p{i}", headers={"app": b"x"})
         positions = {
             int(e.value): (e.segment, e.offset)
@@ -88,7 +89,7 @@ def test_a_queue_over_two_brokers_delivers_acks_nacks_and_dead_letters(cluster: 
         with _queue_consumer(client, "work") as consumer:
             deadline = time.monotonic() + 120
             looked = 0.0
-            while len(acked) < count or len(dead_letters) < 4:
+            while len(acked) < count or len(dead_letters) < POISON:
                 assert time.monotonic() < deadline, (len(acked), len(dead_letters))
                 for event in consumer.poll(0.2):
                     deliveries.append((event.value, event.segment, event.offset, event.deliveries))
@@ -115,14 +116,15 @@ def test_a_queue_over_two_brokers_delivers_acks_nacks_and_dead_letters(cluster: 
                 [(*positions[i], 1), (*positions[i], 2)] if i % 50 == 0 else [(*positions[i], 1)]
             )
             assert by_value[b"%d" % i] == expected, i
-        for i in range(4):
+        for i in range(POISON):
             assert [n for _, _, n in by_value[b"poison %d" % i]] == [1, 2]
 
-        assert sorted(e.value for e in dead_letters) == [b"poison %d" % i for i in range(4)]
+        assert sorted(e.value for e in dead_letters) == [b"poison %d" % i for i in range(POISON)]
         dlq_info = client.describe_stream(dlq)
         assert len(dlq_info.segments) == SEGMENTS
         served = cluster.wait_until_all_containers_served()
-        assert len({served[s.container] for s in dlq_info.segments}) >= 2
+        owner = {s.number: served[s.container] for s in dlq_info.segments}
+        assert {owner[d.segment] for d in dead_letters} - {home}, "none appended through a peer"
         for dead in dead_letters:
             assert dead.headers["app"] == b"x"
             assert dead.headers["x-deliveries"] == b"2"
