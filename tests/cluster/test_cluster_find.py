@@ -22,7 +22,9 @@ from objectstores import SeaweedFS
 from pg import PgCluster
 
 import slipstream
+from slipstream.broker._find import MAX_FIND_BYTES, FoundEvents, merge_found
 from slipstream.client._connection import Connection
+from slipstream.format import Event
 from slipstream.protocol import DescribeStream, EventsFound, FindEvents, ScaleStream, StreamInfo
 
 STREAM = "find/orders"
@@ -295,3 +297,43 @@ def test_the_browser_of_each_broker_pages_through_every_event(data: Data) -> Non
         assert sorted(forwards) == everything
         pages_of.append(backwards)
     assert all(pages == pages_of[0] for pages in pages_of)  # the same pages on each broker
+
+
+def _event(segment: int, offset: int, timestamp: int = 0, size: int = 1) -> Event:
+    return Event(b"k", b"v" * size, {}, timestamp, segment, offset)
+
+
+def test_merging_a_truncated_part_keeps_only_what_one_broker_could_answer() -> None:
+    """No brokers needed: with a key, a part that stopped at its byte budget ends the merged
+    answer at its last event (what follows in the key's order may be missing)."""
+    epochs = {0: 0, 1: 0, 2: 1}
+    cut = FoundEvents([_event(0, o) for o in range(3)], 2, truncated=True)
+    whole = FoundEvents([_event(s, o) for s in (1, 2) for o in range(4)], 3)
+    merged = merge_found([whole, cut], epochs, by_key=True, limit=100, newest_first=False)
+    assert [(e.segment, e.offset) for e in merged.events] == [(0, 0), (0, 1), (0, 2)]
+    assert merged.truncated and merged.batches_read == 5
+    newest = FoundEvents([_event(1, o) for o in (5, 4)], 1, truncated=True)
+    later = FoundEvents([_event(2, o) for o in (1, 0)] + [_event(0, o) for o in (3, 2)], 2)
+    merged = merge_found([later, newest], epochs, by_key=True, limit=100, newest_first=True)
+    assert [(e.segment, e.offset) for e in merged.events] == [(2, 1), (2, 0), (1, 5), (1, 4)]
+    # untruncated parts: merged in the order, cut at the limit
+    merged = merge_found([whole], epochs, by_key=True, limit=5, newest_first=True)
+    assert [(e.segment, e.offset) for e in merged.events] == [
+        (2, 3),
+        (2, 2),
+        (2, 1),
+        (2, 0),
+        (1, 3),
+    ]
+    assert not merged.truncated
+
+
+def test_merging_keeps_the_byte_budget_and_breaks_time_ties_by_segment() -> None:
+    big = MAX_FIND_BYTES // 3 + 1
+    parts = [FoundEvents([_event(s, o, 10 + o, big) for o in range(3)], 1) for s in (0, 1)]
+    merged = merge_found(parts, {0: 0, 1: 0}, by_key=False, limit=100, newest_first=False)
+    assert [(e.segment, e.offset) for e in merged.events] == [(0, 0), (1, 0), (0, 1)]
+    assert merged.truncated
+    small = [FoundEvents([_event(s, o, 10 + o) for o in range(3)], 1) for s in (1, 0)]
+    merged = merge_found(small, {0: 0, 1: 0}, by_key=False, limit=4, newest_first=True)
+    assert [(e.segment, e.offset) for e in merged.events] == [(1, 2), (0, 2), (1, 1), (0, 1)]
