@@ -34,6 +34,16 @@ Guarantees and failure modes:
 * Members are not durable (see ``_groups``): after a broker restart nothing is in flight;
   every open event is delivered again with its stored count.
 
+In a cluster (docs/cluster.md, "Queue subscriptions") the dispatcher runs at the broker
+coordinating the subscription's group and reads the segments other brokers serve from them
+(``ReadSegment``; ``Queues.read``), asking again every ``REMOTE_POLL_S`` while members wait,
+since nothing here hears of their new events; a dead letter for another broker's segment is a
+plain ``Append`` to it (``Queues.append``: at-least-once, like the local one). A dispatcher
+starts from the catalog's queue state (the coordinator may have moved here), and one whose
+group is coordinated elsewhere now is dropped; its members get WrongBroker and join there.
+Queue-state writes are not fenced by the coordinator's lease (a stale coordinator may write
+once before it notices: answered acks may then be delivered again later, at-least-once).
+
 Threads: everything here runs on the event loop; MetaStore writes go through
 ``Controller.in_catalog``.
 """
