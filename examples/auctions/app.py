@@ -1,7 +1,8 @@
 """``python -m auctions live | replay``: the auctions pipeline as the main job, and its replay.
 
-live    starts a broker (embedded: local files and SQLite under --data-dir, or --broker), a bid
-        generator, both Spark jobs, a consumer group that acts on price alerts (the notifier),
+live    starts a broker (embedded: local files and SQLite under --data-dir, or --broker; or
+        with --cluster a local cluster: PostgreSQL, SeaweedFS and two brokers, cluster.py), a
+        bid generator, both Spark jobs, a consumer group that acts on price alerts (the notifier),
         and a live view of windows as they close, alerts as they are notified, rates, each
         consumer's backlog and lag, and the elastic bids stream's segments (split in the
         generator's rush hour, merged when it is quiet, with the rule that fired), until
@@ -34,6 +35,7 @@ import typer
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 import slipstream
 from slipstream.broker import EmbeddedBroker, choose_port
@@ -41,6 +43,7 @@ from slipstream.protocol import ScaleEventInfo
 from slipstream.spark import session
 
 from . import pipeline
+from .cluster import LocalCluster, describe_cluster
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None)
 console = Console(stderr=True)
@@ -63,6 +66,15 @@ Broker = Annotated[
     ),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="No live view; a JSON summary on stdout.")]
+Cluster = Annotated[
+    Path | None,
+    typer.Option(
+        help="Start a local cluster under this directory and run on it: PostgreSQL, SeaweedFS "
+        "and two brokers in cluster mode on 127.0.0.1:7070 and :7072 (auctions/cluster.py; "
+        "./run.sh --cluster). Kept between runs; checkpoints go in it too.",
+        show_default=False,
+    ),
+]
 Master = Annotated[
     str,
     typer.Option(
@@ -74,22 +86,34 @@ Master = Annotated[
 
 
 @contextlib.contextmanager
-def platform(broker: str | None, data_dir: Path) -> Iterator[tuple[str, slipstream.Client, str]]:
+def platform(
+    broker: str | None, data_dir: Path, cluster: LocalCluster | None = None
+) -> Iterator[tuple[str, slipstream.Client, str]]:
     """The broker's address, a client and the address of the broker's web console: a running
-    broker (its console on the default --http-port), or an embedded one stopped last."""
+    broker (its console on the default --http-port), a local cluster (started here, its
+    brokers' addresses and consoles; stopped last), or an embedded broker stopped last."""
     embedded = None
-    if broker is None:
+    if cluster is not None:
+        console.print(f"[dim]starting PostgreSQL, SeaweedFS and two brokers in {cluster.root} ...")
+        cluster.start()
+        broker = cluster.addresses
+    elif broker is None:
         embedded = EmbeddedBroker(data_dir, choose_port(), fsync="always")
         embedded.start()
         broker = embedded.address
     host = broker.split(",")[0].rsplit(":", 1)[0]  # of the first in a list h1:p1,h2:p2
     web = f"http://{host}:{embedded.http_port if embedded is not None else 7071}/"
+    if cluster is not None:
+        web = " and ".join(cluster.consoles)
     try:
         with slipstream.connect(broker) as client:
             yield broker, client, web
     finally:
         if embedded is not None:
             embedded.stop()
+        if cluster is not None:
+            console.print("[dim]stopping the brokers, SeaweedFS and PostgreSQL ...")
+            cluster.stop()
 
 
 def checkpoints_of(data_dir: Path) -> Path:
@@ -227,6 +251,26 @@ def consumer_status(client: slipstream.Client, stream: str, subscription: str) -
         "lag_ms": max((s.lag_ms for s in info.segments), default=0),
         "started": True,
     }
+
+
+def cluster_line(client: slipstream.Client, local: LocalCluster | None = None) -> str | None:
+    """Each broker of a cluster, its address and the containers it serves, in one line for the
+    live view (``DescribeCluster``, which any broker answers); None for a single broker unless
+    ``local`` (the cluster this program started) is given. A container nobody serves right now
+    (a takeover or hand-over under way) is named as moving."""
+    try:
+        info = describe_cluster(client)
+    except slipstream.SlipstreamError as exc:
+        return f"cluster: not described just now ({type(exc).__name__})"
+    if len(info.brokers) < 2 and local is None:
+        return None
+    brokers = [
+        f"{b.broker_id} {b.address} serves containers "
+        + (", ".join(map(str, sorted(b.containers))) or "-")
+        for b in info.brokers
+    ]
+    moving = [c for c, owner in enumerate(info.owners) if not owner]
+    return "cluster: " + " | ".join(brokers) + (f" | moving: {moving}" if moving else "")
 
 
 def produce(broker: str, cycle: pipeline.Cycle, stop: threading.Event, board: Board) -> None:
@@ -399,6 +443,7 @@ def render(
     consumers: dict[str, dict[str, Any]],
     watch: BidsWatch,
     web: str,
+    cluster: str | None = None,
 ) -> Group:
     windows = Table(title="windows as they close (auctions/windows)", expand=True)
     for name in ("auction", "window (UTC)", "bids", "max", "mean", "closed after"):
@@ -439,8 +484,13 @@ def render(
     (t0, sent0), (t1, sent1) = board.samples[0], board.samples[-1]
     delays = sorted(board.close_delays)
     phase, rate = phase_of(board, cycle)
+    # full-width lines above the grid, whose columns are sized for the counters
+    header = [
+        Text.from_markup(f"[bold]console {web}[/] (streams, segments over time, messages, lag)")
+    ]
+    if cluster is not None:
+        header.append(Text(cluster))
     stats = Table.grid(padding=(0, 2))
-    stats.add_row(f"[bold]console {web}[/] (streams, segments over time, messages, lag)")
     stats.add_row(
         f"bids {sent1:,} ({(sent1 - sent0) / max(t1 - t0, 1e-9):,.0f}/s, target {rate:,.0f})",
         f"windows {board.counts['windows']:,}",
@@ -458,7 +508,7 @@ def render(
             f"{s['batch_ms']:,} ms/batch",
             f"watermark {s['watermark'][11:19] or '-'}, late dropped {s['dropped_late']}",
         )
-    return Group(stats, render_bids(watch, phase), lags, windows, alerts)
+    return Group(*header, stats, render_bids(watch, phase), lags, windows, alerts)
 
 
 def choose_cycle(rate: float | None, cycle: str | None, target: int) -> pipeline.Cycle:
@@ -506,13 +556,21 @@ def live(
     broker: Broker = None,
     data_dir: DataDir = DEFAULT_DATA_DIR,
     master: Master = "local[2]",
+    cluster: Cluster = None,
     as_json: AsJson = False,
 ) -> None:
     """The live auctions pipeline: broker, bid generator, both Spark jobs, the notifier
     group, a live view."""
     chosen = choose_cycle(rate, cycle, target)
+    local = None
+    if cluster is not None:
+        if broker is not None:
+            raise typer.BadParameter("give --cluster (start one) or --broker, not both")
+        local = LocalCluster(cluster)
+        data_dir = local.root / "auctions"  # its checkpoints: auctions-checkpoints beside it
     checkpoints = checkpoints_of(data_dir)
-    with platform(broker, data_dir) as (address, client, web):
+    shown: str | None = None  # the cluster's line in the view
+    with platform(broker, data_dir, local) as (address, client, web):
         reset_checkpoints_if_new(client, checkpoints, target)
         board, stop, watch = Board(), threading.Event(), BidsWatch()
         threading.Thread(
@@ -556,8 +614,9 @@ def live(
                     jobs = {name: job_status(q) for name, q in queries.items()}
                     consumers = {n: consumer_status(client, *c) for n, c in CONSUMERS.items()}
                     watch.update(client)
+                    shown = cluster_line(client, local)
                     if not as_json:
-                        view.update(render(board, chosen, jobs, consumers, watch, web))
+                        view.update(render(board, chosen, jobs, consumers, watch, web, shown))
                     time.sleep(0.5)
         except KeyboardInterrupt:
             console.print("[dim]stopping: generator, queries, Spark, broker ...")
@@ -591,6 +650,7 @@ def live(
         "bids_stream": watch.summary(),
         "checkpoints": str(checkpoints),
         "console": web,
+        "cluster": shown,
     }
     if as_json:
         print(json.dumps(summary))
