@@ -112,6 +112,10 @@ OPERATIONS: dict[str, tuple[Action | str | None, Call]] = {
     "append in a transaction": (Action.PRODUCE, lambda w, c: _append(w, c, w.txn)),
     "segment": (Action.CONSUME, lambda w, c: w.service.segment(c, "demo/orders", 0)),
     "read": (Action.CONSUME, lambda w, c: w.service.read(c, w.segment, 0, 1 << 20)),
+    "read_segment": (
+        Action.CONSUME,
+        lambda w, c: w.service.read_segment(c, "demo/orders", 0, 0, 1 << 20),
+    ),
     "find_events": (Action.CONSUME, lambda w, c: w.service.find_events(c, "demo/orders")),
     "browse_events": (Action.CONSUME, lambda w, c: w.service.browse_events(c, "demo/orders")),
     "init_producer": (SOMEWHERE, lambda w, c: w.service.init_producer(c, "tid")),
