@@ -503,12 +503,14 @@ class Coordinator:
         try:
             if roll:
                 journal.roll()
+            deleted = False
             for file_id in journal.sealed_files():
                 if not self._file_users.get((home, file_id)):
                     self._file_users.pop((home, file_id), None)
                     journal.delete_file(file_id)
+                    deleted = True
             delete_orphans = getattr(journal, "delete_orphans", None)
-            if delete_orphans is not None:  # an object journal: the deleted files' objects
+            if deleted and delete_orphans is not None:  # an object journal: the files' objects
                 delete_orphans()
         except (SlipstreamError, OSError) as exc:  # the next transaction to end tries again
             log.warning("could not delete a used-up staging file: %s", exc)
