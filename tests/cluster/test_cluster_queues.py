@@ -8,6 +8,7 @@ event whose ack was answered is delivered again (unanswered ones may be: at-leas
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,8 +19,11 @@ from objectstores import SeaweedFS
 from pg import PgCluster
 
 import slipstream
-from slipstream import QueueConsumer, SlipstreamError
+from slipstream import OffsetOutOfRange, QueueConsumer, SlipstreamError, WrongBroker
+from slipstream.client._connection import Connection
 from slipstream.cluster import coordinator
+from slipstream.format import events_of, iter_batches, read_body
+from slipstream.protocol import Message, ReadSegment, SegmentData
 
 STREAM = "cq/orders"
 SEGMENTS = 6
@@ -135,11 +139,13 @@ def test_a_queue_over_two_brokers_delivers_acks_nacks_and_dead_letters(cluster: 
             assert dead.headers["x-source-offset"] == str(source[1]).encode()
 
 
-def test_the_queue_goes_on_at_a_new_coordinator_after_kill_9(cluster: Cluster) -> None:
+@pytest.mark.parametrize("fault", ["kill -9", "clean stop"])
+def test_the_queue_goes_on_at_a_new_coordinator(cluster: Cluster, fault: str) -> None:
     """Events are acked and each batch's acks flushed; those whose flush was answered are
-    stored. The coordinator is killed mid-stream: the consumer joins the broker that takes
-    its container over, which must not deliver any of those again; the others (acks lost
-    with the broker, events in flight) come again, and in the end every event is acked."""
+    stored. The coordinator is killed -9 (or stopped, handing its containers over)
+    mid-stream: the consumer joins the broker that takes its container over, which must not
+    deliver any of those again; the others (acks lost with the broker, events in flight) come
+    again, and in the end every event is acked."""
     count = 3000
     with slipstream.connect(cluster.addresses(), reconnect_timeout=60) as client:
         client.create_stream(STREAM, SEGMENTS)
@@ -175,9 +181,92 @@ def test_the_queue_goes_on_at_a_new_coordinator_after_kill_9(cluster: Cluster) -
                 confirmed.update((e.segment, e.offset) for e in events)
                 settled.update(int(e.value) for e in events)
                 if not killed and len(settled) >= count // 3:
-                    cluster.kill(int(home[1:]))
+                    if fault == "kill -9":
+                        cluster.kill(int(home[1:]))
+                    else:
+                        assert cluster.stop(int(home[1:])) == 0
                     killed = True
         assert killed
         assert redelivered == [], f"{len(redelivered)} events delivered again after their ack"
         assert settled | maybe == set(range(count))
         assert len(maybe - settled) < count // 3  # (only what was out when the broker died)
+
+
+def _ask(address: str, message: Message) -> tuple[Message, bytes]:
+    async def one() -> tuple[Message, bytes]:
+        connection = await Connection.open(address)
+        try:
+            reply, payload = await connection.request(message)
+            return reply, bytes(payload)
+        finally:
+            connection.close()
+
+    return asyncio.run(one())
+
+
+def test_read_segment_answers_at_the_segments_broker_only(cluster: Cluster) -> None:
+    """ReadSegment (what a queue's coordinator asks another broker): whole batches from the
+    offset, at least one, up to max_bytes, with the segment's end; WrongBroker naming the
+    owner from any other broker; OffsetOutOfRange past the end."""
+    with slipstream.connect(cluster.addresses()) as client:
+        client.create_stream(STREAM, 1)
+        with client.producer(STREAM, linger_ms=0) as producer:
+            for i in range(5):  # five batches: each send is flushed alone
+                producer.send(b"%d" % i, key="k").result()
+        served = cluster.wait_until_all_containers_served()
+        [segment] = client.describe_stream(STREAM).segments
+        owner = served[segment.container]
+        at_owner = cluster.brokers[int(owner[1:])].address
+        elsewhere = next(b.address for b in cluster.brokers if b.address != at_owner)
+
+        reply, payload = _ask(at_owner, ReadSegment(STREAM, 0, 0, 1))
+        assert reply == SegmentData(1, 5, False)
+        [(header, _)] = list(iter_batches(payload))
+        assert (header.base_offset, header.next_offset) == (0, 1)
+
+        reply, payload = _ask(at_owner, ReadSegment(STREAM, 0, 2, 1 << 20))
+        assert reply == SegmentData(5, 5, False)
+        assert [h.base_offset for h, _ in iter_batches(payload)] == [2, 3, 4]
+        values = [
+            e.value
+            for h, b in iter_batches(payload)
+            for e in events_of(read_body(b), 0, h.base_offset)
+        ]
+        assert values == [b"2", b"3", b"4"]
+
+        assert _ask(at_owner, ReadSegment(STREAM, 0, 5)) == (SegmentData(5, 5, False), b"")
+        with pytest.raises(OffsetOutOfRange):
+            _ask(at_owner, ReadSegment(STREAM, 0, 6))
+        with pytest.raises(WrongBroker) as wrong:
+            _ask(elsewhere, ReadSegment(STREAM, 0, 0))
+        assert wrong.value.details["owner"] == owner
+
+
+def test_a_key_ordered_queue_over_two_brokers_keeps_each_keys_order(cluster: Cluster) -> None:
+    """key_ordered_queue with segments on several brokers: every event once, each key's in
+    append order, never two of one key out at a time."""
+    keys, count = 12, 600
+    with slipstream.connect(cluster.addresses(), reconnect_timeout=60) as client:
+        client.create_stream(STREAM, SEGMENTS)
+        client.create_subscription(STREAM, "keyed", mode="key_ordered_queue", ack_timeout=30)
+        _layout(cluster, client, "keyed")
+        with client.producer(STREAM, linger_ms=2) as producer:
+            for i in range(count):
+                producer.send(b"%d" % i, key=f"k{i % keys}")
+        seen: dict[bytes, list[int]] = {}
+        with _queue_consumer(client, "keyed") as consumer:
+            deadline = time.monotonic() + 120
+            while sum(len(v) for v in seen.values()) < count:
+                assert time.monotonic() < deadline, sum(len(v) for v in seen.values())
+                events = consumer.poll(0.2)
+                out = [e.key for e in events]
+                assert len(out) == len(set(out)), "two events of one key out at once"
+                for event in events:
+                    assert event.key is not None
+                    seen.setdefault(event.key, []).append(int(event.value))
+                    event.ack()
+            consumer.flush_acks()
+            assert consumer.poll(0.5) == []
+        assert sorted(v for values in seen.values() for v in values) == list(range(count))
+        for key, values in seen.items():
+            assert values == sorted(values), key
