@@ -492,11 +492,15 @@ async def find_in_cluster(
         if missing or not isinstance(answer, EventsFound):
             number = (missing or list(wanted[owner]))[0]
             raise cluster.wrong_broker(wanted[owner][number], f"segment {number} of {stream!r}")
+        # only the segments asked of it: one this broker still takes for its own (a lease
+        # lost while paused) is not counted twice; the part's first ``limit`` over more
+        # segments still holds the first ``limit`` of these
         parts.append(
             FoundEvents(
                 [
                     Event(e.key, e.value, e.headers, e.timestamp, e.segment, e.offset)
                     for e in answer.events
+                    if e.segment in wanted[owner]
                 ],
                 answer.batches_read,
                 answer.truncated,
