@@ -19,6 +19,7 @@ from pg import PgCluster
 
 import slipstream
 from slipstream import Position
+from slipstream.cluster import coordinator
 
 STREAM = "routing/orders"
 SEGMENTS = 6
@@ -140,3 +141,40 @@ def _wait(condition: Callable[[], bool], what: str, timeout: float = 120.0) -> N
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def test_a_consumer_group_rejoins_where_its_coordinator_moved(cluster: Cluster) -> None:
+    """kill -9 of the broker coordinating a subscription's group while a consumer reads: the
+    consumer joins again at the broker that took the coordinator's container over and reads
+    on; every event is delivered (at least once: what was not committed comes again), each
+    segment's in offset order within a grant."""
+    with slipstream.connect(cluster.addresses(), reconnect_timeout=60) as client:
+        client.create_stream(STREAM, 4)
+        client.create_subscription(STREAM, "workers")
+        owners = _owners_by_address(cluster)
+        coordinating = owners[coordinator(f"{STREAM}/workers", cluster.containers)]
+        victim = next(i for i, b in enumerate(cluster.brokers) if b.address == coordinating)
+        with client.producer(STREAM) as producer:
+            for n in range(400):
+                producer.send(b"%d" % n, key=f"k{n % KEYS}")
+        seen: set[int] = set()
+        deliveries: list[tuple[int, int]] = []  # segment, offset
+        with client.consumer(STREAM, "workers", name="c1", session_timeout=6) as consumer:
+            deadline = time.monotonic() + 180  # a bound against hanging
+            while len(seen) < 800 and time.monotonic() < deadline:
+                for event in consumer.poll(timeout=1.0):
+                    seen.add(int(event.value))
+                    deliveries.append((event.segment, event.offset))
+                if len(seen) >= 200 and cluster.running(victim):
+                    cluster.kill(victim)
+                    with client.producer(STREAM) as producer:
+                        for n in range(400, 800):
+                            producer.send(b"%d" % n, key=f"k{n % KEYS}")
+            group = consumer.core.connection
+            assert group is not None and group.address != coordinating  # it rejoined elsewhere
+        assert not cluster.running(victim)
+        assert seen == set(range(800))
+        last: dict[int, int] = {}
+        for segment, offset in deliveries:  # the next, or back to a commit; never a gap
+            assert offset <= last.get(segment, -1) + 1, (segment, offset, last.get(segment))
+            last[segment] = offset
