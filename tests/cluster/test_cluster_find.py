@@ -9,6 +9,7 @@ from one end to the other, show every event once."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -381,3 +382,19 @@ def test_a_find_while_a_broker_dies_is_complete_or_wrong_broker_never_partial(
         # not asserted, that would be a timing)
         page = _api_events(survivor.http_url, limit=500)
         assert sorted(_positions(page)) == sorted((e.segment, e.offset) for e in events)
+
+
+def _console_positions(http_url: str, **query: object) -> list[tuple[int, int]]:
+    response = httpx.get(f"{http_url}/events", params={"stream": STREAM, **query}, timeout=30)
+    assert response.status_code == 200, response.text[-2000:]
+    found = re.findall(r'data-position="(\d+):(\d+)"', response.text)
+    return [(int(s), int(o)) for s, o in found]
+
+
+def test_the_console_of_each_broker_shows_the_same_pages_and_finds(data: Data) -> None:
+    newest = sorted(((e.timestamp, e.segment, e.offset) for e in data.events), reverse=True)[:40]
+    expected_page = sorted((s, o) for _, s, o in newest)
+    by_key = _expected(data, key=b"k7", start_ms=None, end_ms=None, limit=500, newest_first=True)
+    for broker in data.cluster.brokers:
+        assert sorted(_console_positions(broker.http_url, limit=40)) == expected_page
+        assert sorted(_console_positions(broker.http_url, key="k7", limit=500)) == sorted(by_key)
