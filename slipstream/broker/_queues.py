@@ -719,11 +719,13 @@ class Dispatcher:
     async def durable(self) -> None:
         """Return once every change made before the call is stored (group commit: callers
         that arrive while a write runs share the next one). Raises StaleGeneration after a
-        reset, StorageError when the catalog cannot be written."""
+        reset, StorageError when the catalog cannot be written, WrongBroker when this broker
+        no longer coordinates the group (its state is the new coordinator's now)."""
         wanted = self.version
         async with self.commit_lock:
             if self.durable_version >= wanted:
                 return
+            self.queues.check_here(self.group)
             version = self.version
             dirty, self.dirty = self.dirty, set()
             positions = {n: self.segments[n].floor for n in dirty}
@@ -996,13 +998,20 @@ class Queues:
     def counts(self, group: Group, segment: int) -> dict[str, int]:
         """For describe: events in flight, waiting (for a redelivery or the dead-letter
         stream), and dead-lettered since the dispatcher started (since the broker started
-        or the subscription was last reset: that count is not stored)."""
+        or the subscription was last reset: that count is not stored). In a cluster, for a
+        segment another broker serves: its end (and the backlog to it) as that broker last
+        answered, when newer than the catalog's."""
         dispatcher = self.dispatchers.get(group)
         queue = dispatcher.segments.get(segment) if dispatcher is not None else None
         if queue is None:
             return {}
         in_flight, waiting = queue.counts_for_describe()
-        return {"in_flight": in_flight, "waiting": waiting, "dead_lettered": queue.dead_lettered}
+        counts = {"in_flight": in_flight, "waiting": waiting, "dead_lettered": queue.dead_lettered}
+        live = group.stream.segments.get(segment)
+        if live is not None and not self.serves(live) and queue.end > live.next_offset:
+            counts["end_offset"] = queue.end
+            counts["backlog_events"] = max(0, queue.end - group.position(segment))
+        return counts
 
     async def dead_letter_stream(self, name: str, segments: int) -> Stream:
         controller = self.controller

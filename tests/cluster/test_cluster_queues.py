@@ -110,6 +110,13 @@ def test_a_queue_over_two_brokers_delivers_acks_nacks_and_dead_letters(cluster: 
                         dead_letters = list(client.reader(dlq, end=client.tail(dlq)))
             consumer.flush_acks()
             assert consumer.poll(0.5) == []
+            ends = {s.number: s.end_offset for s in client.describe_stream(STREAM).segments}
+            described = client.describe_subscription(STREAM, "work").segments
+            assert {s.segment: s.end_offset for s in described} == ends
+            assert [(s.backlog_events, s.in_flight, s.waiting) for s in described] == [
+                (0, 0, 0)
+            ] * (SEGMENTS)
+            assert sum(s.dead_lettered for s in described) == POISON
 
         assert sorted(acked) == list(range(count)), "an event acked twice or never"
         by_value: dict[bytes, list[tuple[int, int, int]]] = {}
