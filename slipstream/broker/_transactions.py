@@ -856,9 +856,11 @@ class Coordinator:
                 f"stream {gone[0].stream_name!r} was deleted; transaction {txn.txn_id} aborted"
             )
         home = txn.home
-        journal = self._journals.get(home)
+        # both taken now: a hand-over meanwhile (``release``) must not leave the record
+        # unfenced, stored after the next holder read the pending ones
+        journal, lease = self._journals.get(home), self._leases.get(home)
         try:
-            if journal is None:
+            if journal is None or (lease is None and home != LOCAL):
                 raise TransactionAborted(
                     f"container {home}, coordinating transaction {txn.txn_id}, moved to "
                     "another broker"
@@ -901,7 +903,7 @@ class Coordinator:
         try:
             await loop.run_in_executor(
                 self._io,
-                functools.partial(self.meta.commit_txn, record, lease=self._leases.get(home)),
+                functools.partial(self.meta.commit_txn, record, lease=lease),
             )
         except SlipstreamError as exc:
             await abort_all(f"the commit record could not be stored: {exc}")

@@ -48,6 +48,7 @@ CONTAINERS = 4
 #: must skip what the segment holds by its sequence, not by the remembered recent batches
 BATCHES = 20
 EVENTS = 3  # per batch
+ANONYMOUS = 2  # batches per segment of an anonymous transaction merged into the commit
 
 
 class Raw:
@@ -88,8 +89,10 @@ def cluster(tmp_path: Path, postgres: PgCluster, seaweedfs: SeaweedFS) -> Iterat
 
 
 def _setup(cluster: Cluster, coordinated_by: str) -> tuple[str, dict[int, str]]:
-    """Create the stream (its segments on both brokers) and pick a transactional id whose
-    coordinating container ``coordinated_by`` serves; returns it and segment -> its broker."""
+    """Create the stream (its segments on every broker) and pick a transactional id whose
+    coordinating container is the highest ``coordinated_by`` serves (so that an anonymous
+    transaction begun there, at its lowest, has another home when it has two); returns it and
+    segment -> its broker."""
     everyone = {f"b{i}" for i in range(len(cluster.brokers))}
     deadline = time.monotonic() + 60
     while set((owners := cluster.wait_until_all_containers_served()).values()) != everyone:
@@ -103,11 +106,8 @@ def _setup(cluster: Cluster, coordinated_by: str) -> tuple[str, dict[int, str]]:
     finally:
         raw.close()
     assert set(by_segment.values()) == everyone, by_segment
-    tid = next(
-        f"tid-{i}"
-        for i in range(1000)
-        if owners[coordinator(f"tid-{i}", CONTAINERS)] == coordinated_by
-    )
+    highest = max(c for c, owner in owners.items() if owner == coordinated_by)
+    tid = next(f"tid-{i}" for i in range(1000) if coordinator(f"tid-{i}", CONTAINERS) == highest)
     return tid, by_segment
 
 
@@ -139,25 +139,38 @@ def _stage(raw: Raw, tid: str) -> int:
     return begun.txn_id
 
 
+def _stage_anonymous(raw: Raw) -> int:
+    """An anonymous transaction (a Spark task's) with ANONYMOUS batches in every segment."""
+    begun = raw.ask(BeginTxn(-1, -1, 60_000))
+    assert isinstance(begun, TxnBegun), begun
+    for number in range(SEGMENTS):
+        for _ in range(ANONYMOUS):
+            ack = raw.ask(Append(STREAM, number, begun.txn_id), batch(EVENTS, b"anonymous"))
+            assert isinstance(ack, AppendAck) and ack.base_offset == -1, ack
+    return begun.txn_id
+
+
 def test_a_transaction_over_two_brokers_commits_all_or_nothing(cluster: Cluster) -> None:
     tid, by_segment = _setup(cluster, "b0")
     raw = Raw(cluster.brokers[0].address)
+    first = (BATCHES + ANONYMOUS) * EVENTS
     try:
+        anonymous = _stage_anonymous(raw)
         txn_id = _stage(raw, tid)
         # staged on b0, whichever broker serves the segment: nothing readable anywhere yet
         assert _tails(cluster, 0) == dict.fromkeys(range(SEGMENTS), 0)
         assert _tails(cluster, 1) == dict.fromkeys(range(SEGMENTS), 0)
-        ended = raw.ask(EndTxn(txn_id, True, b"batch-1"))
+        ended = raw.ask(EndTxn(txn_id, True, b"batch-1", [anonymous]))
         assert isinstance(ended, TxnEnded) and ended.committed, ended
         assert {r.segment: (r.start, r.end) for r in ended.ranges} == {
-            n: (0, BATCHES * EVENTS) for n in range(SEGMENTS)
+            n: (0, first) for n in range(SEGMENTS)
         }
         identity = raw.ask(GetIdentity(tid))
         assert isinstance(identity, IdentityInfo)
         assert (identity.last_txn_id, identity.last_metadata) == (txn_id, b"batch-1")
     finally:
         raw.close()
-    assert _tails(cluster, 1) == dict.fromkeys(range(SEGMENTS), BATCHES * EVENTS)
+    assert _tails(cluster, 1) == dict.fromkeys(range(SEGMENTS), first)
     # a second transaction of the same producer continues each segment's sequence
     raw = Raw(cluster.brokers[0].address)
     try:
@@ -169,7 +182,7 @@ def test_a_transaction_over_two_brokers_commits_all_or_nothing(cluster: Cluster)
         assert isinstance(ended, TxnEnded) and ended.committed, ended
     finally:
         raw.close()
-    assert _tails(cluster, 0) == dict.fromkeys(range(SEGMENTS), (BATCHES + 1) * EVENTS)
+    assert _tails(cluster, 0) == dict.fromkeys(range(SEGMENTS), first + EVENTS)
     assert "b1" in by_segment.values()  # the other broker's segments got their share
 
 
@@ -214,9 +227,10 @@ def test_a_coordinator_killed_after_its_commit_record_is_applied_once_by_the_nex
         tid, by_segment = _setup(cluster, "b0")
         raw = Raw(cluster.brokers[0].address)
         try:
+            anonymous = _stage_anonymous(raw)
             txn_id = _stage(raw, tid)
             try:
-                answer = raw.ask(EndTxn(txn_id, True, b"m"))
+                answer = raw.ask(EndTxn(txn_id, True, b"m", [anonymous]))
             except ConnectionError:
                 answer = None  # b0 died answering
             assert answer is None, f"b0 answered {answer}, not dying at {fault}{cluster.logs()}"
@@ -231,10 +245,11 @@ def test_a_coordinator_killed_after_its_commit_record_is_applied_once_by_the_nex
         home = owners[coordinator(tid, CONTAINERS)]
         new_home = int(home[1:])
         assert {owners[c] for c in range(CONTAINERS)} - {home}, owners  # some segments remote
-        expected = dict.fromkeys(range(SEGMENTS), BATCHES * EVENTS)
+        first = (BATCHES + ANONYMOUS) * EVENTS
+        expected = dict.fromkeys(range(SEGMENTS), first)
         deadline = time.monotonic() + 60
         while (tails := _tails(cluster, new_home)) != expected:
-            assert all(t <= BATCHES * EVENTS for t in tails.values()), tails  # no duplicate
+            assert all(t <= first for t in tails.values()), tails  # no duplicate
             assert time.monotonic() < deadline, (tails, cluster.logs())
             time.sleep(0.2)
         raw = Raw(cluster.brokers[new_home].address)
@@ -255,5 +270,5 @@ def test_a_coordinator_killed_after_its_commit_record_is_applied_once_by_the_nex
         finally:
             raw.close()
         time.sleep(1)  # a late duplicate (a second apply) would land now
-        assert _tails(cluster, 1) == dict.fromkeys(range(SEGMENTS), (BATCHES + 1) * EVENTS)
+        assert _tails(cluster, 1) == dict.fromkeys(range(SEGMENTS), first + EVENTS)
         assert len(set(by_segment.values())) == 3
