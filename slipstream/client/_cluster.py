@@ -101,6 +101,8 @@ class Cluster:
         self._refreshing: asyncio.Task[None] | None = None
         self._refreshed_at = -REFRESH_INTERVAL
         self.refreshes = 0
+        #: WrongBroker answers taken in (containers found moved), over the client's life
+        self.moves = 0
         self.closed = False
 
     # --- start and map ---------------------------------------------------------------------
@@ -174,6 +176,7 @@ class Cluster:
         if not isinstance(container, int) or not 0 <= container < self.containers:
             return
         address = details.get("address")
+        self.moves += 1
         self.owners[container] = address if isinstance(address, str) and address else None
         owner = details.get("owner")
         if isinstance(owner, str) and owner and self.owners[container] is not None:
