@@ -15,9 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from auctions import app, pipeline
 from auctions.app import cluster_line
 from auctions.cluster import LocalCluster
 from conftest import free_port
+from rich.console import Console
 
 import slipstream
 
@@ -111,3 +113,16 @@ def test_a_start_stops_what_a_killed_run_left(base: Path) -> None:
             if _running(pid):
                 os.kill(pid, 9)
         first.postgres.stop()
+
+
+def test_the_live_view_shows_the_cluster_line_and_both_consoles() -> None:
+    line = "cluster: b1 127.0.0.1:7070 serves containers 0, 1 | b2 127.0.0.1:7072 serves 2, 3"
+    web = "http://127.0.0.1:7071/ and http://127.0.0.1:7073/"
+    view = app.render(app.Board(), pipeline.Cycle.steady(100), {}, {}, app.BidsWatch(), web, line)
+    console = Console(width=100, record=True)
+    console.print(view)
+    text = " ".join(console.export_text().split())  # wrapped at 100 columns
+    assert line in text and f"console {web}" in text
+    plain = app.render(app.Board(), pipeline.Cycle.steady(100), {}, {}, app.BidsWatch(), web)
+    console.print(plain)
+    assert "cluster:" not in console.export_text()
