@@ -43,7 +43,7 @@ from slipstream.protocol import ScaleEventInfo
 from slipstream.spark import session
 
 from . import pipeline
-from .cluster import LocalCluster, describe_cluster
+from .cluster import LocalCluster
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None)
 console = Console(stderr=True)
@@ -259,7 +259,7 @@ def cluster_line(client: slipstream.Client, local: LocalCluster | None = None) -
     ``local`` (the cluster this program started) is given. A container nobody serves right now
     (a takeover or hand-over under way) is named as moving."""
     try:
-        info = describe_cluster(client)
+        info = client.describe_cluster()
     except slipstream.SlipstreamError as exc:
         return f"cluster: not described just now ({type(exc).__name__})"
     if len(info.brokers) < 2 and local is None:

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import slipstream
-from slipstream.protocol import ClusterInfo, DescribeCluster
+from slipstream.protocol import ClusterInfo
 
 #: each broker's binary and HTTP (console) port
 DEFAULT_PORTS = ((7070, 7071), (7072, 7073))
@@ -565,23 +565,10 @@ class LocalCluster:
         return False
 
 
-def describe_cluster(client: slipstream.Client) -> ClusterInfo:
-    """``DescribeCluster`` through ``client``: the live brokers, the containers each serves,
-    and each container's owner. Raises the client's errors (BrokerUnavailable, ...)."""
-    describe = getattr(client, "describe_cluster", None)
-    if describe is not None:
-        info: ClusterInfo = describe()
-        return info
-    # until the client has describe_cluster(): its request path, to the broker it dialled
-    reply = client._loop.run(client._async._request(DescribeCluster()))
-    assert isinstance(reply, ClusterInfo), reply
-    return reply
-
-
 def describe_cluster_of(address: str) -> ClusterInfo:
     """``DescribeCluster`` asked of the one broker at ``address`` (its own view)."""
     with slipstream.connect(address, timeout=5, reconnect_timeout=0) as client:
-        return describe_cluster(client)
+        return client.describe_cluster()
 
 
 def _alive(pid: int) -> bool:
