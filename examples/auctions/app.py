@@ -43,7 +43,7 @@ from slipstream.protocol import ScaleEventInfo
 from slipstream.spark import session
 
 from . import pipeline
-from .cluster import LocalCluster
+from .cluster import ClusterError, LocalCluster
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None)
 console = Console(stderr=True)
@@ -95,7 +95,11 @@ def platform(
     embedded = None
     if cluster is not None:
         console.print(f"[dim]starting PostgreSQL, SeaweedFS and two brokers in {cluster.root} ...")
-        cluster.start()
+        try:
+            cluster.start()
+        except ClusterError as exc:  # names the part that failed and its log
+            console.print(f"[red]the local cluster did not start:[/] {exc}")
+            raise typer.Exit(1) from None
         broker = cluster.addresses
     elif broker is None:
         embedded = EmbeddedBroker(data_dir, choose_port(), fsync="always")
