@@ -127,6 +127,8 @@ LOCAL = -1
 STAGING_CONTAINER_BASE = 1_000_000
 #: how long an apply waits before it sends again to a segment whose container is moving
 _APPLY_RETRY_S = 0.5
+#: how often a broker of a cluster reads the transactional ids other brokers coordinate
+_IDENTITIES_REFRESH_S = 2.0
 #: how long a commit waits for a moving segment's broker to say where its batches start
 _SEQUENCE_WAIT_S = 15.0
 #: how long an apply waits for other brokers to acknowledge the batches it sent them
@@ -1204,13 +1206,38 @@ class Coordinator:
         return [txn.info() for txn in self.open.values()]
 
     async def run(self) -> None:
-        """Abort transactions that outlive their timeout."""
+        """Abort transactions that outlive their timeout; in a cluster, also take in every
+        ``_IDENTITIES_REFRESH_S`` the transactional ids other brokers coordinate (their epochs
+        fence this broker's appends too; ``list_identities`` shows their last commits)."""
+        loop = asyncio.get_running_loop()
+        refreshed = time.monotonic()
         while True:
             await asyncio.sleep(0.5)
             now = time.monotonic()
             for txn in list(self.open.values()):
                 if txn.state == "open" and (now - txn.started) * 1000 > txn.timeout_ms:
                     await self._abort(txn, f"timed out after {txn.timeout_ms} ms")
+            if self.clustered and now - refreshed >= _IDENTITIES_REFRESH_S:
+                refreshed = now
+                try:
+                    identities = await loop.run_in_executor(self._io, self.meta.identities)
+                except SlipstreamError as exc:  # the next turn tries again
+                    log.warning("could not read the transactional ids: %s", exc)
+                    continue
+                self._take_identities(identities)
+
+    def _take_identities(self, identities: Collection[Identity]) -> None:
+        """The catalog's identities, for the ids whose coordinating container this broker
+        does not serve (for the others its own memory is the newest)."""
+        from ..cluster import coordinator
+
+        containers = len(self.controller.containers)
+        for identity in identities:
+            if coordinator(identity.transactional_id, containers) in self._journals:
+                continue
+            self.identities[identity.transactional_id] = identity
+            self._epochs[identity.producer_id] = identity.epoch
+            self._tid_of[identity.producer_id] = identity.transactional_id
 
     async def close(self) -> None:
         """Stop: commits under way are cancelled (a stored record is applied on restart, or

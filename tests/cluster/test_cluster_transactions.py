@@ -33,7 +33,9 @@ from slipstream.protocol import (
     GetCut,
     GetIdentity,
     IdentityInfo,
+    IdentityList,
     InitProducer,
+    ListIdentities,
     Message,
     ProducerGrant,
     StreamInfo,
@@ -171,6 +173,19 @@ def test_a_transaction_over_two_brokers_commits_all_or_nothing(cluster: Cluster)
     finally:
         raw.close()
     assert _tails(cluster, 1) == dict.fromkeys(range(SEGMENTS), first)
+    # the other broker lists the id's last commit too (read from the catalog, within seconds)
+    raw = Raw(cluster.brokers[1].address)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            listed = raw.ask(ListIdentities(tid))
+            assert isinstance(listed, IdentityList), listed
+            if [i.last_txn_id for i in listed.identities] == [txn_id]:
+                break
+            assert time.monotonic() < deadline, listed
+            time.sleep(0.2)
+    finally:
+        raw.close()
     # a second transaction of the same producer continues each segment's sequence
     raw = Raw(cluster.brokers[0].address)
     try:
