@@ -9,6 +9,7 @@ event whose ack was answered is delivered again (unanswered ones may be: at-leas
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,21 +147,36 @@ def test_a_queue_over_two_brokers_delivers_acks_nacks_and_dead_letters(cluster: 
             assert dead.headers["x-source-offset"] == str(source[1]).encode()
 
 
-@pytest.mark.parametrize("fault", ["kill -9", "clean stop"])
+@pytest.mark.parametrize("fault", ["kill -9", "clean stop", "kill -9 of a segment's broker"])
 def test_the_queue_goes_on_at_a_new_coordinator(cluster: Cluster, fault: str) -> None:
     """Events are acked and each batch's acks flushed; those whose flush was answered are
     stored. The coordinator is killed -9 (or stopped, handing its containers over)
     mid-stream: the consumer joins the broker that takes its container over, which must not
     deliver any of those again; the others (acks lost with the broker, events in flight) come
-    again, and in the end every event is acked."""
+    again, and in the end every event is acked. Killing a broker that serves some of the
+    segments but not the coordinator: the queue reads them on at their new brokers. Half of
+    the events are appended after the fault (so read from the segments' new brokers)."""
     count = 3000
     with slipstream.connect(cluster.addresses(), reconnect_timeout=60) as client:
         client.create_stream(STREAM, SEGMENTS)
         client.create_subscription(STREAM, "work", mode="queue", ack_timeout=30)
-        home, _ = _layout(cluster, client, "work")
-        with client.producer(STREAM, linger_ms=2) as producer:
-            for i in range(count):
-                producer.send(b"%d" % i, key=f"k{i}")
+        home, owners = _layout(cluster, client, "work")
+        victim = home if fault != "kill -9 of a segment's broker" else min(owners - {home})
+        producer = client.producer(STREAM, linger_ms=2)
+        for i in range(count // 2):
+            producer.send(b"%d" % i, key=f"k{i}")
+        producer.flush()
+        failed: list[BaseException] = []
+
+        def append_the_rest() -> None:
+            try:
+                for i in range(count // 2, count):
+                    producer.send(b"%d" % i, key=f"k{i}")
+                producer.flush()
+            except BaseException as exc:
+                failed.append(exc)
+
+        appending = threading.Thread(target=append_the_rest, daemon=True)
 
         confirmed: set[tuple[int, int]] = set()  # acks answered: stored
         maybe: set[int] = set()  # acks whose answer was lost with the broker, or void
@@ -187,16 +203,22 @@ def test_the_queue_goes_on_at_a_new_coordinator(cluster: Cluster, fault: str) ->
                     continue
                 confirmed.update((e.segment, e.offset) for e in events)
                 settled.update(int(e.value) for e in events)
-                if not killed and len(settled) >= count // 3:
-                    if fault == "kill -9":
-                        cluster.kill(int(home[1:]))
+                if not killed and len(settled) >= count // 4:
+                    if fault == "clean stop":
+                        assert cluster.stop(int(victim[1:])) == 0
                     else:
-                        assert cluster.stop(int(home[1:])) == 0
+                        cluster.kill(int(victim[1:]))
                     killed = True
+                    appending.start()  # while the consumer fetches: asks hit the dead broker
+        appending.join()
+        assert not failed, failed
+        producer.close()
         assert killed
         assert redelivered == [], f"{len(redelivered)} events delivered again after their ack"
         assert settled | maybe == set(range(count))
         assert len(maybe - settled) < count // 3  # (only what was out when the broker died)
+        if victim != home:  # the queue read on at the segments' new brokers, unaware
+            assert maybe == set()
 
 
 def _ask(address: str, message: Message) -> tuple[Message, bytes]:
