@@ -22,7 +22,7 @@ from pg import PgCluster
 import slipstream
 from slipstream import OffsetOutOfRange, QueueConsumer, SlipstreamError, WrongBroker
 from slipstream.client._connection import Connection
-from slipstream.cluster import coordinator
+from slipstream.cluster import assign, coordinator
 from slipstream.format import events_of, iter_batches, read_body
 from slipstream.protocol import Message, ReadSegment, SegmentData
 
@@ -53,7 +53,9 @@ def _layout(cluster: Cluster, client: slipstream.Client, name: str) -> tuple[str
     """(the broker id coordinating subscription ``name``, the ids serving the stream's
     segments), checked to make the coordinator read at least one other broker's segment;
     once every broker knows the subscription."""
-    for broker in cluster.brokers:  # the client asks any broker for the subscription's mode
+    for i, broker in enumerate(cluster.brokers):  # the client asks any for the mode
+        if not cluster.running(i):
+            continue
         with slipstream.connect(broker.address) as one:
             deadline = time.monotonic() + 30
             while name not in {s.name for s in one.list_subscriptions(STREAM)}:
@@ -299,3 +301,63 @@ def test_a_key_ordered_queue_over_two_brokers_keeps_each_keys_order(cluster: Clu
         assert sorted(v for values in seen.values() for v in values) == list(range(count))
         for key, values in seen.items():
             assert values == sorted(values), key
+
+
+def test_a_queue_moves_with_its_coordinator_on_a_hand_over(cluster: Cluster) -> None:
+    """A broker joins and the coordinator's container is handed over to it (no process dies):
+    the old coordinator stops dispatching at once (its member is told WrongBroker and joins
+    the new one), so a second member joining the new coordinator never gets an event the
+    first one acknowledged, and every event is acknowledged."""
+    assert cluster.stop(2) == 0
+    holders = cluster.wait_until_all_containers_served()
+    assert set(holders.values()) == {"b0", "b1"}
+    wanted = assign(cluster.containers, ["b0", "b1", "b2"], holders)
+    moving = {c for c, owner in wanted.items() if owner == "b2"}
+    name = next(
+        f"work{i}"
+        for i in range(1000)
+        if coordinator(f"{STREAM}/work{i}", cluster.containers) in moving
+    )
+    count = 2000
+    with slipstream.connect(cluster.addresses(), reconnect_timeout=60) as client:
+        client.create_stream(STREAM, SEGMENTS)
+        client.create_subscription(STREAM, name, mode="queue", ack_timeout=30)
+        _layout(cluster, client, name)
+        with client.producer(STREAM, linger_ms=2) as producer:
+            for i in range(count):
+                producer.send(b"%d" % i, key=f"k{i}")
+
+        confirmed: set[tuple[int, int]] = set()
+        maybe: set[int] = set()
+        settled: set[int] = set()
+        redelivered: list[tuple[int, int]] = []
+        first = _queue_consumer(client, name)
+        consumers = [first]
+        deadline = time.monotonic() + 240
+        try:
+            while len(settled | maybe) < count:
+                assert time.monotonic() < deadline, f"{len(settled)} of {count} events acked"
+                for consumer in consumers:
+                    events = consumer.poll(0.1)
+                    for event in events:
+                        if (event.segment, event.offset) in confirmed:
+                            redelivered.append((event.segment, event.offset))
+                        event.ack()
+                    try:
+                        consumer.flush_acks()
+                    except SlipstreamError:
+                        maybe.update(int(e.value) for e in events)
+                        continue
+                    confirmed.update((e.segment, e.offset) for e in events)
+                    settled.update(int(e.value) for e in events)
+                if len(consumers) == 1 and len(settled) >= count // 4:
+                    cluster.start_broker(2)
+                    home = coordinator(f"{STREAM}/{name}", cluster.containers)
+                    moved = cluster.wait_until_all_containers_served()
+                    assert moved[home] == "b2", moved
+                    consumers.append(_queue_consumer(client, name))  # joins at b2
+        finally:
+            for consumer in consumers:
+                consumer.close()
+        assert redelivered == [], f"{len(redelivered)} events delivered again after their ack"
+        assert settled | maybe == set(range(count))
