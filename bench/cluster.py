@@ -527,11 +527,13 @@ def model(clusters: dict, projections: tuple[int, ...] = (1, 3, 10, 30, 100)) ->
     ask of PostgreSQL and the object store.
 
     Each process's CPU is split into what it spends per second with no traffic (the idle
-    window: lease renewal, membership, the 250 ms catalog poll) and what it spends per MB
-    produced (the produce's CPU less the idle rate times its seconds), pooled over the cluster
-    configurations measured. A broker on one core then carries ``(1 - idle) / per_mb`` MB/s,
-    and N brokers N times that; PostgreSQL and the object store need ``N x idle + MB/s x
-    per_mb`` cores. Assumptions: ASSUMPTIONS."""
+    window: lease renewal, membership, the 250 ms catalog poll; averaged per broker over the
+    runs) and what it spends per MB produced (the produce's CPU less the idle rate times its
+    seconds), taken from the run with the most brokers (``pooled_per_mb``: over all runs). A
+    broker on one core then carries ``(1 - idle) / per_mb`` MB/s, and N brokers N times that;
+    PostgreSQL and the object store need ``N x idle + MB/s x per_mb`` cores (PostgreSQL's CPU
+    over a produce is a few clock ticks: its catalog writes, counted exactly, say more).
+    Assumptions: ASSUMPTIONS."""
     measured = {}
     pooled = {"mb": 0.0, "broker": 0.0, "seaweedfs": 0.0, "postgresql": 0.0, "writes": 0.0}
     pooled["commits"] = 0.0
@@ -557,6 +559,7 @@ def model(clusters: dict, projections: tuple[int, ...] = (1, 3, 10, 30, 100)) ->
             idle_per_broker[name].append(rate / n)
         writes = counters.get("write_transactions", 0)
         idle_writes = idle_counters.get("write_transactions", 0.0)
+        marginal["writes"] = max(0.0, writes - idle_writes * seconds) / mb
         pooled["writes"] += max(0.0, writes - idle_writes * seconds)
         idle_per_broker["writes"].append(idle_writes / n)
         commits = counters.get("group_commits", 0)
@@ -581,9 +584,20 @@ def model(clusters: dict, projections: tuple[int, ...] = (1, 3, 10, 30, 100)) ->
             "catalog_writes": writes,
             "catalog_writes_per_group_commit": writes / commits if commits else None,
             "idle_catalog_writes_s": idle_writes,
+            "catalog_writes_per_mb": marginal["writes"],
         }
     mb = pooled["mb"]
-    per_mb = {k: pooled[k] / mb for k in ("broker", "seaweedfs", "postgresql", "writes")}
+    pooled_per_mb = {k: pooled[k] / mb for k in ("broker", "seaweedfs", "postgresql", "writes")}
+    # the basis: the run with the most brokers. CPU per MB grew with the number of brokers in
+    # every run on this machine (bench/README.md), so the largest cluster's is the cautious one
+    basis = max(measured, key=lambda label: measured[label]["brokers"])
+    b = measured[basis]
+    per_mb = {
+        "broker": b["broker_cpu_s_per_mb"],
+        "seaweedfs": b["seaweedfs_cpu_s_per_mb"],
+        "postgresql": b["postgresql_cpu_s_per_mb"],
+        "writes": b["catalog_writes_per_mb"],
+    }
     idle = {k: sum(v) / len(v) for k, v in idle_per_broker.items()}
     per_broker = (1 - idle["broker"]) / per_mb["broker"]  # MB/s on one core of its own
     rows = []
@@ -602,6 +616,8 @@ def model(clusters: dict, projections: tuple[int, ...] = (1, 3, 10, 30, 100)) ->
     pg_core = idle["postgresql"] + per_broker * per_mb["postgresql"]
     container_mb_s = max(r["container_mb_s"] for r in measured.values())
     return {
+        "basis": basis,
+        "pooled_per_mb": pooled_per_mb,
         "container_mb_s": container_mb_s,
         "containers_per_broker": per_broker / container_mb_s,
         "measured": measured,
@@ -616,12 +632,12 @@ def model(clusters: dict, projections: tuple[int, ...] = (1, 3, 10, 30, 100)) ->
 
 
 ASSUMPTIONS = [
-    "a broker's CPU per MB produced does not grow with N (each serves only its own "
-    "containers); what grows with N is per broker and per second (leases, membership, the "
-    "catalog poll), measured in an idle window",
-    "one core per broker, fully used: per-broker MB/s = (1 - idle cores) / (CPU s per MB), "
-    "both pooled over the 1..3-broker runs on 2 shared cores (not a saturated broker's own "
-    "rate: CPU per MB may differ at saturation)",
+    "a broker's CPU per MB produced stays at what the largest cluster measured here (it grew "
+    "from 1 to 3 brokers on these 2 shared cores; each broker serves only its own "
+    "containers, so beyond contention for cores it should not grow); what grows with N per "
+    "broker and per second (leases, membership, the catalog poll) is the idle window's rate",
+    "one core per broker, fully used: per-broker MB/s = (1 - idle cores) / (CPU s per MB) "
+    "(not a saturated broker's own rate: CPU per MB may differ at saturation)",
     "producers spread evenly over the segments and so over the brokers (keyless batches); "
     "clients and the network are not the limit",
     "PostgreSQL and the object store keep up when given the cores in the table (their CPU "
@@ -672,10 +688,10 @@ def print_report(results: dict) -> None:
             f"{r['client_cpu_s_per_mb']:7.4f} {r['group_commits']:8d} {kb or 0:9.0f} "
             f"{r['commit_cycle_ms'] or 0:8.0f} {writes or 0:13.2f}"
         )
-    idle, per_mb = m["idle_per_broker"], m["per_mb"]
+    idle, pooled = m["idle_per_broker"], m["pooled_per_mb"]
     print(
-        f"  pooled per MB: broker {per_mb['broker']:.4f} s, SeaweedFS {per_mb['seaweedfs']:.4f}"
-        f" s, PostgreSQL {per_mb['postgresql']:.4f} s, {per_mb['writes']:.2f} catalog writes"
+        f"  pooled per MB: broker {pooled['broker']:.4f} s, SeaweedFS {pooled['seaweedfs']:.4f}"
+        f" s, PostgreSQL {pooled['postgresql']:.4f} s, {pooled['writes']:.2f} catalog writes"
     )
     print(
         f"  idle, per broker: broker {idle['broker']:.3f} cores, SeaweedFS "
@@ -683,7 +699,8 @@ def print_report(results: dict) -> None:
         f"{idle['writes']:.1f} catalog writes/s"
     )
     print(
-        f"\nmodel: one broker on one core carries {m['per_broker_mb_s']:.0f} MB/s of {SIZE} B "
+        f"\nmodel (CPU per MB of {m['basis']}, the cautious basis; idle pooled): one broker on "
+        f"one core carries {m['per_broker_mb_s']:.0f} MB/s of {SIZE} B "
         f"events; one PostgreSQL core serves about {m['brokers_per_postgresql_core'] or 0:.0f} "
         "such brokers"
     )
