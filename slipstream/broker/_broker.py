@@ -384,6 +384,7 @@ class Broker:
         )
         self.service.cluster = self.cluster
         self.service.peers = Peers(self.cluster, self._peer_credentials)
+        self.service.refresh_catalog = self.refresh_catalog  # type: ignore[method-assign]
         self.coordinator.peers = self.service.peers  # a transaction's batches for others
         self.metrics.attach(self)
         started = time.monotonic()

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
     from ._segment import Segment
 
 log = logging.getLogger("slipstream.cluster")
+
+#: how soon a broker looks again while a container assigned to it is being handed over
+AWAITING_S = 0.1
 T = TypeVar("T")
 
 
@@ -111,6 +114,7 @@ class Membership:
         self.changing: set[int] = set()  # containers being taken or handed over
         self._turns = asyncio.Lock()
         self.leaving = False
+        self.awaiting: set[int] = set()  # assigned here, still held by another broker
 
     async def _call(self, call: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, call, *args)
@@ -128,7 +132,10 @@ class Membership:
                 await self.turn()
             except (SlipstreamError, OSError) as exc:
                 log.warning("cluster turn failed, retrying: %s", exc)
-            await asyncio.sleep(self.ttl_ms / 3000)
+            # a container assigned here that its holder is handing over: look again soon,
+            # so that it is served again within a fraction of a turn
+            pause = self.ttl_ms / 3000
+            await asyncio.sleep(min(pause, AWAITING_S) if self.awaiting else pause)
 
     async def turn(self) -> None:
         """One turn: renew, look, take and hand over (never while another turn or the
@@ -159,6 +166,12 @@ class Membership:
             cluster.owners[cid] = holders.get(cid, "")
         live = sorted({m.broker_id for m in members} | {cluster.broker_id})
         wanted = assign(cluster.count, live, holders)
+        #: containers assigned here that another live broker still holds (handing them over)
+        self.awaiting = {
+            cid
+            for cid, owner in wanted.items()
+            if owner == cluster.broker_id and holders.get(cid) not in (None, cluster.broker_id)
+        }
         for cid in range(cluster.count):
             if cid in self.changing:
                 continue
@@ -166,7 +179,7 @@ class Membership:
             if mine and cid not in self.tasks and holders.get(cid) in (None, cluster.broker_id):
                 await self.take(cid)
             elif not mine and cid in self.tasks and wanted.get(cid) in cluster.members:
-                await self.hand_over(cid, f"assigned to broker {wanted[cid]!r}")
+                await self.hand_over(cid, f"assigned to broker {wanted[cid]!r}", to=wanted[cid])
 
     async def _renew(self) -> None:
         """Renew the served containers' leases; a lease refused is lost: the container is
@@ -239,7 +252,7 @@ class Membership:
                     log.warning("container %d: lease not released: %s", cid, exc)
             self.changing.discard(cid)
 
-    async def hand_over(self, cid: int, why: str, *, release: bool = True) -> None:
+    async def hand_over(self, cid: int, why: str, *, release: bool = True, to: str = "") -> None:
         """Stop serving container ``cid``: refuse new appends and follows (WrongBroker),
         wait until everything it acknowledged is durable (it already is: an append is
         acknowledged only once durable, so this waits for the appends still queued), stop
@@ -264,7 +277,7 @@ class Membership:
                     await self._call(broker.meta.release_lease, lease)
                 except SlipstreamError as exc:  # it expires by itself
                     log.warning("container %d: lease not released: %s", cid, exc)
-            self.cluster.owners[cid] = ""
+            self.cluster.owners[cid] = to  # who takes it next, if known (a hint until then)
             log.info("container %d handed over: %s", cid, why)
         finally:
             self.changing.discard(cid)

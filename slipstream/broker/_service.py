@@ -190,6 +190,11 @@ class Service:
     #: this broker's connections to the others of its cluster (the broker sets them)
     peers: Peers = Peers(cluster)
 
+    async def refresh_catalog(self) -> bool:
+        """Read what other brokers changed in the catalog (the broker sets its own
+        ``Broker.refresh_catalog``); True if it had changed."""
+        return False
+
     def __init__(
         self,
         controller: Controller,
@@ -520,7 +525,9 @@ class Service:
             return info
         if local:
             return self._served_part(info)
-        (merged,) = await self._merged([info], lambda: DescribeStream(name, local=True))
+        (merged,) = await self._live(
+            lambda: [self.describe_stream(caller, name)], lambda: DescribeStream(name, local=True)
+        )
         return merged
 
     async def list_streams_live(
@@ -532,7 +539,9 @@ class Service:
             return infos
         if local:
             return [self._served_part(info) for info in infos]
-        return await self._merged(infos, lambda: ListStreams(scope, local=True))
+        return await self._live(
+            lambda: self.list_streams(caller, scope), lambda: ListStreams(scope, local=True)
+        )
 
     async def cut(
         self,
@@ -555,13 +564,24 @@ class Service:
         mine = await self.controller.cut(stream, at, timestamp_ms, self.is_served)
         if local:
             return mine
+        positions, stale = await self._cut_from_peers(stream, at, timestamp_ms, mine)
+        if stale and await self.refresh_catalog():  # a scale elsewhere this broker missed
+            mine = await self.controller.cut(stream, at, timestamp_ms, self.is_served)
+            positions, _ = await self._cut_from_peers(stream, at, timestamp_ms, mine)
+        return positions
+
+    async def _cut_from_peers(
+        self, stream: str, at: str, timestamp_ms: int | None, mine: dict[int, int]
+    ) -> tuple[dict[int, int], bool]:
+        """``mine`` with the other segments' positions from the brokers serving them, and
+        whether those named segments this broker does not know (it must read the catalog)."""
         missing = {
             n: s.container
             for n, s in self.controller.stream(stream).segments.items()
             if n not in mine
         }
         if not missing:
-            return mine
+            return mine, False
         asked = await gather_answers(
             self.peers,
             {
@@ -575,7 +595,11 @@ class Service:
             if not isinstance(answer, Cut) or number not in answer.positions:
                 raise self.cluster.wrong_broker(cid, f"segment {number} of {stream!r}")
             positions[number] = answer.positions[number]
-        return positions
+        known = self.controller.stream(stream).segments
+        stale = any(
+            n not in known for a in asked.values() if isinstance(a, Cut) for n in a.positions
+        )
+        return positions, stale
 
     def is_served(self, segment: Segment) -> bool:
         """Whether this broker serves ``segment`` (its live object, in a container it holds)."""
@@ -598,15 +622,27 @@ class Service:
             owners.add(owner)
         return owners
 
+    async def _live(
+        self, infos: Callable[[], list[StreamInfo]], local_request: Callable[[], Message]
+    ) -> list[StreamInfo]:
+        """``infos()`` merged with the other brokers' live answers (``_merged``); once more
+        after reading the catalog if those show a scale this broker has not read yet (a
+        description missing the successors would route keys to sealed segments)."""
+        merged, stale = await self._merged(infos(), local_request)
+        if stale and await self.refresh_catalog():
+            merged, _ = await self._merged(infos(), local_request)
+        return merged
+
     async def _merged(
         self, infos: list[StreamInfo], local_request: Callable[[], Message]
-    ) -> list[StreamInfo]:
+    ) -> tuple[list[StreamInfo], bool]:
         """``infos`` with each segment this broker does not serve replaced by what the broker
-        serving it answers to ``local_request``: one request per broker, all at once."""
+        serving it answers to ``local_request``: one request per broker, all at once; and
+        whether an answer showed a segment unknown here or sealed while open here."""
         served = {c.id for c in self.containers if c.serving}
         others = {s.container for i in infos for s in i.segments if s.container not in served}
         if not others:
-            return infos
+            return infos, False
         owners = self._owners_of(others, "a segment")
         answers = await gather_answers(self.peers, {o: local_request() for o in owners})
         live: dict[tuple[str, int], SegmentInfo] = {}
@@ -622,6 +658,12 @@ class Service:
                 for segment in info.segments:
                     if self.cluster.owners[segment.container] == owner:
                         live[info.name, segment.number] = segment
+        known = {(i.name, s.number): s.sealed for i in infos for s in i.segments}
+        stale = any(
+            (key not in known or (segment.sealed and not known[key]))
+            for key, segment in live.items()
+            if key[0] in {i.name for i in infos}
+        )
         merged = []
         for info in infos:
             segments = []
@@ -635,7 +677,7 @@ class Service:
                     segment = found
                 segments.append(segment)
             merged.append(msgspec.structs.replace(info, segments=segments))
-        return merged
+        return merged, stale
 
     # --- produce -----------------------------------------------------------------------------
 
@@ -724,10 +766,26 @@ class Service:
         if not self.containers[cid].serving:
             raise self.cluster.wrong_broker(cid, what)
 
-    def describe_cluster(self) -> ClusterInfo:
+    async def describe_cluster(self) -> ClusterInfo:
         """The brokers and which serves each container: the map clients route by. Any caller
-        may ask (it names no stream); a standalone broker names itself everywhere."""
+        may ask (it names no stream); a standalone broker names itself everywhere. In a
+        cluster the members and leases are read from the catalog now (this broker's own
+        view lags by up to a membership turn): a container's owner is the live member that
+        holds its lease ("" while nobody does)."""
         served = [c.id for c in self.containers if c.serving]
+        if self.cluster.enabled:
+            meta = self.controller.meta
+            members, leases = await self.controller.in_catalog(
+                lambda: (meta.members(), meta.leases())
+            )
+            self.cluster.members = {
+                m.broker_id: m for m in members if m.broker_id != self.cluster.broker_id
+            }
+            live = {m.broker_id for m in members}
+            for lease in leases:
+                if lease.container < self.cluster.count:
+                    held = lease.expires_ms > 0 and lease.owner in live
+                    self.cluster.owners[lease.container] = lease.owner if held else ""
         return self.cluster.info(served)
 
     async def find_events(

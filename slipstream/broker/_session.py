@@ -451,21 +451,18 @@ class Session(asyncio.BufferedProtocol):
             # made by another broker a moment ago? Known once the catalog is read again
             assert isinstance(message, Append)
             self.in_flight += 1
-            self._spawn_request(self._append_after_refresh(message, cid, item.payload, exc))
+            self._spawn_request(self._append_after_refresh(message, cid, item.payload))
         except SlipstreamError as exc:
             self.send_error(cid, exc)
 
-    async def _append_after_refresh(
-        self, message: Append, cid: int, batch: Payload, first: SlipstreamError
-    ) -> None:
+    async def _append_after_refresh(self, message: Append, cid: int, batch: Payload) -> None:
         """An append to a stream or segment unknown here, in a cluster: tried once more after
         the catalog is read again (refreshes run in order, so appends retried this way keep
         the order they came in)."""
         self.in_flight -= 1
         try:
-            changed = await self.broker.refresh_catalog()
-            if not changed:
-                raise first
+            # a refresh running meanwhile may have read it already: retry whatever this says
+            await self.broker.refresh_catalog()
             self._append(message, cid, batch)
         except SlipstreamError as exc:
             self.send_error(cid, exc)
@@ -636,8 +633,9 @@ class Session(asyncio.BufferedProtocol):
                 reply = await self._handle(message)
             except (StreamNotFound, SegmentNotFound):
                 # in a cluster: made by another broker a moment ago? Once more after a refresh
-                if not self.service.cluster.enabled or not await self.broker.refresh_catalog():
+                if not self.service.cluster.enabled:
                     raise
+                await self.broker.refresh_catalog()  # (it may have been read meanwhile)
                 reply = await self._handle(message)
         except SlipstreamError as exc:
             self.send_error(cid, exc)
@@ -779,7 +777,7 @@ class Session(asyncio.BufferedProtocol):
             case ListIdentities(prefix):
                 return IdentityList(service.list_identities(caller, prefix))
             case DescribeCluster():
-                return service.describe_cluster()
+                return await service.describe_cluster()
             case SetQuota(quota):
                 return QuotaList(await service.set_quota(caller, quota))
             case ListQuotas():

@@ -32,6 +32,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -325,10 +326,14 @@ class Cluster:
             ).fetchall()
         return {int(c): (str(o), int(e), bool(live)) for c, o, e, live in rows}
 
-    def wait_until_all_containers_served(self, timeout: float = 60.0) -> dict[int, str]:
+    def wait_until_all_containers_served(
+        self, timeout: float = 60.0, *, balanced: bool = True
+    ) -> dict[int, str]:
         """Wait until every container holds a live lease of a broker that can serve (see
-        ``serving``); returns container -> broker id. A bound against hanging (raises
-        AssertionError naming what is missing), not a timing assertion."""
+        ``serving``) and, with ``balanced``, the brokers that can serve hold their shares
+        (counts differ by at most one: no hand-over is still due); returns container ->
+        broker id. A bound against hanging (raises AssertionError naming what is missing),
+        not a timing assertion."""
         deadline = time.monotonic() + timeout
         while True:
             owners: dict[int, str] = {}
@@ -339,7 +344,10 @@ class Cluster:
                     for c, (owner, _, live) in self.leases().items()
                     if live and owner in serving
                 }
-                if len(owners) == self.containers:
+                counts = Counter(dict.fromkeys(serving, 0))
+                counts.update(owners.values())
+                even = max(counts.values(), default=0) - min(counts.values(), default=0) <= 1
+                if len(owners) == self.containers and (even or not balanced):
                     return owners
             if time.monotonic() > deadline:
                 raise AssertionError(
