@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._errors import LeaseLost, SlipstreamError, WrongBroker
-from ..cluster import assign
+from ..cluster import assign, coordinator
 from ..protocol import BrokerInfo, ClusterInfo
 from ..storage import Lease, Member, MetaStore, StreamRecord
 from ..storage._meta import SegmentChunks
@@ -227,6 +227,7 @@ class Membership:
             # the transactions it coordinates: staging journal and commits to apply (these
             # in the background, once it serves)
             await broker.coordinator.adopt(cid, lease, self.cluster.count)
+            await broker.service.subscriptions.adopt(self._coordinated_by(cid))
             container.serving = True
             self.tasks[cid] = asyncio.get_running_loop().create_task(
                 broker.run_container(container), name=f"container {cid}"
@@ -263,6 +264,7 @@ class Membership:
         try:
             container.serving = False
             await broker.coordinator.release(cid)  # its open transactions abort
+            broker.service.subscriptions.release(self._coordinated_by(cid))  # members rejoin
             for segment in container.segments.values():
                 segment.notify()  # follows at the end wake up and fail with WrongBroker
             await container.drain()
@@ -281,6 +283,11 @@ class Membership:
             log.info("container %d handed over: %s", cid, why)
         finally:
             self.changing.discard(cid)
+
+    def _coordinated_by(self, cid: int) -> Callable[[str], bool]:
+        """Whether container ``cid`` coordinates a key ("stream/name", a transactional id)."""
+        count = self.cluster.count
+        return lambda key: coordinator(key, count) == cid
 
     async def leave(self) -> None:
         """A clean stop: hand every container over and leave the members, so that the

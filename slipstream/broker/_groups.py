@@ -33,7 +33,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -197,6 +197,47 @@ class Subscriptions:
                 self._drop(group, f"subscription {key[1]!r} was deleted (on another broker)")
                 changed += 1
         return changed
+
+    async def adopt(self, coordinated: Callable[[str], bool]) -> int:
+        """In a cluster, this broker now coordinates the groups ``coordinated`` accepts (by
+        "stream/name"; Membership.take): their state is the catalog's as of now (positions
+        committed through the broker that coordinated them before, which do not move the
+        catalog's version), replacing what this broker kept from an earlier read. Returns
+        how many groups it took."""
+        records = await self.controller.in_catalog(self.controller.meta.subscriptions)
+        streams = {s.id: s for s in self.controller.streams.values()}
+        taken = 0
+        for record in records:
+            stream = streams.get(record.stream_id)
+            if stream is None or not coordinated(f"{stream.name}/{record.name}"):
+                continue
+            group = self.groups.get((record.stream_id, record.name))
+            if group is None or group.stream is not stream:
+                self.groups[(record.stream_id, record.name)] = Group(record, stream)
+            else:
+                self._release_members(group, "its coordinator moved here")
+                group.record = record
+                self.queues.reset(group)
+                group.wake()
+            taken += 1
+        return taken
+
+    def release(self, coordinated: Callable[[str], bool]) -> None:
+        """In a cluster, another broker coordinates these groups from now on (a hand-over):
+        their members here are gone (their next poll answers UnknownMember; clients join
+        again where the group is now) and their queues stop."""
+        for group in list(self.groups.values()):
+            if coordinated(f"{group.stream.name}/{group.record.name}"):
+                self._release_members(group, "its coordinator moved to another broker")
+                self.queues.reset(group)
+
+    def _release_members(self, group: Group, why: str) -> None:
+        for member in list(group.members.values()):
+            log.info(
+                "member %d (%s) of %s removed: %s", member.id, member.name, self._label(group), why
+            )
+            self._remove(member)
+        group.wake()
 
     def _absorb(
         self, group: Group, seen: SubscriptionRecord | None, record: SubscriptionRecord
@@ -552,8 +593,10 @@ class Subscriptions:
 
     def _check_positions(self, stream: Stream, positions: Mapping[int, int]) -> None:
         for segment, offset in positions.items():
-            end = stream.segment(segment).next_offset
-            if not 0 <= offset <= end:
+            record = stream.segment(segment)
+            end = record.next_offset
+            served = self.controller.containers[record.container].serving
+            if offset < 0 or (served and offset > end):
                 raise OffsetOutOfRange(
                     f"position {offset} of segment {segment} is outside 0..{end} (the end of "
                     "what the segment holds)",

@@ -342,12 +342,6 @@ def consume_all(consumer: slipstream.Consumer, count: int) -> list[Event]:
 
 
 @CLUSTER_MODE
-@pytest.mark.xfail(
-    strict=True,
-    raises=slipstream.OffsetOutOfRange,
-    reason="BUG (found by the chaos test, reported): the coordinator bounds a commit by its own "
-    "stale view of a segment another broker serves (Subscriptions._check_positions)",
-)
 def test_a_member_commits_segments_another_broker_serves(cluster: Cluster) -> None:
     with slipstream.connect(cluster.addresses()) as client:
         client.create_stream(STREAM, segments=4)  # over four containers, three brokers
