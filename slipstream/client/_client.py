@@ -756,21 +756,32 @@ class AsyncClient:
         *,
         timeout: float = 60.0,
         label: str = "",
+        merge_into: str | None = None,
         **options: Any,
     ) -> Opening[AsyncTransaction]:
         """Begin a transaction: ``async with client.transaction(id) as txn`` commits when the
         block ends (aborts on an exception), or ``txn = await client.transaction(id)``. See
         :meth:`Client.transaction`. The first transaction of a ``transactional_id`` on this
         client fences every other client using that id."""
-        return Opening(self._begin(transactional_id, timeout, label, options))
+        return Opening(self._begin(transactional_id, timeout, label, options, merge_into))
 
     async def _begin(
-        self, transactional_id: str | None, timeout: float, label: str, options: dict[str, Any]
+        self,
+        transactional_id: str | None,
+        timeout: float,
+        label: str,
+        options: dict[str, Any],
+        merge_into: str | None = None,
     ) -> AsyncTransaction:
         home: Target
         if transactional_id is None:
             identity = (-1, -1)
-            home = (await self.live_connection()).address  # it stays where it began
+            # it stays where it began: in a cluster, where the commit that merges it runs
+            home = (
+                self.cluster.coordinator(merge_into)
+                if merge_into is not None
+                else (await self.live_connection()).address
+            )
         else:
             home = self.cluster.coordinator(transactional_id)
             known = self._identities.get(transactional_id)
@@ -794,9 +805,12 @@ class AsyncClient:
         metadata = json.loads(reply.last_metadata) if reply.last_metadata else None
         return CommitInfo(reply.last_txn_id, metadata, reply.committed_ms, reply.epoch)
 
-    async def transactions(self) -> list[TxnInfo]:
-        """Open transactions on the broker, with age, size and state."""
-        reply = await self._request(ListTxns())
+    async def transactions(self, at: str | None = None) -> list[TxnInfo]:
+        """Open transactions on the broker, with age, size and state; in a cluster, ``at`` a
+        transactional id: those of the broker coordinating it (where its commits merge)."""
+        reply = await self._request(
+            ListTxns(), None if at is None else self.cluster.coordinator(at)
+        )
         assert isinstance(reply, TxnList)
         return reply.txns
 
@@ -817,9 +831,11 @@ class AsyncClient:
         action."""
         await self._request(HandOverIdentity(transactional_id, subject))
 
-    async def abort_transaction(self, txn_id: int) -> None:
-        """Abort an open transaction by id (an operator's tool: its owner's commit fails)."""
-        await self._request(EndTxn(txn_id, False, operator=True))
+    async def abort_transaction(self, txn_id: int, at: str | None = None) -> None:
+        """Abort an open transaction by id (an operator's tool: its owner's commit fails); in
+        a cluster, ``at``: a transactional id whose coordinating broker holds it."""
+        target = None if at is None else self.cluster.coordinator(at)
+        await self._request(EndTxn(txn_id, False, operator=True), target)
 
     async def set_quota(
         self,
@@ -1478,6 +1494,7 @@ class Client:
         *,
         timeout: float = 60.0,
         label: str = "",
+        merge_into: str | None = None,
         **options: Any,
     ) -> Transaction:
         """Begin a transaction over any streams::
@@ -1496,11 +1513,15 @@ class Client:
         With ``transactional_id=None`` the transaction is *anonymous*: it stages events but
         commits only as part of another transaction's commit (``commit(merge=[its txn_id])``),
         for work split over processes (the Spark sink's tasks). ``label`` names it in
-        ``slipstream txn list``.
+        ``slipstream txn list``. ``merge_into``: the transactional id whose commit will merge
+        it; in a cluster it then begins at the broker coordinating that id, the only one that
+        can merge it.
         """
         return Transaction(
             self._loop,
-            self._loop.run(self._async._begin(transactional_id, timeout, label, options)),
+            self._loop.run(
+                self._async._begin(transactional_id, timeout, label, options, merge_into)
+            ),
         )
 
     def last_commit(self, transactional_id: str) -> CommitInfo | None:
@@ -1537,17 +1558,18 @@ class Client:
             self._async.check_access(subject, action, stream, role=role, scope=scope)
         )
 
-    def transactions(self) -> list[TxnInfo]:
-        """Open transactions on the broker (id, transactional id, state, age, events, bytes)."""
-        return self._loop.run(self._async.transactions())
+    def transactions(self, at: str | None = None) -> list[TxnInfo]:
+        """Open transactions on the broker (id, transactional id, state, age, events, bytes);
+        ``at``: see ``AsyncClient.transactions``."""
+        return self._loop.run(self._async.transactions(at))
 
     def identities(self, prefix: str = "") -> list[IdentityInfo]:
         """Transactional ids starting with ``prefix``; see ``AsyncClient.identities``."""
         return self._loop.run(self._async.identities(prefix))
 
-    def abort_transaction(self, txn_id: int) -> None:
-        """Abort an open transaction by id."""
-        self._loop.run(self._async.abort_transaction(txn_id))
+    def abort_transaction(self, txn_id: int, at: str | None = None) -> None:
+        """Abort an open transaction by id; ``at``: see ``AsyncClient.abort_transaction``."""
+        self._loop.run(self._async.abort_transaction(txn_id, at))
 
     def create_token(
         self,

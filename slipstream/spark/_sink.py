@@ -100,11 +100,13 @@ def _staged(messages: list[WriterCommitMessage | None]) -> list[StagedPartition]
     return [m for m in messages if isinstance(m, StagedPartition)]
 
 
-def _abort_quietly(client: Client, txn_ids: list[int]) -> None:
+def _abort_quietly(client: Client, txn_ids: list[int], at: str) -> None:
+    """Abort staged transactions held by the broker coordinating ``at`` (the transactional
+    id that would have merged them)."""
     for txn_id in txn_ids:
         # already gone (aborted by its timeout or an earlier cleanup) is fine
         with contextlib.suppress(TransactionAborted, TransactionNotFound):
-            client.abort_transaction(txn_id)
+            client.abort_transaction(txn_id, at=at)
 
 
 class _Writing:
@@ -112,10 +114,15 @@ class _Writing:
         self.options = sink_options(options)
         check_sink_schema(schema.fieldNames())
 
+    def merging_id(self, query_id: str) -> str:
+        """The transactional id whose commit merges the tasks' transactions."""
+        raise NotImplementedError
+
     def stage(
         self, batches: Iterator[pa.RecordBatch], query_id: str, label: str
     ) -> StagedPartition:
-        """Stage every row of this task in one anonymous transaction."""
+        """Stage every row of this task in one anonymous transaction, begun where the commit
+        that merges it will run (in a cluster: the broker coordinating ``merging_id``)."""
         client = shared_client(self.options.broker, self.options.tls)
         txn = None
         events = 0
@@ -124,7 +131,12 @@ class _Writing:
                 if batch.num_rows == 0:
                     continue
                 if txn is None:
-                    txn = client.transaction(None, timeout=self.options.timeout_s, label=label)
+                    txn = client.transaction(
+                        None,
+                        timeout=self.options.timeout_s,
+                        label=label,
+                        merge_into=self.merging_id(query_id),
+                    )
                 txn.send_many(self.options.stream, **from_spark_batch(batch))
                 events += batch.num_rows
             if txn is not None:
@@ -136,10 +148,11 @@ class _Writing:
         return StagedPartition(None if txn is None else txn.txn_id, query_id, events)
 
     def abort_staged(self, messages: list[WriterCommitMessage | None]) -> None:
-        staged = [m.txn_id for m in _staged(messages) if m.txn_id is not None]
+        present = _staged(messages)
+        staged = [m.txn_id for m in present if m.txn_id is not None]
         if staged:
             with connect_patiently(self.options.broker, self.options.tls) as client:
-                _abort_quietly(client, staged)
+                _abort_quietly(client, staged, self.merging_id(present[0].query_id))
 
 
 class StreamWriter(_Writing, DataSourceStreamArrowWriter):
@@ -148,6 +161,9 @@ class StreamWriter(_Writing, DataSourceStreamArrowWriter):
 
     def __init__(self, options: Mapping[str, str], schema: StructType, overwrite: bool) -> None:
         super().__init__(options, schema)
+
+    def merging_id(self, query_id: str) -> str:
+        return self.options.transactional_id or f"spark:{query_id}"
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> StagedPartition:
         context = TaskContext.get()
@@ -163,22 +179,22 @@ class StreamWriter(_Writing, DataSourceStreamArrowWriter):
             return
         query_id = present[0].query_id
         staged = [m.txn_id for m in present if m.txn_id is not None]
-        transactional_id = self.options.transactional_id or f"spark:{query_id}"
+        transactional_id = self.merging_id(query_id)
         with connect_patiently(self.options.broker, self.options.tls) as client:
             last = client.last_commit(transactional_id)
             done = last.metadata if last is not None and isinstance(last.metadata, dict) else {}
-            open_ids = {t.txn_id: t.label for t in client.transactions()}
+            open_ids = {t.txn_id: t.label for t in client.transactions(at=transactional_id)}
             if done.get("query") == query_id and done.get("batch", -1) >= batchId:
                 # committed before: Spark repeats a batch after a crash inside commit, or re-runs
                 # it; what was staged again (not the very same, merged transactions) goes away
-                _abort_quietly(client, [t for t in staged if t in open_ids])
+                _abort_quietly(client, [t for t in staged if t in open_ids], transactional_id)
                 return
             orphans = [
                 txn_id
                 for txn_id, label in open_ids.items()
                 if label.startswith(f"spark:{query_id}:") and txn_id not in staged
             ]
-            _abort_quietly(client, orphans)
+            _abort_quietly(client, orphans, transactional_id)
             if not staged:
                 return
             events = sum(m.events for m in present)
@@ -206,6 +222,11 @@ class BatchWriter(_Writing, DataSourceArrowWriter):
         super().__init__(options, schema)
         self.write_id = uuid.uuid4().hex
 
+    def merging_id(self, query_id: str) -> str:
+        # One id per stream keeps the broker's identity table small; two writes committing at
+        # the same instant fence each other, so a fenced commit is tried again.
+        return self.options.transactional_id or f"spark-write:{self.options.stream}"
+
     def write(self, iterator: Iterator[pa.RecordBatch]) -> StagedPartition:
         context = TaskContext.get()
         partition = context.partitionId() if context is not None else 0
@@ -215,9 +236,7 @@ class BatchWriter(_Writing, DataSourceArrowWriter):
         staged = [m.txn_id for m in _staged(messages) if m.txn_id is not None]
         if not staged:
             return
-        # One id per stream keeps the broker's identity table small; two writes committing at
-        # the same instant fence each other, so a fenced commit is tried again.
-        transactional_id = self.options.transactional_id or f"spark-write:{self.options.stream}"
+        transactional_id = self.merging_id(self.write_id)
         with connect_patiently(self.options.broker, self.options.tls) as client:
             for attempt in range(3):
                 try:

@@ -21,6 +21,7 @@ from objectstores import SeaweedFS
 from pg import PgCluster
 from raw import RawConnection, batch
 
+import slipstream
 from slipstream.cluster import coordinator
 from slipstream.protocol import (
     Append,
@@ -287,3 +288,34 @@ def test_a_coordinator_killed_after_its_commit_record_is_applied_once_by_the_nex
         time.sleep(1)  # a late duplicate (a second apply) would land now
         assert _tails(cluster, 1) == dict.fromkeys(range(SEGMENTS), first + EVENTS)
         assert len(set(by_segment.values())) == 3
+
+
+def test_anonymous_transactions_begun_through_any_broker_merge_into_a_commit(
+    cluster: Cluster,
+) -> None:
+    """The Spark sink's pattern through the public client: tasks begin anonymous
+    transactions (``merge_into`` the query's id) on clients whose first broker is NOT the
+    id's coordinator; the driver's commit of the id merges them all, across brokers."""
+    tid, by_segment = _setup(cluster, "b1")
+    first_b0 = f"{cluster.brokers[0].address},{cluster.brokers[1].address}"
+    staged = []
+    with slipstream.connect(first_b0) as client:
+        for task in range(3):
+            txn = client.transaction(None, label=f"task-{task}", merge_into=tid)
+            txn.send_many(
+                STREAM,
+                values=[b"%d-%d" % (task, i) for i in range(40)],
+                keys=[f"k{i}" for i in range(40)],
+            )
+            txn.flush()
+            staged.append(txn.txn_id)
+        assert {t.txn_id for t in client.transactions(at=tid)} >= set(staged)
+        assert _tails(cluster, via=0) == dict.fromkeys(by_segment, 0), "staged: invisible"
+        client.transaction(tid).commit(metadata={"batch": 1}, merge=staged)
+        last = client.last_commit(tid)
+        assert last is not None and last.metadata == {"batch": 1}
+        events = list(client.reader(STREAM, end=client.tail(STREAM)))
+    assert sorted(e.value for e in events) == sorted(
+        b"%d-%d" % (t, i) for t in range(3) for i in range(40)
+    )
+    assert {e.segment for e in events} == set(by_segment), "every segment, both brokers"
