@@ -89,6 +89,21 @@ class Stream:
         self.scaling = ""  # the scaling policy's text ("": fixed at the segments it has)
         self.scale_lock = asyncio.Lock()  # one split or merge at a time
 
+    @classmethod
+    def from_record(cls, record: StreamRecord, segments: Sequence[Segment]) -> Stream:
+        """The stream the catalog's ``record`` describes, with ``segments`` linked."""
+        stream = cls(
+            record.id,
+            record.name,
+            record.retention_ms,
+            record.retention_bytes,
+            record.created_ms,
+            [],
+        )
+        stream.add_segments(segments)
+        stream.scaling = record.scaling
+        return stream
+
     @property
     def epoch(self) -> int:
         return max(s.epoch for s in self.segments.values())
@@ -195,17 +210,7 @@ class Controller:
                 )
                 for s in record.segments
             ]
-            stream = Stream(
-                record.id,
-                record.name,
-                record.retention_ms,
-                record.retention_bytes,
-                record.created_ms,
-                [],
-            )
-            stream.add_segments(segments)
-            stream.scaling = record.scaling
-            self._register(stream)
+            self._register(Stream.from_record(record, segments))
         # the streams of users: the broker's own (the audit trail) are not news to them
         users = sum(not is_system_stream(name) for name in self.streams)
         totals = {"streams": users, "batches": 0, "skipped": 0}
@@ -254,17 +259,7 @@ class Controller:
                     for s in record.segments
                     if s.container != container.id
                 ]
-                stream = Stream(
-                    record.id,
-                    record.name,
-                    record.retention_ms,
-                    record.retention_bytes,
-                    record.created_ms,
-                    [],
-                )
-                stream.add_segments([*others, *mine])
-                stream.scaling = record.scaling
-                self._register(stream)
+                self._register(Stream.from_record(record, [*others, *mine]))
                 continue
             for segment in mine:
                 old = stream.segments.get(segment.number)
@@ -842,19 +837,8 @@ class Controller:
             if stream is None:
                 if record.id in self.deleted_ids:
                     continue  # deleted here after the catalog was read
-                stream = Stream(
-                    record.id,
-                    record.name,
-                    record.retention_ms,
-                    record.retention_bytes,
-                    record.created_ms,
-                    [],
-                )
-                stream.add_segments(
-                    [self._adopt(record, s, chunks, served) for s in record.segments]
-                )
-                stream.scaling = record.scaling
-                self._register(stream)
+                adopted = [self._adopt(record, s, chunks, served) for s in record.segments]
+                self._register(Stream.from_record(record, adopted))
                 log.info("stream %s was created by another broker", record.name)
                 continue
             if stream.scale_lock.locked():
