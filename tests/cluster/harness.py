@@ -25,6 +25,7 @@ the base directory are the caller's (pytest's ``tmp_path``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import signal
@@ -42,6 +43,9 @@ from conftest import BrokerProcess
 from objectstores import ACCESS_KEY, SECRET_KEY, SeaweedFS
 from pg import PgCluster
 from psycopg.conninfo import conninfo_to_dict
+
+from slipstream.client._connection import Connection
+from slipstream.protocol import Message
 
 _S3_UNAVAILABLE = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
@@ -211,6 +215,21 @@ class FaultProxy:
             threads = list(self._threads)
         for thread in threads:
             thread.join(2)
+
+
+def ask(address: str, message: Message) -> Message:
+    """One request on a fresh connection to the broker at ``address``; its answer (an
+    Error answer raises it as the typed error)."""
+
+    async def asking() -> Message:
+        connection = await Connection.open(address)
+        try:
+            reply, _ = await connection.request(message)
+        finally:
+            connection.close()
+        return reply
+
+    return asyncio.run(asking())
 
 
 def _supports(option: str) -> bool:

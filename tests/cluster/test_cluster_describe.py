@@ -5,36 +5,22 @@ keys without a segment: a producer routing by it sent keys to a sealed segment's
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import Cluster
+from harness import Cluster, ask
 from objectstores import SeaweedFS
 from pg import PgCluster
 
 import slipstream
-from slipstream.client._connection import Connection
 from slipstream.protocol import Cut as CutReply
-from slipstream.protocol import DescribeStream, GetCut, Message, ScaleStream, StreamInfo
+from slipstream.protocol import DescribeStream, GetCut, ScaleStream, StreamInfo
 
 STREAM = "describe/orders"
 KEY_SPACE = (0, 2**64 - 1)
-
-
-def _ask(address: str, message: Message) -> Message:
-    async def ask() -> Message:
-        connection = await Connection.open(address)
-        try:
-            reply, _ = await connection.request(message)
-        finally:
-            connection.close()
-        return reply
-
-    return asyncio.run(ask())
 
 
 def _tiles_the_key_space(info: StreamInfo) -> bool:
@@ -60,18 +46,18 @@ def test_a_description_right_after_a_scale_elsewhere_covers_every_key(cluster: C
     served = cluster.wait_until_all_containers_served()
     addresses = {f"b{i}": broker.address for i, broker in enumerate(cluster.brokers)}
     for _ in range(3):
-        info = _ask(cluster.brokers[0].address, DescribeStream(STREAM))
+        info = ask(cluster.brokers[0].address, DescribeStream(STREAM))
         assert isinstance(info, StreamInfo)
         target = next(s for s in info.segments if not s.sealed)
         owner = served[target.container]
         other = next(a for b, a in addresses.items() if b != owner)
-        scaled = _ask(addresses[owner], ScaleStream(STREAM, [target.number], 2))
+        scaled = ask(addresses[owner], ScaleStream(STREAM, [target.number], 2))
         assert isinstance(scaled, StreamInfo), scaled
         # at once, through the broker that did not scale (its catalog read may lag)
-        seen = _ask(other, DescribeStream(STREAM))
+        seen = ask(other, DescribeStream(STREAM))
         assert isinstance(seen, StreamInfo), seen
         assert len(seen.segments) == len(scaled.segments), (seen, scaled)
         assert _tiles_the_key_space(seen), seen
-        cut = _ask(other, GetCut(STREAM, "latest"))
+        cut = ask(other, GetCut(STREAM, "latest"))
         assert isinstance(cut, CutReply), cut
         assert set(cut.positions) == {s.number for s in scaled.segments}

@@ -8,7 +8,6 @@ from one end to the other, show every event once."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 from collections import Counter
@@ -18,14 +17,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from harness import Cluster
+from harness import Cluster, ask
 from objectstores import SeaweedFS
 from pg import PgCluster
 
 import slipstream
 from slipstream import WrongBroker
 from slipstream.broker._find import MAX_FIND_BYTES, FoundEvents, merge_found
-from slipstream.client._connection import Connection
 from slipstream.format import Event
 from slipstream.protocol import DescribeStream, EventsFound, FindEvents, ScaleStream, StreamInfo
 
@@ -52,23 +50,11 @@ class Data:
     owners: dict[int, str]  # segment -> broker id serving it
 
 
-def _request(address: str, message: DescribeStream | FindEvents | ScaleStream) -> object:
-    async def ask() -> object:
-        connection = await Connection.open(address)
-        try:
-            reply, _ = await connection.request(message)
-        finally:
-            connection.close()
-        return reply
-
-    return asyncio.run(ask())
-
-
 def _wait_for_segments(address: str, count: int, timeout: float = 30.0) -> None:
     """A bound against hanging, not a timing assertion."""
     deadline = time.monotonic() + timeout
     while True:
-        info = _request(address, DescribeStream(STREAM))
+        info = ask(address, DescribeStream(STREAM))
         assert isinstance(info, StreamInfo), info
         if len(info.segments) >= count:
             return
@@ -119,7 +105,7 @@ def data(
             successors = {by_container[0], by_container[1]}
             split = next(n for n in range(4) if successors != {by_container[n]})
             owner = cluster.brokers[int(by_container[split][1:])]
-            scaled = _request(owner.address, ScaleStream(STREAM, [split], 2))
+            scaled = ask(owner.address, ScaleStream(STREAM, [split], 2))
             assert isinstance(scaled, StreamInfo), scaled
             # every broker knows the successors before a producer describes the stream (one
             # that does not yet, merged with the seal, routed keys to the wrong segment)
@@ -165,7 +151,7 @@ def _expected(
 
 
 def _found(address: str, **find: object) -> EventsFound:
-    reply = _request(address, FindEvents(STREAM, **find))  # type: ignore[arg-type]
+    reply = ask(address, FindEvents(STREAM, **find))  # type: ignore[arg-type]
     assert isinstance(reply, EventsFound), reply
     return reply
 
