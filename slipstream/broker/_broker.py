@@ -479,6 +479,7 @@ class Broker:
                 self.cluster.http_address = f"{self.http_address[0]}:{self.http_address[1]}"
             if membership is not None:  # joins, and takes its share, before it says ready
                 await membership.turn()
+                await membership.settled()
                 await server.start_serving()
                 background.append(loop.create_task(membership.run(), name="cluster"))
                 background.append(loop.create_task(self._refresh_loop(), name="catalog refresh"))

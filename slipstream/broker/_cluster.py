@@ -20,6 +20,7 @@ served) or handed over (not served, drained, stopped, lease released).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -110,8 +111,12 @@ class Membership:
         self.cluster = broker.cluster
         self.ttl_ms = broker.config.lease_ttl_ms
         self._io = ThreadPoolExecutor(1, thread_name_prefix="cluster")
+        # a takeover's journal replay: long, so never on the thread that renews the leases
+        self._recovery = ThreadPoolExecutor(1, thread_name_prefix="takeover")
         self.tasks: dict[int, asyncio.Task[None]] = {}  # served container -> its run task
         self.changing: set[int] = set()  # containers being taken or handed over
+        self._takes: dict[int, asyncio.Task[None]] = {}  # takeovers under way, in the background
+        self._taking: dict[int, Container] = {}  # their containers, once leased (renewed too)
         self._turns = asyncio.Lock()
         self.leaving = False
         self.awaiting: set[int] = set()  # assigned here, still held by another broker
@@ -177,25 +182,34 @@ class Membership:
                 continue
             mine = wanted.get(cid) == cluster.broker_id
             if mine and cid not in self.tasks and holders.get(cid) in (None, cluster.broker_id):
-                await self.take(cid)
+                # in the background: the turns (and the renewals) go on while it recovers
+                self.changing.add(cid)
+                task = asyncio.get_running_loop().create_task(self.take(cid), name=f"take {cid}")
+                self._takes[cid] = task
+                task.add_done_callback(functools.partial(self._took, cid))
             elif not mine and cid in self.tasks and wanted.get(cid) in cluster.members:
                 await self.hand_over(cid, f"assigned to broker {wanted[cid]!r}", to=wanted[cid])
+
+    def _took(self, cid: int, _: asyncio.Task[None]) -> None:
+        self._takes.pop(cid, None)
 
     async def _renew(self) -> None:
         """Renew the served containers' leases; a lease refused is lost: the container is
         handed back (not served, stopped) so that it can be taken again later."""
         broker = self.broker
-        for cid in list(self.tasks):
-            container = broker.containers[cid]
+        held = {cid: broker.containers[cid] for cid in self.tasks if cid not in self.changing}
+        held.update(self._taking)  # a takeover's recovery may outlast the ttl
+        for cid, container in held.items():
             lease = container.lease
-            if lease is None or cid in self.changing:
+            if lease is None or container.lease_lost is not None:
                 continue
             asked = time.monotonic()
             try:
                 renewed = await self._call(broker.meta.renew_lease, lease, self.ttl_ms)
             except LeaseLost as exc:
                 container.lose(str(exc))
-                await self.hand_over(cid, f"lease lost: {exc}", release=False)
+                if cid not in self._taking:  # (a takeover gives up by itself)
+                    await self.hand_over(cid, f"lease lost: {exc}", release=False)
                 continue
             container.hold(renewed, asked + self.ttl_ms / 1000)
 
@@ -204,7 +218,7 @@ class Membership:
         fresh segments, swap them in and serve it. Nothing is served until all of that is
         done; a failure releases the lease and leaves the container to the next turn."""
         broker = self.broker
-        self.changing.add(cid)
+        self.changing.add(cid)  # (the turn that started it added it already)
         lease: Lease | None = None
         try:
             asked = time.monotonic()
@@ -216,11 +230,16 @@ class Membership:
             started = time.monotonic()
             container = broker.new_container(cid)
             container.hold(lease, asked + self.ttl_ms / 1000)
+            self._taking[cid] = container
             await broker.refresh_catalog()  # the streams as they are now, before swapping in
             records, chunks = await self._call(_container_catalog, broker.meta, cid)
             segments = broker.controller.fresh_segments(records, chunks, cid)
             container.segments = {s.global_id: s for s in segments}
-            totals = await self._call(container.recover)
+            loop = asyncio.get_running_loop()
+            totals = await loop.run_in_executor(self._recovery, container.recover)
+            if container.lease_error() is not None:  # expired or taken while it recovered
+                raise LeaseLost(f"container {cid}: lease lost during its takeover")
+            lease = container.lease or lease  # as last renewed
             old = broker.containers[cid]
             broker.controller.swap_in(container, records, segments)
             _retire(old)
@@ -246,6 +265,7 @@ class Membership:
         except (SlipstreamError, OSError) as exc:
             log.warning("container %d not taken: %s", cid, exc)
         finally:
+            self._taking.pop(cid, None)
             if lease is not None:
                 try:
                     await self._call(broker.meta.release_lease, lease)
@@ -289,13 +309,19 @@ class Membership:
         count = self.cluster.count
         return lambda key: coordinator(key, count) == cid
 
+    async def settled(self) -> None:
+        """Return once the takeovers under way have ended (taken, or given up)."""
+        await asyncio.gather(*list(self._takes.values()), return_exceptions=True)
+
     async def leave(self) -> None:
         """A clean stop: hand every container over and leave the members, so that the
         others take them at once instead of after the ttl."""
         async with self._turns:
             self.leaving = True
+            await self.settled()
             await self._leave()
         self._io.shutdown(wait=False)
+        self._recovery.shutdown(wait=False)
 
     async def _leave(self) -> None:
         for cid in list(self.tasks):
