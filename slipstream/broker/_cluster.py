@@ -160,7 +160,7 @@ class Membership:
         )
         await self._renew()
         now_ms = me.expires_ms - self.ttl_ms  # on the catalog's clock, like every expiry
-        members, leases = await self._call(_members_and_leases, broker.meta)
+        members, leases = await self._call(members_and_leases, broker.meta)
         cluster.members = {m.broker_id: m for m in members if m.broker_id != cluster.broker_id}
         holders = {
             lease.container: lease.owner
@@ -335,7 +335,7 @@ class Membership:
             log.warning("not removed from the members (it expires by itself): %s", exc)
 
 
-def _members_and_leases(meta: MetaStore) -> tuple[list[Member], list[Lease]]:
+def members_and_leases(meta: MetaStore) -> tuple[list[Member], list[Lease]]:
     """The live members and every container's last lease."""
     return meta.members(), meta.leases()
 

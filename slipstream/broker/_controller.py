@@ -250,7 +250,7 @@ class Controller:
             record = by_id[stream_id]
             stream = self.streams.get(record.name)
             if stream is None or stream.id != stream_id:
-                if stream is not None or self._deleted_since(stream_id):
+                if stream is not None or stream_id in self.deleted_ids:
                     for segment in mine:
                         container.segments.pop(segment.global_id, None)
                     continue
@@ -268,10 +268,6 @@ class Controller:
                     old.notify()
                 stream.segments[segment.number] = segment
             stream.add_segments(mine)
-
-    def _deleted_since(self, stream_id: int) -> bool:
-        """Whether this broker saw stream ``stream_id`` deleted (a later refresh removed it)."""
-        return stream_id in self.deleted_ids
 
     def _register(self, stream: Stream) -> None:
         self.streams[stream.name] = stream

@@ -98,7 +98,7 @@ from ..streams import (
     validate_stream_name,
 )
 from ._browse import EventsPage, events_after, events_before
-from ._cluster import Cluster
+from ._cluster import Cluster, members_and_leases
 from ._find import Finder, FoundEvents, check_find_arguments, find_in_cluster
 from ._groups import Subscriptions
 from ._metrics import DETACHED, Metrics
@@ -774,9 +774,8 @@ class Service:
         holds its lease ("" while nobody does)."""
         served = [c.id for c in self.containers if c.serving]
         if self.cluster.enabled:
-            meta = self.controller.meta
             members, leases = await self.controller.in_catalog(
-                lambda: (meta.members(), meta.leases())
+                members_and_leases, self.controller.meta
             )
             self.cluster.members = {
                 m.broker_id: m for m in members if m.broker_id != self.cluster.broker_id
