@@ -259,6 +259,17 @@ class SegmentSealed(SlipstreamError):
     code = "segment_sealed"
 
 
+class KeyOutOfRange(SlipstreamError):
+    """An append whose keyed events include one whose key hash lies outside the segment's key
+    range: the sender routed by a stale or wrong view of the stream's segments. ``details``
+    name the stream, the segment, its range (``key_lo``, ``key_hi``, inclusive), the first
+    such key's hash and how many there were. Nothing of the batch was stored; describe the
+    stream again and send each key to the open segment whose range holds its hash (the
+    Python client does so by itself)."""
+
+    code = "key_out_of_range"
+
+
 class SubscriptionNotFound(SlipstreamError):
     """No subscription of that name on the stream; ``details`` name stream and subscription."""
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import os
 import threading
 from bisect import bisect_right, insort
 from collections import OrderedDict
@@ -23,9 +24,16 @@ from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
+import pyarrow as pa
 
+from .._errors import KeyOutOfRange
+from ..format import read_keys
 from ..storage import ChunkRecord, JournalAddress
-from ..streams import ProducerTable, RateTracker
+from ..streams import MAX_KEY_HASH, ProducerTable, RateTracker, first_key_outside
+
+#: whether appends check their keys against the segment's key range (``Segment.check_keys``);
+#: off only to measure what the check costs (bench/key_check.py): SLIPSTREAM_KEY_CHECK=off
+KEY_CHECK = os.environ.get("SLIPSTREAM_KEY_CHECK", "on") != "off"
 
 
 @dataclass(slots=True, eq=False)
@@ -114,6 +122,45 @@ class Segment:
         if self._rates is None:
             self._rates = RateTracker(now_ms)
         return self._rates
+
+    def check_keys(self, batch: builtins.bytes | bytearray | memoryview) -> None:
+        """Refuse a batch holding a keyed event whose key hash (``key_hash``, XXH3-64) lies
+        outside this segment's key range: raises KeyOutOfRange (nothing of the batch is stored),
+        so that no sender with a stale or wrong view of the stream's segments (a buggy or
+        foreign client) can put a key where readers do not look for it and break its order
+        across a scale. Keyless events go to any segment and are not checked, nor is a batch
+        whose key column is not binary or string. Free for a segment owning the whole key
+        space (an unscaled one-segment stream); else it decodes the key column (``read_keys``:
+        CorruptBatch for a body that does not decode) and hashes every key, about 50 ns an
+        event (bench/README.md)."""
+        if not KEY_CHECK or (self.key_lo == 0 and self.key_hi == MAX_KEY_HASH):
+            return
+        keys = read_keys(batch)
+        if keys is None or not (
+            pa.types.is_binary(keys.type)
+            or pa.types.is_string(keys.type)
+            or pa.types.is_large_binary(keys.type)
+            or pa.types.is_large_string(keys.type)
+        ):
+            return
+        outside = first_key_outside(keys, self.key_lo, self.key_hi)
+        if outside is None:
+            return
+        first, count = outside
+        raise KeyOutOfRange(
+            f"{count} of the batch's {'keys hash' if count != 1 else 'keys hashes'} "
+            f"outside segment {self.number} of {self.stream_name!r}: its key range is "
+            f"[{self.key_lo:#018x}, {self.key_hi:#018x}], a key hashes to {first:#018x}. The "
+            "sender's view of the stream's segments is stale or wrong: describe the stream "
+            "again and send each key to the open segment whose range holds its XXH3-64 hash "
+            "(the Python client does this by itself). Nothing of the batch was stored.",
+            stream=self.stream_name,
+            segment=self.number,
+            key_lo=self.key_lo,
+            key_hi=self.key_hi,
+            key_hash=first,
+            outside=count,
+        )
 
     @property
     def global_id(self) -> int:

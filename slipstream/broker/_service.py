@@ -687,9 +687,9 @@ class Service:
         """Check one record batch and append it (or stage it in transaction ``txn``). The
         future resolves to the batch's base offset once it is durable (None when staged), or
         fails with StorageFull / StorageError: then nothing of it was acknowledged. Raises at
-        once for a bad batch (BatchTooLarge, CorruptBatch), an unknown stream or segment, a
-        fenced producer (ProducerFenced) or another caller's producer id or transaction
-        (NotOwner)."""
+        once for a bad batch (BatchTooLarge, CorruptBatch), an unknown stream or segment, a key
+        outside the segment's key range (KeyOutOfRange), a fenced producer (ProducerFenced) or
+        another caller's producer id or transaction (NotOwner)."""
         if len(batch) > self.max_batch_bytes:
             raise BatchTooLarge(
                 f"batch of {len(batch)} bytes exceeds the limit of {self.max_batch_bytes}",
@@ -706,6 +706,7 @@ class Service:
                 f"an Append carries exactly one batch: header says {header.batch_length} bytes, "
                 f"payload has {len(batch)}"
             )
+        target.check_keys(batch)  # KeyOutOfRange: a sender routing by a stale or wrong view
         if txn is not None:
             self._check_txn_owner(caller, txn)
             return self.coordinator.stage(txn, target, batch, header), header

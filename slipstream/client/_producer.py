@@ -45,6 +45,8 @@ from .._errors import (
     BrokerShuttingDown,
     BrokerUnavailable,
     InvalidArgument,
+    KeyOutOfRange,
+    OutOfOrderSequence,
     SegmentSealed,
     SlipstreamError,
     WrongBroker,
@@ -53,6 +55,7 @@ from ..format import (
     COMPRESSIONS,
     EVENT_SCHEMA,
     binary_array,
+    decode_header,
     encode_body,
     encode_body_parts,
     encode_header,
@@ -407,6 +410,9 @@ class ProducerCore:
         self._retry: list[_InFlight] = []
         # refused by a sealed segment: re-routed once everything in flight is answered
         self._refused: list[_InFlight] = []
+        # open segments that refused a batch for a key outside their range (KeyOutOfRange):
+        # the router is stale or wrong; their later batches in flight are refused too
+        self._stale: set[int] = set()
         self._describe = describe
         # where each segment's batches go (several brokers); None: all on ``connection``
         self._links = links
@@ -756,6 +762,10 @@ class ProducerCore:
             self._refused.append(flight)  # nothing of it was stored: it goes to the successors
             self._start_recovery()
             return
+        if self._describe is not None and not self.closed and self._out_of_range(exc, flight):
+            self._refused.append(flight)  # nothing of it was stored: routed again
+            self._start_recovery()
+            return
         future = flight.future
         self._unacked.discard(future)
         if exc is not None:
@@ -780,6 +790,16 @@ class ProducerCore:
             if not waiter.done():
                 waiter.set_result(None)
 
+    def _out_of_range(self, exc: BaseException | None, flight: _InFlight) -> bool:
+        """Whether ``flight`` was refused because this producer routes by a wrong view: a key
+        outside its segment's range (KeyOutOfRange), or an idempotent batch sent behind such
+        a refused one to the same segment (OutOfOrderSequence: the segment still expects the
+        refused batch's sequence). Nothing of either was stored."""
+        if isinstance(exc, KeyOutOfRange):
+            self._stale.add(flight.segment)
+            return True
+        return isinstance(exc, OutOfOrderSequence) and flight.segment in self._stale
+
     def _resendable(self, flight: _InFlight) -> bool:
         return not self.closed and time.monotonic() - flight.first_sent < self.delivery_timeout
 
@@ -799,9 +819,9 @@ class ProducerCore:
     async def _recover(self) -> None:
         """New batches wait while this runs. After a lost connection: once nothing is in
         flight, reconnect and send every unacknowledged batch again in its original order.
-        After a refusal by a sealed segment: once nothing is in flight (so every batch of that
-        segment is either stored or refused), re-route (:meth:`_reroute`). Repeated until
-        neither is left, then carry on."""
+        After a refusal by a sealed segment, or by an open one for a key outside its range:
+        once nothing is in flight (so every batch of that segment is either stored or refused),
+        re-route (:meth:`_reroute`). Repeated until neither is left, then carry on."""
         try:
             while True:
                 while self._in_flight:  # the rest of the lost connection's batches fail at once
@@ -861,9 +881,16 @@ class ProducerCore:
         batches are a prefix of what was sent, and the refused, sealed and open ones (oldest
         first) are exactly the rest. Each is decoded and re-split by key; its parts go first
         in the send queue, and the router changes in the same step, so a key's later events
-        follow its re-routed ones. A batch whose parts fail loses only those parts' events."""
+        follow its re-routed ones. A batch whose parts fail loses only those parts' events.
+
+        After a KeyOutOfRange the router itself was wrong (a stale or inconsistent view):
+        every buffered batch is re-split too, whatever its segment, and each refusing open
+        segment's sequence goes back to its oldest refused batch's (the segment refused every
+        batch from there on, so it expects that one). Without idempotence a refused batch's
+        keys that the segment does own may land after later batches sent there meanwhile."""
         assert self._describe is not None
-        refused = {flight.segment for flight in self._refused}
+        stale, self._stale = self._stale, set()
+        refused = {flight.segment for flight in self._refused if flight.segment not in stale}
         # The broker refuses from the moment a scale starts sealing (it then waits for the
         # segments' appends to be durable and their transactions to end); the description
         # shows the successors once the scale is recorded. Wait for that, like for a broker
@@ -897,20 +924,26 @@ class ProducerCore:
             for flight in sorted(self._refused, key=lambda f: f.order):
                 record = read_body(b"".join(flight.parts))
                 moved.append((record, flight.future, flight.size))
+            rewound: dict[int, int] = {}
+            for flight in sorted(self._refused, key=lambda f: f.order, reverse=True):
+                if flight.segment in stale and self.identity is not None:
+                    rewound[flight.segment] = decode_header(flight.parts[0]).sequence
+            self._next_sequence.update(rewound)
             self._refused = []
+            keep = frozenset() if stale else open_now  # a wrong router: re-split everything
             kept: list[_Batch | tuple[pa.RecordBatch, int, concurrent.futures.Future[int]]] = []
             for item in self._sealed:
                 if isinstance(item, _Batch):
-                    if item.segment in open_now:
+                    if item.segment in keep:
                         kept.append(item)
                     else:
                         moved.append((item.record_batch(), item.future, item.bytes))
-                elif item[1] in open_now:
+                elif item[1] in keep:
                     kept.append(item)
                 else:
                     moved.append((item[0], item[2], item[0].nbytes))
             for batch in self._open_batches():
-                if batch.segment not in open_now:
+                if batch.segment not in keep:
                     if batch.keys is None:
                         self._keyless = None
                     else:

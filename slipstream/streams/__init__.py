@@ -29,7 +29,16 @@ from ._names import (
     validate_stream_name,
     validate_subscription_name,
 )
-from ._routing import KEY_SPACE, MAX_KEY_HASH, MAX_SEGMENTS, Router, key_hash, split_key_space
+from ._routing import (
+    KEY_SPACE,
+    MAX_KEY_HASH,
+    MAX_SEGMENTS,
+    Router,
+    first_key_outside,
+    key_hash,
+    key_hashes,
+    split_key_space,
+)
 from ._scaling import (
     Rates,
     RateTracker,
@@ -74,10 +83,12 @@ __all__ = [
     "assign",
     "assignable",
     "decide",
+    "first_key_outside",
     "format_positions",
     "human_bytes",
     "is_system_stream",
     "key_hash",
+    "key_hashes",
     "manual_merge",
     "manual_split",
     "merge_ranges",
