@@ -42,6 +42,8 @@ log = logging.getLogger("slipstream.cluster")
 
 #: how soon a broker looks again while a container assigned to it is being handed over
 AWAITING_S = 0.1
+#: the key of the member registration's landings (containers are 0..N-1)
+MEMBER = -1
 T = TypeVar("T")
 
 
@@ -120,6 +122,9 @@ class Membership:
         self._turns = asyncio.Lock()
         self.leaving = False
         self.awaiting: set[int] = set()  # assigned here, still held by another broker
+        #: when the last renewal landed (time.monotonic()): MEMBER's registration, or a
+        #: container's lease (from its acquisition), for the lateness metric
+        self._landed: dict[int, float] = {}
 
     async def _call(self, call: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, call, *args)
@@ -158,6 +163,7 @@ class Membership:
             cluster.http_address,
             self.ttl_ms,
         )
+        self._renewed("member", MEMBER)
         await self._renew()
         now_ms = me.expires_ms - self.ttl_ms  # on the catalog's clock, like every expiry
         members, leases = await self._call(members_and_leases, broker.meta)
@@ -207,11 +213,35 @@ class Membership:
             try:
                 renewed = await self._call(broker.meta.renew_lease, lease, self.ttl_ms)
             except LeaseLost as exc:
+                self._landed.pop(cid, None)
                 container.lose(str(exc))
                 if cid not in self._taking:  # (a takeover gives up by itself)
                     await self.hand_over(cid, f"lease lost: {exc}", release=False)
                 continue
             container.hold(renewed, asked + self.ttl_ms / 1000)
+            self._renewed("lease", cid)
+
+    def _renewed(self, renewal: str, key: int) -> None:
+        """A renewal (``renewal``: "member" or "lease", ``key``: MEMBER or the container)
+        landed now: observe how late, after the previous one's landing plus a third of the
+        ttl (the schedule; two thirds later still, the catalog lets it expire)."""
+        now = time.monotonic()
+        last = self._landed.get(key)
+        self._landed[key] = now
+        if last is not None:
+            lateness = now - last - self.ttl_ms / 3000
+            self.broker.metrics.renewed(renewal, lateness)
+            # (bench/takeover.py reads these)
+            log.debug("%s renewal %d landed %+.3f s from its schedule", renewal, key, lateness)
+            if lateness > self.ttl_ms / 3000:  # half the margin gone: the loop or catalog lags
+                log.warning(
+                    "%s renewal%s landed %.1f s late; at %.1f s late it expires and another "
+                    "broker takes over (--lease-ttl)",
+                    renewal,
+                    "" if key == MEMBER else f" of container {key}",
+                    lateness,
+                    self.ttl_ms / 1500,
+                )
 
     async def take(self, cid: int) -> None:
         """Lease container ``cid``, recover it from the catalog and its journal objects into
@@ -227,7 +257,7 @@ class Membership:
             )
             if lease is None:  # someone else was faster
                 return
-            started = time.monotonic()
+            started = self._landed[cid] = time.monotonic()
             container = broker.new_container(cid)
             container.hold(lease, asked + self.ttl_ms / 1000)
             self._taking[cid] = container
@@ -267,6 +297,7 @@ class Membership:
         finally:
             self._taking.pop(cid, None)
             if lease is not None:
+                self._landed.pop(cid, None)
                 try:
                     await self._call(broker.meta.release_lease, lease)
                 except SlipstreamError as exc:
@@ -299,6 +330,7 @@ class Membership:
                     await self._call(broker.meta.release_lease, lease)
                 except SlipstreamError as exc:  # it expires by itself
                     log.warning("container %d: lease not released: %s", cid, exc)
+            self._landed.pop(cid, None)
             self.cluster.owners[cid] = to  # who takes it next, if known (a hint until then)
             log.info("container %d handed over: %s", cid, why)
         finally:

@@ -10,7 +10,8 @@ Two kinds of metrics, chosen by what the hot path can afford:
 * **Counted as things happen**: produced and consumed events and bytes per stream (one lookup
   of the stream's counters per batch or data frame, never per event), append and fsync
   latency histograms, ended transactions, rejected requests, scaling decisions, HTTP
-  requests by route and status with their latency.
+  requests by route and status with their latency, in a cluster how late each lease
+  renewal landed.
 * **Computed at scrape** by ``_BrokerCollector`` from the state the broker keeps anyway, at
   no cost between scrapes: journal and chunk bytes per container, open connections, open
   transactions, open segments and retained bytes per stream, subscription lag.
@@ -72,6 +73,12 @@ FSYNC_BUCKETS = (
 #: an HTTP request, arrival to the end of its answer: 1 ms to 10 s
 HTTP_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+#: how late a lease renewal or member registration lands (docs/operations.md, "Choosing the
+#: lease ttl"):
+#: 5 ms to 10 s; a renewal later than two thirds of the ttl loses the lease
+RENEWAL_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0,
 )  # fmt: skip
 #: the ``read`` label of consumed events: applications' reads, and people's look-ups
 CONSUME, LOOKUP = "consume", "lookup"
@@ -176,6 +183,16 @@ class Metrics:
             registry=registry,
             buckets=HTTP_BUCKETS,
         )
+        self.lease_renewal_lateness_seconds = Histogram(
+            "slipstream_lease_renewal_lateness_seconds",
+            "In a cluster: how late a renewal landed in the catalog, after its schedule (the "
+            "previous one's landing plus a third of --lease-ttl); renewal: member (the "
+            "broker's registration) or lease (a container's). Later than two thirds of the "
+            "ttl, the lease has expired and another broker may take the container",
+            ["renewal"],
+            registry=registry,
+            buckets=RENEWAL_BUCKETS,
+        )
         self._looked_up: dict[str, tuple[Counter, Counter]] = {}
         self._produced: dict[str, tuple[Counter, Counter]] = {}
         self._consumed: dict[str, tuple[Counter, Counter]] = {}
@@ -197,6 +214,7 @@ class Metrics:
             self.throttled_seconds,
             self.http_requests,
             self.http_request_seconds,
+            self.lease_renewal_lateness_seconds,
         ]
         self._collector: _BrokerCollector | None = None
         if broker is not None:
@@ -339,6 +357,11 @@ class Metrics:
             if histogram is None:
                 histogram = self._fsync[container] = self.fsync_seconds.labels(str(container))
             histogram.observe(time.perf_counter() - started)
+
+    def renewed(self, renewal: str, lateness: float) -> None:
+        """A member registration or lease renewal (``renewal``: "member" or "lease") landed
+        ``lateness`` seconds after it was due (on the loop); early ones count as 0."""
+        self.lease_renewal_lateness_seconds.labels(renewal).observe(max(0.0, lateness))
 
     def transaction_ended(self, committed: bool) -> None:
         (self._committed if committed else self._aborted).inc()
