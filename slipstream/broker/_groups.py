@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -73,6 +74,10 @@ MAX_SESSION_TIMEOUT_MS = 300_000
 MAX_POLL_WAIT_MS = 30_000
 #: how often sessions are checked for expiry
 EXPIRY_CHECK_S = 0.25
+#: the longest a transaction coordinator on another broker may hold a group (HoldPositions)
+MAX_HOLD_MS = 30_000
+#: how long a hold waits for the group's lock (a commit or another hold in progress)
+HOLD_WAIT_S = 2.0
 
 
 @dataclass(eq=False)
@@ -147,6 +152,18 @@ class Group:
         self.wake()
 
 
+@dataclass(eq=False)
+class Hold:
+    """A group held for a transaction coordinated by another broker (``Subscriptions.hold``):
+    its lock is taken until the hold is released or ``deadline`` (loop time) passes."""
+
+    id: int
+    txn_id: int
+    group: Group
+    positions: dict[int, int]
+    deadline: float
+
+
 class Subscriptions:
     """Subscriptions and their groups, for the service layer (on the event loop)."""
 
@@ -154,7 +171,10 @@ class Subscriptions:
         self.controller = controller
         self.groups: dict[tuple[int, str], Group] = {}
         self.members: dict[int, Member] = {}
-        self._member_ids = itertools.count(1)
+        # member ids start at random: another broker names a member by its id alone
+        # (``hold``), and an id must not name a newer member after a restart or a move
+        self._member_ids = itertools.count(secrets.randbelow(1 << 50) + 1)
+        self.holds: dict[int, Hold] = {}  # hold id -> a group held for another broker
         self.queues = Queues(self)  # the dispatchers of queue-mode subscriptions
 
     def recover(self) -> int:
@@ -270,6 +290,8 @@ class Subscriptions:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(EXPIRY_CHECK_S)
+            for hold in [h for h in self.holds.values() if loop.time() >= h.deadline]:
+                await self._expire(hold)
             for group in self.groups.values():
                 if group.epoch != group.stream.epoch:
                     group.epoch = group.stream.epoch
@@ -543,14 +565,95 @@ class Subscriptions:
             for group, p in zip(groups, consumed, strict=True):
                 self._committed(group, p.positions)
 
+    # --- holds: a transaction's commit coordinated by another broker ------------------------
+
+    async def hold(
+        self, hold_id: int, txn_id: int, subject: str, ttl_ms: int, consumed: TxnPositions
+    ) -> Group:
+        """For transaction ``txn_id`` coordinated by another broker (docs/cluster.md,
+        "Consume-transform-produce"): check ``consumed`` as ``committing`` does, the member
+        named by its id alone (ids are never reused, see ``__init__``) and owned by a
+        connection authenticated as ``subject`` ("" without authentication), and hold the
+        group (its lock: no grant, commit or reset) until ``release_hold`` or ``ttl_ms``
+        (capped at MAX_HOLD_MS). Raises NotAssigned / StaleGeneration / UnknownMember /
+        SubscriptionNotFound / OffsetOutOfRange like a commit, TimeoutError if the group
+        stays busy for HOLD_WAIT_S, InvalidArgument for a hold id in use."""
+        group = self.group(consumed.stream, consumed.subscription)
+        if hold_id in self.holds:
+            raise InvalidArgument(f"hold {hold_id} is in place already")
+        async with asyncio.timeout(HOLD_WAIT_S):
+            await group.lock.acquire()
+        try:
+            self._check_commit(
+                None, group, consumed.member_id, consumed.generation, consumed.positions, subject
+            )
+        except BaseException:
+            group.lock.release()
+            raise
+        deadline = asyncio.get_running_loop().time() + min(max(ttl_ms, 0), MAX_HOLD_MS) / 1000
+        self.holds[hold_id] = Hold(hold_id, txn_id, group, dict(consumed.positions), deadline)
+        return group
+
+    async def release_hold(self, hold_id: int, stored: int) -> Group | None:
+        """End a hold: ``stored`` 1, the transaction's commit record with the positions is
+        in the catalog (the group takes them); 0, it is not; -1, unknown (the group reads its
+        record from the catalog first). None if no such hold (it expired, or never was)."""
+        hold = self.holds.pop(hold_id, None)
+        if hold is None:
+            return None
+        try:
+            if stored > 0:
+                self._committed(hold.group, hold.positions)
+            elif stored < 0:
+                await self._reread(hold.group)
+        except BaseException:
+            self.holds[hold_id] = hold  # the catalog did not answer: expiry reads it again
+            raise
+        hold.group.lock.release()
+        return hold.group
+
+    async def _expire(self, hold: Hold) -> None:
+        """A hold whose transaction coordinator did not release it in time (it died, or
+        cannot reach this broker): the commit record may or may not be stored, so the group
+        takes its positions from the catalog before it grants again; while the catalog does
+        not answer, the hold stays and is tried again."""
+        log.warning(
+            "hold %d of %s for transaction %d expired: reading its positions from the catalog",
+            hold.id,
+            self._label(hold.group),
+            hold.txn_id,
+        )
+        try:
+            await self._reread(hold.group)
+        except Exception as exc:
+            log.error("hold %d: the catalog did not answer (%s); trying again", hold.id, exc)
+            hold.deadline = asyncio.get_running_loop().time() + 1
+            return
+        if self.holds.pop(hold.id, None) is hold:
+            hold.group.lock.release()
+
+    async def _reread(self, group: Group) -> None:
+        """The group's record as the catalog has it now (its lock held)."""
+        records = await self.controller.in_catalog(
+            self.controller.meta.subscriptions, group.record.stream_id
+        )
+        record = next((r for r in records if r.name == group.record.name), None)
+        if record is not None and record != group.record:
+            group.record = record
+            self.queues.drop(group)
+            group.wake()
+
     def _check_commit(
         self,
-        caller: Caller,
+        caller: Caller | None,
         group: Group,
         member_id: int,
         generation: int,
         positions: Mapping[int, int],
+        subject: str = "",
     ) -> None:
+        """``caller`` None: the member is named for another broker (``hold``), owned by a
+        connection authenticated as ``subject``."""
         name = group.record.name
         if generation != group.record.generation:
             raise StaleGeneration(
@@ -567,7 +670,11 @@ class Subscriptions:
                     members=len(group.members),
                 )
             return
-        member = self.member(caller, member_id)
+        member = (
+            self.member(caller, member_id)
+            if caller is not None
+            else self._member_of(subject, member_id)
+        )
         if member.group is not group:
             raise NotAssigned(f"member {member_id} is not a member of {name!r}")
         foreign = sorted(
@@ -604,6 +711,23 @@ class Subscriptions:
                     offset=offset,
                     end=end,
                 )
+
+    def _member_of(self, subject: str, member_id: int) -> Member:
+        """``member`` for a caller on another broker, known by its subject only."""
+        member = self.members.get(member_id)
+        if member is not None:
+            principal = member.caller.principal
+            if (principal.subject if principal is not None else "") != subject:
+                member = None
+        if member is None:
+            raise UnknownMember(
+                f"member {member_id} is not in the group (it left, its session expired, or its "
+                "coordinator restarted or moved); join again",
+                member_id=member_id,
+            )
+        if member.group.deleted:
+            raise SubscriptionNotFound(member.group.deleted)
+        return member
 
     # --- lookups -----------------------------------------------------------------------------
 

@@ -46,11 +46,14 @@ import msgspec
 from .._errors import (
     AuthenticationFailed,
     BatchTooLarge,
+    BrokerUnavailable,
     CorruptBatch,
     InvalidArgument,
     NotOwner,
     PermissionDenied,
     SlipstreamError,
+    TransactionAborted,
+    WrongBroker,
 )
 from ..cluster import coordinator
 from ..format import BatchHeader, decode_header, verify
@@ -62,11 +65,14 @@ from ..protocol import (
     DescribeStream,
     GetCut,
     GroupAssignment,
+    HoldPositions,
     IdentityInfo,
     ListStreams,
     Message,
     Payload,
+    PositionsHeld,
     QuotaInfo,
+    ReleasePositions,
     ScaleEventInfo,
     SegmentInfo,
     StreamInfo,
@@ -90,7 +96,7 @@ from ..security._rules import (
     make_rule,
 )
 from ..security._tokens import DEFAULT_EXPIRY_S
-from ..storage import QueueOptions, fsync_dir
+from ..storage import PositionCommit, QueueOptions, fsync_dir
 from ..streams import (
     is_system_stream,
     parse_positions,
@@ -103,10 +109,8 @@ from ._find import Finder, FoundEvents, check_find_arguments, find_in_cluster
 from ._groups import Subscriptions
 from ._metrics import DETACHED, Metrics
 from ._peers import Peers, gather_answers
-from ._seal import PeerSeals, Preparations
 
 if TYPE_CHECKING:
-    from ..storage import Lease
     from ._container import Container
     from ._controller import Controller
     from ._segment import Segment
@@ -117,6 +121,9 @@ log = logging.getLogger("slipstream.service")
 #: Producer ids one caller may own at a time; the oldest grant is forgotten past this (the
 #: client does not say when a producer is closed). Its next append gets NotOwner.
 MAX_PRODUCERS_PER_CALLER = 4096
+#: how long a group coordinated by another broker is held for a transaction's commit
+#: (``HoldPositions``); the commit record is written only within the first half of it
+HOLD_TTL_MS = 10_000
 PRODUCER_KEY_FILE = "producer.key"
 _KEY_BYTES = 32
 _TOKEN_BYTES = 16
@@ -233,14 +240,15 @@ class Service:
             [decode_rule(v) for v in controller.meta.settings(RULES_SETTING).values()]
         )
         self._rules_version = 0  # callers' cached decisions hold while it is unchanged
-        #: segments prepared here for merges other brokers coordinate (_seal.py)
-        self.seals = Preparations(controller, coordinator.touching, lambda: self.refresh_catalog())
         self._txn_owners: dict[str, str] = {
             tid: subject.decode()
             for tid, subject in controller.meta.settings(TXN_OWNERS_SETTING).items()
         }
         #: open anonymous transaction -> the subject that began it (authentication on)
         self._anonymous_owners: dict[int, str] = {}
+        #: commits holding groups on other brokers (``_commit_with_holds``), run to the end
+        #: even if their caller goes: a hold is released only once the outcome is known
+        self._holding: set[asyncio.Task[TxnEnded]] = set()
 
     # --- callers -----------------------------------------------------------------------------
 
@@ -480,75 +488,23 @@ class Service:
     ) -> StreamInfo:
         """Split one open segment into ``into`` successors, or merge adjacent open segments,
         in a new epoch (see ``Controller.scale``). Waits for transactions that staged into
-        them to end. Raises StreamNotFound, SegmentNotFound, InvalidArgument.
-
-        In a cluster the broker serving the lowest-numbered segment does it (WrongBroker
-        elsewhere); the others' brokers prepare theirs for it (docs/cluster.md, "Scaling
-        across brokers"): a broker that does not answer, or a container that moves meanwhile,
-        fails the merge (InvalidArgument, LeaseLost, BrokerUnavailable) and every segment
-        takes appends again."""
+        them to end. Raises StreamNotFound, SegmentNotFound, InvalidArgument."""
         self._authorize(caller, Action.MANAGE, name)
         self._refuse_system(name, "scale")
         known = self.controller.stream(name).segments
         named = [known[n] for n in segments if n in known]  # unknown: SegmentNotFound below
-        if named and self.cluster.enabled:
-            self._served(min(named, key=lambda s: s.number))  # WrongBroker: its broker leads
-        stream = await self.controller.scale(
-            name,
-            segments,
-            into,
-            self.coordinator.touching,
-            served=self.is_served if self.cluster.enabled else None,
-            remote=self.peer_seals,
-        )
+        here = [s for s in named if self.is_served(s) or not self.cluster.enabled]
+        if named and not here:
+            self._served(named[0])  # WrongBroker: ask the broker serving them
+        elif len(here) < len(named):
+            raise InvalidArgument(
+                f"segments {sorted(s.number for s in named)} of {name!r} are served by "
+                "different brokers of the cluster, which cannot merge them in one step yet "
+                "(docs/cluster.md, 'Limits'); merge segments served by one broker"
+            )
+        stream = await self.controller.scale(name, segments, into, self.coordinator.touching)
         self._audited(caller, "stream_scaled", stream=name, segments=list(segments), into=into)
         return stream.info()
-
-    @property
-    def peer_seals(self) -> PeerSeals:
-        """The coordinator's side of merges across brokers (``Controller.scale(remote=...)``)."""
-        return PeerSeals(self.peers, self.cluster)
-
-    async def prepare_seal(
-        self,
-        caller: Caller,
-        stream: str,
-        segments: Sequence[int],
-        epoch: int,
-        coordinator: str,
-        wait_ms: int,
-        max_rate: float,
-    ) -> Message:
-        """``PrepareSeal`` (broker to broker): close ``segments``, served here, for the merge
-        another broker coordinates -> ``SealPrepared`` (see _seal.Preparations.prepare).
-        Admin only with authentication on; InvalidArgument on a standalone broker;
-        WrongBroker unless this broker serves every one of them."""
-        self._authorize(caller, Action.ADMIN, None)
-        if not self.cluster.enabled:
-            raise InvalidArgument("PrepareSeal is sent between the brokers of a cluster")
-        self._refuse_system(stream, "scale")
-        target = self.controller.stream(stream)
-        for number in segments:
-            self._served(target.segment(number))
-
-        def lease(segment: Segment) -> Lease:
-            container = self.containers[segment.container]
-            self._served(segment)
-            if container.lease is None:
-                raise self.cluster.wrong_broker(segment.container, "a segment")
-            return container.lease
-
-        return await self.seals.prepare(
-            target, segments, epoch, coordinator, min(wait_ms, 10_000), max_rate, lease
-        )
-
-    async def end_seal(
-        self, caller: Caller, stream: str, segments: Sequence[int], epoch: int, committed: bool
-    ) -> None:
-        """``EndSeal`` (broker to broker): the outcome of a merge that prepared ``segments``
-        here. Admin only with authentication on."""
-        self._authorize(caller, Action.ADMIN, None)
-        await self.seals.end(self.controller.stream(stream), segments, epoch, committed)
 
     def scale_history(self, caller: Caller, name: str) -> list[ScaleEventInfo]:
         self._authorize(caller, None, name)
@@ -1062,6 +1018,14 @@ class Service:
             if operator:
                 self._audited(caller, "transaction_aborted", txn_id=txn_id)
             return ended
+        remote = {i: o for i, p in enumerate(positions) if (o := self._group_owner(p)) is not None}
+        if remote and self.coordinator.open[txn_id].state == "open":
+            task = asyncio.get_running_loop().create_task(
+                self._commit_with_holds(caller, txn_id, metadata, list(merge), positions, remote)
+            )
+            self._holding.add(task)
+            task.add_done_callback(self._holding.discard)
+            return await asyncio.shield(task)
         # positions consumed: stored with the commit record if this caller's members still
         # hold those segments; if not (a zombie), the transaction aborts
         checked = False
@@ -1074,6 +1038,146 @@ class Service:
                 with contextlib.suppress(SlipstreamError):
                     await self.coordinator.end(txn_id, False, b"")
             raise
+
+    def _group_owner(self, consumed: TxnPositions) -> str | None:
+        """The broker coordinating ``consumed``'s group when it is another ("" if nobody
+        does right now); None when this broker does (or standalone)."""
+        if not self.cluster.enabled:
+            return None
+        cid = coordinator(f"{consumed.stream}/{consumed.subscription}", self.cluster.count)
+        if self.containers[cid].serving:
+            return None
+        owner = self.cluster.owners[cid]
+        return "" if owner == self.cluster.broker_id else owner
+
+    async def _commit_with_holds(
+        self,
+        caller: Caller,
+        txn_id: int,
+        metadata: bytes,
+        merge: list[int],
+        positions: Sequence[TxnPositions],
+        remote: dict[int, str],
+    ) -> TxnEnded:
+        """A commit storing positions of groups coordinated by other brokers (``remote``:
+        index in ``positions`` -> broker; docs/cluster.md, "Consume-transform-produce").
+        The local groups are held by ``committing`` as on one broker; the others, just
+        before the commit record is written, by their coordinators (``HoldPositions``, one
+        at a time in one order), which check the positions as a member's commit. The record
+        is written only if its write starts while every hold stands (within half of
+        HOLD_TTL_MS and within each coordinator's lease, as it answered); then the holds are
+        released, telling whether it was stored. A failed check (NotAssigned,
+        StaleGeneration, UnknownMember, ...) aborts the transaction with that error; a group
+        coordinator that cannot be reached aborts it with TransactionAborted."""
+        subject = caller.principal.subject if caller.principal is not None else ""
+        local = [p for i, p in enumerate(positions) if i not in remote]
+        holds: list[tuple[str, int]] = []
+
+        async def hold() -> tuple[list[PositionCommit], float]:
+            started = time.monotonic()
+            valid_ms = HOLD_TTL_MS // 2
+            held = []
+            for i in sorted(remote, key=lambda i: (positions[i].stream, positions[i].subscription)):
+                consumed, owner = positions[i], remote[i]
+                hold_id = secrets.randbits(62)
+                holds.append((owner, hold_id))  # before asking: an answer lost still releases
+                answer = await self._ask_group(
+                    owner, HoldPositions(hold_id, txn_id, subject, HOLD_TTL_MS, consumed), consumed
+                )
+                valid_ms = min(valid_ms, answer.valid_ms)
+                held.append(
+                    PositionCommit(
+                        answer.stream_id,
+                        consumed.subscription,
+                        consumed.generation,
+                        dict(consumed.positions),
+                    )
+                )
+            return held, started + valid_ms / 1000
+
+        stored, checked = 0, False
+        try:
+            async with self.subscriptions.committing(caller, local) as commits:
+                checked = True
+                ended = await self.coordinator.end(txn_id, True, metadata, merge, commits, hold)
+                stored = 1
+                return ended
+        except SlipstreamError:
+            if not checked:
+                with contextlib.suppress(SlipstreamError):
+                    await self.coordinator.end(txn_id, False, b"")
+            raise
+        finally:
+            if stored == 0 and holds:
+                stored = -1  # failed after holding: the record may be stored or not
+            await self._release_holds(holds, stored)
+
+    async def _ask_group(
+        self, owner: str, message: HoldPositions, consumed: TxnPositions
+    ) -> PositionsHeld:
+        what = f"the group of subscription {consumed.subscription!r} of {consumed.stream!r}"
+        try:
+            if not owner:
+                raise BrokerUnavailable("nobody coordinates it right now (it is moving)")
+            answer = await self.peers.ask(owner, message)
+        except (BrokerUnavailable, WrongBroker, TimeoutError) as exc:
+            raise TransactionAborted(
+                f"transaction {message.txn_id} aborted: {what} could not be held by its "
+                f"coordinator{f' ({owner})' if owner else ''}: {exc or 'no answer'}; run it again",
+                txn_id=message.txn_id,
+            ) from None
+        if not isinstance(answer, PositionsHeld):
+            raise TransactionAborted(f"{what}: unexpected answer {answer!r}")
+        return answer
+
+    async def _release_holds(self, holds: list[tuple[str, int]], stored: int) -> None:
+        async def one(owner: str, hold_id: int) -> None:
+            try:
+                await self.peers.ask(owner, ReleasePositions(hold_id, stored))
+            except (SlipstreamError, TimeoutError) as exc:
+                log.warning(
+                    "hold %d on broker %r not released (%s): it expires there", hold_id, owner, exc
+                )
+
+        await asyncio.gather(*(one(owner, hold_id) for owner, hold_id in holds if owner))
+
+    async def hold_positions(
+        self,
+        caller: Caller,
+        hold_id: int,
+        txn_id: int,
+        subject: str,
+        ttl_ms: int,
+        consumed: TxnPositions,
+    ) -> PositionsHeld:
+        """Broker to broker (``HoldPositions``): check a transaction's positions and hold
+        their group for its coordinator (``Subscriptions.hold``). Admin only with
+        authentication on; InvalidArgument standalone; WrongBroker unless this broker
+        coordinates the group; BrokerUnavailable if the group stays busy."""
+        self._authorize(caller, Action.ADMIN, None)
+        if not self.cluster.enabled:
+            raise InvalidArgument("HoldPositions is for brokers of a cluster")
+        self._group_here(consumed.stream, consumed.subscription)
+        try:
+            group = await self.subscriptions.hold(hold_id, txn_id, subject, ttl_ms, consumed)
+        except TimeoutError:
+            raise BrokerUnavailable(
+                f"the group of {consumed.subscription!r} stayed busy; try again"
+            ) from None
+        # how long this broker surely coordinates the group: its lease, as it knows it
+        lease = self.containers[
+            coordinator(f"{consumed.stream}/{consumed.subscription}", self.cluster.count)
+        ].lease_deadline
+        valid_ms = max(0, int(min(lease - time.monotonic(), HOLD_TTL_MS / 1000) * 1000))
+        return PositionsHeld(hold_id, group.record.stream_id, group.record.generation, valid_ms)
+
+    async def release_positions(self, caller: Caller, hold_id: int, stored: int) -> PositionsHeld:
+        """Broker to broker (``ReleasePositions``): end a hold (``Subscriptions.release_hold``)."""
+        self._authorize(caller, Action.ADMIN, None)
+        group = await self.subscriptions.release_hold(hold_id, stored)
+        if group is None:
+            return PositionsHeld(hold_id, 0, 0, held=False)
+        return PositionsHeld(hold_id, group.record.stream_id, group.record.generation)
 
     def list_txns(self, caller: Caller) -> list[TxnInfo]:
         """Every open transaction (with authentication on, the admin action)."""
@@ -1118,12 +1222,6 @@ class Service:
             raise InvalidArgument("ApplyBatch is sent between the brokers of a cluster")
         target = self.controller.stream(stream).segment(segment)
         self._served(target)
-        if batch and target.sealing and not target.sealed:
-            # a scale is sealing it: the catalog refuses the scale while this batch's commit
-            # is pending, the segment then opens again and the coordinator's retry lands
-            from ._container import sealed_error
-
-            raise sealed_error(target)
         if not batch:
             done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             done.set_result(-1)

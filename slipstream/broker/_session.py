@@ -69,7 +69,6 @@ from ..protocol import (
     DescribeStream,
     DescribeSubscription,
     Done,
-    EndSeal,
     EndTxn,
     Error,
     EventsDelivered,
@@ -89,6 +88,7 @@ from ..protocol import (
     GroupJoined,
     HandOverIdentity,
     Hello,
+    HoldPositions,
     IdentityList,
     InitProducer,
     JoinGroup,
@@ -105,10 +105,10 @@ from ..protocol import (
     Oversized,
     Payload,
     PollGroup,
-    PrepareSeal,
     ProducerGrant,
     QuotaList,
     ReadSegment,
+    ReleasePositions,
     ResetSubscription,
     RevokeRule,
     RevokeToken,
@@ -723,13 +723,6 @@ class Session(asyncio.BufferedProtocol):
                 return Done()
             case ScaleStream(stream, segments, into):
                 return await service.scale_stream(caller, stream, segments, into)
-            case PrepareSeal(stream, segments, epoch, coordinator, wait_ms, max_rate):
-                return await service.prepare_seal(
-                    caller, stream, segments, epoch, coordinator, wait_ms, max_rate
-                )
-            case EndSeal(stream, segments, epoch, committed):
-                await service.end_seal(caller, stream, segments, epoch, committed)
-                return Done()
             case GetScaleHistory(stream):
                 return ScaleHistory(stream, service.scale_history(caller, stream))
             case LeaveGroup(member_id):
@@ -745,6 +738,12 @@ class Session(asyncio.BufferedProtocol):
                 if member is not None:
                     await self._consume_quota(member.group.stream.name, batches)
                 return _WithPayload(EventsDelivered(deliveries), batches)
+            case HoldPositions(hold_id, txn_id, subject, ttl_ms, consumed):
+                return await service.hold_positions(
+                    caller, hold_id, txn_id, subject, ttl_ms, consumed
+                )
+            case ReleasePositions(hold_id, stored):
+                return await service.release_positions(caller, hold_id, stored)
             case ReadSegment(stream, segment, offset, max_bytes):
                 batches, after, end, sealed = await service.read_segment(
                     caller, stream, segment, offset, max_bytes

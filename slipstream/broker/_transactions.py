@@ -54,7 +54,7 @@ import logging
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +105,10 @@ from ._segment import Segment, segment_global_id, split_global_id
 if TYPE_CHECKING:
     from ._controller import Controller
     from ._peers import Peers
+
+#: positions of groups other brokers coordinate, held for a commit (``Coordinator.end``):
+#: ``() -> (the positions, the time.monotonic() by which their record must be written)``
+PositionsHold = Callable[[], Awaitable[tuple[list[PositionCommit], float]]]
 
 log = logging.getLogger("slipstream.txn")
 
@@ -759,10 +763,14 @@ class Coordinator:
         metadata: bytes,
         merge: list[int] | None = None,
         positions: list[PositionCommit] | None = None,
+        hold: PositionsHold | None = None,
     ) -> TxnEnded:
         """Commit or abort. A commit may ``merge`` open anonymous transactions: their events
         commit with this one's, under one commit record, or not at all; ``positions``
-        (subscription positions consumed) are stored in that record. A caller cancelled
+        (subscription positions consumed) are stored in that record, with those ``hold``
+        gives, awaited just before the record is written (groups held by other brokers): the
+        record is stored only if its write starts before the deadline it gives too (else the
+        transaction aborts), and an error it raises aborts the transaction. A caller cancelled
         while it waits (its connection lost) stops waiting, not the commit: asking again
         gives the outcome."""
         txn = self.open.get(txn_id)
@@ -805,7 +813,7 @@ class Coordinator:
         # stored, half applied, while a newer epoch's InitProducer, waiting for the outcome,
         # would go on and append to the same segments. Only ``close`` cancels it.
         task = loop.create_task(
-            self._commit(txn, metadata, merged, positions or []), name=f"commit {txn_id}"
+            self._commit(txn, metadata, merged, positions or [], hold), name=f"commit {txn_id}"
         )
         self._commits.add(task)
 
@@ -832,7 +840,12 @@ class Coordinator:
         return merged
 
     async def _commit(
-        self, txn: _Txn, metadata: bytes, merged: list[_Txn], positions: list[PositionCommit]
+        self,
+        txn: _Txn,
+        metadata: bytes,
+        merged: list[_Txn],
+        positions: list[PositionCommit],
+        hold: PositionsHold | None = None,
     ) -> TxnEnded:
         loop = asyncio.get_running_loop()
         identity = txn.identity
@@ -888,6 +901,14 @@ class Coordinator:
         except (SlipstreamError, TimeoutError) as exc:
             await abort_all(f"a segment's broker did not answer: {exc}")
             raise
+        deadline = None
+        if hold is not None:
+            try:
+                held, deadline = await hold()
+            except (SlipstreamError, TimeoutError) as exc:
+                await abort_all(f"its positions could not be held: {exc}")
+                raise
+            positions = [*positions, *held]
         record = TxnCommit(
             txn.txn_id,
             identity.transactional_id,
@@ -902,11 +923,17 @@ class Coordinator:
             home,
         )
         crash_point("txn.before_commit_record")
+
+        def store() -> None:  # on the io thread: the deadline checked as late as can be
+            if deadline is not None and time.monotonic() > deadline:
+                raise TransactionAborted(
+                    f"transaction {txn.txn_id} aborted: the groups holding its positions for it "
+                    "may have let go before its record could be stored"
+                )
+            self.meta.commit_txn(record, lease=lease)
+
         try:
-            await loop.run_in_executor(
-                self._io,
-                functools.partial(self.meta.commit_txn, record, lease=lease),
-            )
+            await loop.run_in_executor(self._io, store)
         except SlipstreamError as exc:
             await abort_all(f"the commit record could not be stored: {exc}")
             raise

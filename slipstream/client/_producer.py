@@ -23,9 +23,7 @@ re-splits every refused batch, and every batch still buffered for a sealed segme
 over the segments open now, oldest first, ahead of anything newer: each key's events keep
 their send order, none is lost or stored twice. Receipts resolve to where each event finally
 landed. Sequences are per segment, so successors start at 0; a transaction's re-routed
-appends stay in the transaction. A scale that fails (a merge across brokers called off) opens
-its segments again: still open in the description after REOPENED_AFTER_S, they get their
-refused batches again, from the oldest one's sequence.
+appends stay in the transaction.
 """
 
 from __future__ import annotations
@@ -74,9 +72,6 @@ from ._cluster import Links
 from ._connection import Connection
 from ._rerouting import KeyRanges, open_ranges, resplit
 
-#: how long a producer waits for segments that refused its batches (a scale sealing them) to
-#: show as sealed before it sends to them again: the scale failed and they are open again
-REOPENED_AFTER_S = 1.0
 _EVENT_OVERHEAD = 24  # bytes of Arrow offsets and timestamp per event, for sizing batches
 
 
@@ -803,10 +798,7 @@ class ProducerCore:
         if isinstance(exc, KeyOutOfRange):
             self._stale.add(flight.segment)
             return True
-        return isinstance(exc, OutOfOrderSequence) and (
-            flight.segment in self._stale
-            or any(f.segment == flight.segment for f in self._refused)  # reopened meanwhile
-        )
+        return isinstance(exc, OutOfOrderSequence) and flight.segment in self._stale
 
     def _resendable(self, flight: _InFlight) -> bool:
         return not self.closed and time.monotonic() - flight.first_sent < self.delivery_timeout
@@ -904,7 +896,6 @@ class ProducerCore:
         # shows the successors once the scale is recorded. Wait for that, like for a broker
         # that is away, up to delivery_timeout.
         deadline = min(f.first_sent for f in self._refused) + self.delivery_timeout
-        reopened_after = time.monotonic() + REOPENED_AFTER_S
         while True:
             try:
                 info = await self._describe()
@@ -914,14 +905,7 @@ class ProducerCore:
                 await asyncio.sleep(0.05)
                 continue
             ranges = open_ranges(info)
-            still_open = refused & {segment for segment, _, _ in ranges}
-            if still_open and time.monotonic() >= reopened_after:
-                # the scale that closed them failed (a merge across brokers called off, or
-                # one waiting long): send to them again, from their oldest refused batch
-                stale |= still_open
-                refused -= still_open
-                still_open = set()
-            if not still_open:
+            if not refused & {segment for segment, _, _ in ranges}:
                 break
             if time.monotonic() >= deadline:
                 raise SegmentSealed(

@@ -803,55 +803,6 @@ class SegmentData(Message, frozen=True):
     sealed: bool = False
 
 
-class PrepareSeal(Message, frozen=True):
-    """Broker to broker, in a cluster (docs/cluster.md, "Scaling across brokers"): the broker
-    coordinating a merge (the one serving its lowest-numbered segment) asks the broker serving
-    ``segments`` to prepare them for it -> ``SealPrepared``: refuse appends to them
-    (SegmentSealed, which producers retry), wait until every append they took is durable and
-    no transaction this broker coordinates is still open on them (up to ``wait_ms``), and
-    answer their ends. They stay closed until ``EndSeal``, or until the answer's deadline has
-    passed and the catalog says whether the merge was recorded (sealed) or not (open again).
-    ``max_rate`` >= 0 (an automatic merge of cold segments): refused with InvalidArgument
-    unless these segments, as this broker measures them, carried less than that (events or
-    bytes per second, as the stream's policy counts) in every 10 s of the last 300 s.
-    ``epoch``: the one the merge makes; ``coordinator``: its broker's id. InvalidArgument for
-    a sealed or preparing segment, WrongBroker if this broker does not serve them. With
-    authentication on, only brokers (admin) may send it."""
-
-    stream: str
-    segments: list[int]
-    epoch: int
-    coordinator: str
-    wait_ms: int = 3000
-    max_rate: float = -1.0
-
-
-class SealPrepared(Message, frozen=True):
-    """``PrepareSeal``'s answer: ``ends[i]`` is ``segments[i]``'s end offset; ``leases``
-    the epochs of their containers' leases (``containers[i]``), which fence the merge's
-    catalog record (a container that moved since refuses it); ``deadline_ms``: the catalog's
-    clock after which this broker stops waiting for ``EndSeal`` (the record is refused from
-    then on)."""
-
-    ends: list[int]
-    containers: list[int]
-    leases: list[int]
-    deadline_ms: int
-
-
-class EndSeal(Message, frozen=True):
-    """Broker to broker: the outcome of the merge that prepared ``segments`` (``PrepareSeal``):
-    ``committed`` True, its record is in the catalog (the segments are sealed, this broker
-    reads the successors from the catalog); False, it was refused and will not be recorded
-    (the segments take appends again) -> ``Done``. For segments not prepared for ``epoch``:
-    ``Done``, nothing changes."""
-
-    stream: str
-    segments: list[int]
-    epoch: int
-    committed: bool
-
-
 class ApplyBatch(Message, frozen=True):
     """Broker to broker, in a cluster (docs/cluster.md, "Transactions"): payload, one batch of
     a committed transaction, stamped with its owner's producer id, epoch and sequence, for a
@@ -865,6 +816,47 @@ class ApplyBatch(Message, frozen=True):
     segment: int
     producer_id: int = -1
     epoch: int = 0
+
+
+class HoldPositions(Message, frozen=True):
+    """Broker to broker, in a cluster (docs/cluster.md, "Consume-transform-produce"): the
+    coordinator of transaction ``txn_id`` asks the coordinator of ``positions``' group to check
+    them as a member's commit would be checked (``generation``, the member holds those
+    segments, the member's connection authenticated as ``subject``: "" without
+    authentication) and to hold the group (no grant, commit or reset) until
+    ``ReleasePositions(hold_id)`` or ``ttl_ms`` (at most 30 s) -> ``PositionsHeld``. Errors as
+    a commit's: ``not_assigned``, ``stale_generation``, ``unknown_member``; ``wrong_broker``
+    if this broker does not coordinate the group. With authentication on, only brokers
+    (admin) may send it."""
+
+    hold_id: int
+    txn_id: int
+    subject: str
+    ttl_ms: int
+    positions: TxnPositions
+
+
+class ReleasePositions(Message, frozen=True):
+    """Broker to broker: end hold ``hold_id`` (``HoldPositions``). ``stored``: 1 the commit
+    record with the positions is stored (the group takes them), 0 it is not (nothing
+    changes), -1 unknown (the group reads its positions from the catalog) ->
+    ``PositionsHeld`` (``held`` False: the hold had expired or never was)."""
+
+    hold_id: int
+    stored: int
+
+
+class PositionsHeld(Message, frozen=True):
+    """The answer to ``HoldPositions`` and ``ReleasePositions``: the subscription's stream id
+    and generation as the group coordinator has them; ``valid_ms``: how long from its answer
+    the group coordinator surely keeps coordinating the group (what is left of its lease):
+    the commit record must be written by then; ``held``: the hold is (was) in place."""
+
+    hold_id: int
+    stream_id: int
+    generation: int
+    valid_ms: int = 0
+    held: bool = True
 
 
 KINDS: dict[int, type[Message]] = {
@@ -911,10 +903,10 @@ KINDS: dict[int, type[Message]] = {
     43: ListIdentities,
     44: HandOverIdentity,
     45: DescribeCluster,
-    48: PrepareSeal,
-    49: EndSeal,
     47: ReadSegment,
     46: ApplyBatch,
+    50: HoldPositions,
+    51: ReleasePositions,
     64: Welcome,
     65: Error,
     66: Done,
@@ -945,7 +937,7 @@ KINDS: dict[int, type[Message]] = {
     91: QuotaList,
     93: IdentityList,
     94: ClusterInfo,
-    97: SealPrepared,
     96: SegmentData,
+    98: PositionsHeld,
 }
 KIND_OF: dict[type[Message], int] = {cls: kind for kind, cls in KINDS.items()}

@@ -53,7 +53,6 @@ from slipstream.protocol import (
     DescribeStream,
     DescribeSubscription,
     Done,
-    EndSeal,
     EndTxn,
     Error,
     EventsDelivered,
@@ -74,6 +73,7 @@ from slipstream.protocol import (
     GroupJoined,
     HandOverIdentity,
     Hello,
+    HoldPositions,
     IdentityInfo,
     IdentityList,
     InitProducer,
@@ -91,11 +91,12 @@ from slipstream.protocol import (
     Message,
     Oversized,
     PollGroup,
-    PrepareSeal,
+    PositionsHeld,
     ProducerGrant,
     QuotaInfo,
     QuotaList,
     ReadSegment,
+    ReleasePositions,
     ResetSubscription,
     RevokeRule,
     RevokeToken,
@@ -103,7 +104,6 @@ from slipstream.protocol import (
     ScaleEventInfo,
     ScaleHistory,
     ScaleStream,
-    SealPrepared,
     SegmentData,
     SegmentInfo,
     SetQuota,
@@ -395,6 +395,23 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
     ),
     Append: st.builds(Append, stream=TEXT, segment=I64, txn=OPTIONAL_I64),
     ApplyBatch: st.builds(ApplyBatch, stream=TEXT, segment=I64, producer_id=I64, epoch=I64),
+    HoldPositions: st.builds(
+        HoldPositions,
+        hold_id=I64,
+        txn_id=I64,
+        subject=TEXT,
+        ttl_ms=I64,
+        positions=txn_positions,
+    ),
+    ReleasePositions: st.builds(ReleasePositions, hold_id=I64, stored=st.sampled_from([-1, 0, 1])),
+    PositionsHeld: st.builds(
+        PositionsHeld,
+        hold_id=I64,
+        stream_id=I64,
+        generation=I64,
+        valid_ms=I64,
+        held=st.booleans(),
+    ),
     GetCut: st.builds(GetCut, stream=TEXT, at=TEXT, timestamp_ms=OPTIONAL_I64),
     Follow: st.builds(
         Follow,
@@ -500,25 +517,6 @@ MESSAGES[ReadSegment] = st.builds(
 )
 MESSAGES[SegmentData] = st.builds(
     SegmentData, next_offset=OFFSETS, end_offset=OFFSETS, sealed=st.booleans()
-)
-MESSAGES[PrepareSeal] = st.builds(
-    PrepareSeal,
-    stream=TEXT,
-    segments=st.lists(I64, max_size=3),
-    epoch=I64,
-    coordinator=TEXT,
-    wait_ms=I64,
-    max_rate=st.floats(allow_nan=False),
-)
-MESSAGES[SealPrepared] = st.builds(
-    SealPrepared,
-    ends=st.lists(OFFSETS, max_size=3),
-    containers=st.lists(I64, max_size=3),
-    leases=st.lists(I64, max_size=3),
-    deadline_ms=I64,
-)
-MESSAGES[EndSeal] = st.builds(
-    EndSeal, stream=TEXT, segments=st.lists(I64, max_size=3), epoch=I64, committed=st.booleans()
 )
 messages = st.one_of(*MESSAGES.values())
 

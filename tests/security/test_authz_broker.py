@@ -41,7 +41,6 @@ from slipstream.protocol import (
     DescribeCluster,
     DescribeStream,
     DescribeSubscription,
-    EndSeal,
     EndTxn,
     Error,
     FetchEvents,
@@ -66,7 +65,6 @@ from slipstream.protocol import (
     ListTxns,
     Message,
     PollGroup,
-    PrepareSeal,
     QuotaInfo,
     ReadSegment,
     ResetSubscription,
@@ -241,8 +239,6 @@ def requests(s: Setup) -> dict[str, tuple[Message, bytes]]:
         "HandOverIdentity": (HandOverIdentity("spark:q", "alice"), b""),  # admin only
         "ReadSegment": (ReadSegment("demo/orders", 0, 0), b""),  # consume
         "ApplyBatch": (ApplyBatch("demo/orders", 0), batch(2)),  # brokers (admin) only
-        "PrepareSeal": (PrepareSeal("demo/orders", [0], 1, "b0"), b""),  # brokers only
-        "EndSeal": (EndSeal("demo/orders", [0], 1, False), b""),  # brokers only
     }
 
 
