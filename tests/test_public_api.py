@@ -18,6 +18,7 @@ PACKAGES = [
     "slipstream.client",
     "slipstream.cli",
     "slipstream.spark",
+    "slipstream.devservers",
     "slipstream",
 ]
 

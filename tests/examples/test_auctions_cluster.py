@@ -85,7 +85,7 @@ def test_the_local_cluster_starts_serves_through_the_list_stops_and_resumes(base
 
     # a second run: the same ports, catalog and bucket; what the first stored is there
     again = LocalCluster(base / "cluster", ports, lease_ttl=2.0)
-    assert again.postgres.dsn == cluster.postgres.dsn
+    assert again.dsn == cluster.dsn
     with again.start(), slipstream.connect(again.addresses) as client:
         events = list(client.reader(STREAM, "earliest", end=client.tail(STREAM)))
         assert sorted(int(e.value) for e in events) == list(range(EVENTS))
