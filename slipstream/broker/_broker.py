@@ -58,7 +58,7 @@ from ..storage import (
     ensure_dir,
     fsync_dir,
 )
-from ._audit_stream import audit_appender, open_audit_stream
+from ._audit_stream import ClusterAudit, audit_appender, open_audit_stream
 from ._cluster import Cluster, Membership
 from ._container import (
     FSYNC_MODES,
@@ -78,6 +78,8 @@ from ._transactions import Coordinator
 
 if TYPE_CHECKING:
     from ..http import HttpServer
+    from ..protocol import AuditHead
+    from ._service import Caller
     from ._session import Session
 
 log = logging.getLogger("slipstream.broker")
@@ -197,6 +199,8 @@ class Broker:
         self.broker_id = config.broker_id or ""
         #: in a cluster, the loop that keeps this broker's share of containers (set by serve)
         self.membership: Membership | None = None
+        #: in a cluster, this broker's audit chain and the audit stream's appends (set by serve)
+        self.cluster_audit: ClusterAudit | None = None
 
     def _lock(self, data_dir: Path) -> None:
         lock = open(data_dir / "LOCK", "a+")  # noqa: SIM115 - held for the broker's life
@@ -440,9 +444,11 @@ class Broker:
             # commits a crash interrupted are finished before anyone can read
             await self.coordinator.apply_pending()
             # the audit stream and its chain's head, before any request can be audited; in
-            # a cluster each broker's chain is in its log only (docs/cluster.md, "Limits")
+            # a cluster each broker's own chain, through the broker serving the stream (its
+            # head is read in the background: records wait until then; docs/cluster.md)
             if self.config.clustered:
-                self.service.audit.log_only()
+                self.cluster_audit = ClusterAudit(self)
+                background.append(loop.create_task(self.cluster_audit.run(), name="audit"))
             else:
                 audit_stream = await open_audit_stream(self.controller, self.service.audit)
                 background.append(
@@ -515,11 +521,12 @@ class Broker:
             for session in list(self.sessions):
                 if session.transport is not None:
                     session.transport.close()
-            if membership is not None and failed is None:  # the others take over at once
-                await membership.leave()
-            if failed is None:  # the last records into the audit stream (all in the log)
+            if failed is None:  # the last records into the audit stream (all in the log),
+                # before a cluster's broker hands the stream's container over
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.service.audit.drained(), AUDIT_DRAIN_S)
+            if membership is not None and failed is None:  # the others take over at once
+                await membership.leave()
             clean = failed is None
         finally:
             if failed is None and not clean:  # one that died before the broker listened
@@ -554,6 +561,13 @@ class Broker:
         if tls is None:
             return lambda: self._accept(session)
         return lambda: TlsGate(tls, lambda: self._accept(session), self._tls_refused)
+
+    async def append_audit(self, caller: Caller, broker_id: str, records: list[bytes]) -> AuditHead:
+        """``AppendAudit`` from another broker of the cluster (``ClusterAudit.accept``);
+        InvalidArgument on a standalone broker."""
+        if self.cluster_audit is None:
+            raise InvalidArgument("AppendAudit is sent between the brokers of a cluster")
+        return await self.cluster_audit.accept(caller, broker_id, records)
 
     def _tls_refused(self, peer: str, reason: str) -> None:
         """A connection the TLS gate or handshake turned away, audited."""

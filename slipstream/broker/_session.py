@@ -52,6 +52,7 @@ from ..protocol import (
     PROTOCOL_VERSION,
     Append,
     AppendAck,
+    AppendAudit,
     ApplyBatch,
     BeginTxn,
     CheckAccess,
@@ -744,6 +745,8 @@ class Session(asyncio.BufferedProtocol):
                 )
             case ReleasePositions(hold_id, stored):
                 return await service.release_positions(caller, hold_id, stored)
+            case AppendAudit(broker_id, records):
+                return await self.broker.append_audit(caller, broker_id, records)
             case ReadSegment(stream, segment, offset, max_bytes):
                 batches, after, end, sealed = await service.read_segment(
                     caller, stream, segment, offset, max_bytes

@@ -1,9 +1,10 @@
 """``slipstream audit verify | tail``: check and read the audit trail (``_system/audit``).
 
 Both read the stream through the public client, so with authentication on they need an admin
-token. ``verify`` checks the whole retained history with the pure ``verify_chain`` (seq
-continuity, every record's hash, every link) and exits 1 at the first gap or edit; ``tail``
-prints records as they are, unchecked.
+token. ``verify`` checks the whole retained history with the pure ``verify_chains`` (seq
+continuity, every record's hash, every link; in a cluster's trail each broker's chain on its
+own) and exits 1 at the first gap or edit of any chain; ``tail`` prints records as they are,
+unchecked. Any broker of a cluster serves both: the stream is the cluster's.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from rich.markup import escape
 
 import slipstream
 
-from ..security._audit import AuditRecord, ChainReport, decode_record, verify_chain
+from ..security._audit import (
+    AuditRecord,
+    ChainReport,
+    broker_of,
+    decode_record,
+    verify_chains,
+)
 from ..streams import AUDIT_STREAM
 from ._common import BrokerOption, connect, err, examples, iso_ms, out, print_json
 
@@ -82,6 +89,57 @@ def report_dict(
     return document
 
 
+def trail_dict(
+    chains: dict[str, ChainReport], first_offset: int | None, stream: str = AUDIT_STREAM
+) -> dict[str, Any]:
+    """The ``--json`` form of a trail's verification: ``ok`` and ``records`` over every
+    chain, ``chains`` one entry per chain (``broker``: its broker's id, null for a standalone
+    broker's records) with the fields of ``report_dict``; a single chain's fields also at the
+    top (a standalone broker's trail reads as it always did), and the first broken chain's
+    ``problem`` (with its ``broker``)."""
+    entries = []
+    for name, report in chains.items():
+        entry = report_dict(report, first_offset, stream)
+        del entry["stream"]
+        entries.append({"broker": name or None, **entry})
+    if len(chains) == 1:
+        (single,) = chains.values()
+        document = report_dict(single, first_offset, stream)
+    else:
+        document = {
+            "ok": all(r.ok for r in chains.values()),
+            "stream": stream,
+            "records": sum(r.records for r in chains.values()),
+            "first_seq": None,
+            "last_seq": None,
+            "head": None,
+            "mid_chain": any(r.mid_chain for r in chains.values()),
+        }
+        broken = next((e for e in entries if not e["ok"]), None)
+        if broken is not None:
+            for key in ("broker", "problem", "problem_seq", "problem_offset"):
+                if key in broken:
+                    document[key] = broken[key]
+    document["chains"] = entries
+    return document
+
+
+def trail_text(
+    chains: dict[str, ChainReport], first_offset: int | None, stream: str = AUDIT_STREAM
+) -> list[tuple[bool, str]]:
+    """(ok, line) per chain: a standalone broker's trail as one line, as it always was; a
+    cluster's one line per broker, its name first."""
+    if not chains:
+        return [(True, f"{stream} is empty: nothing to verify")]
+    if list(chains) == [""]:
+        return [(chains[""].ok, report_text(chains[""], first_offset, stream))]
+    lines = []
+    for name, report in chains.items():
+        who = f"broker {name}" if name else "records without a broker (a standalone broker's)"
+        lines.append((report.ok, f"{who}: {report_text(report, first_offset, stream)}"))
+    return lines
+
+
 def report_text(report: ChainReport, first_offset: int | None, stream: str = AUDIT_STREAM) -> str:
     """One or two lines for people."""
     if report.ok:
@@ -123,32 +181,36 @@ def audit_verify(
 ) -> None:
     """Check the audit trail's hash chain from its first retained record to its tail: every
     seq follows the one before, every record hashes to its hash and links to the record
-    before it. Prints OK with the counts and the head hash (keep it elsewhere to detect a
-    later rewrite), or the first gap or edit; exits 1 on a broken chain."""
+    before it. In a cluster's trail each broker's chain is checked on its own (any broker
+    answers). Prints OK with the counts and the head hash of each chain (keep them elsewhere
+    to detect a later rewrite), or its first gap or edit; exits 1 if any chain is broken."""
     with connect(broker) as client:
         history = _History(client, stream)
         trimmed, values = history.peeked()
         # a copy elsewhere may hold a trimmed trail from its own offset 0: unknown
-        report = verify_chain(values, trimmed=trimmed if stream == AUDIT_STREAM else None)
-    text = report_text(report, history.first_offset, stream)
+        chains = verify_chains(values, trimmed=trimmed if stream == AUDIT_STREAM else None)
     if as_json:
-        print_json(report_dict(report, history.first_offset, stream))
-    elif report.ok:
-        out.print(escape(text), highlight=False)
+        print_json(trail_dict(chains, history.first_offset, stream))
     else:
-        err.print(f"[bold red]{escape(text)}[/]", highlight=False)
-    if not report.ok:
+        for ok, text in trail_text(chains, history.first_offset, stream):
+            if ok:
+                out.print(escape(text), highlight=False)
+            else:
+                err.print(f"[bold red]{escape(text)}[/]", highlight=False)
+    if not all(report.ok for report in chains.values()):
         raise typer.Exit(1)
 
 
-def record_line(record: AuditRecord) -> str:
-    """``seq time event subject peer details`` for people."""
+def record_line(record: AuditRecord, broker: str = "") -> str:
+    """``seq time event subject peer details`` for people (``broker/seq`` in a cluster's
+    trail)."""
     details = " ".join(
         f"{key}={msgspec.json.encode(value).decode()}" for key, value in record.details.items()
     )
     subject = record.subject if record.subject is not None else "-"
+    chain = f"{broker}/" if broker else ""
     return (
-        f"{record.seq:>6} {iso_ms(record.time_ms)} {record.event:<22} {subject} "
+        f"{chain}{record.seq:>6} {iso_ms(record.time_ms)} {record.event:<22} {subject} "
         f"{record.peer} {details}".rstrip()
     )
 
@@ -191,7 +253,7 @@ def audit_tail(
                     sys.stdout.flush()
                     continue
                 try:
-                    line = record_line(decode_record(value))
+                    line = record_line(decode_record(value), broker_of(value))
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     line = f"offset {event.offset}: not an audit record: {value[:80]!r}"
                 out.print(escape(line), highlight=False, soft_wrap=True)

@@ -859,6 +859,29 @@ class PositionsHeld(Message, frozen=True):
     held: bool = True
 
 
+class AppendAudit(Message, frozen=True):
+    """Broker to broker, in a cluster (docs/cluster.md, "Audit"): audit records of broker
+    ``broker_id`` (each one JSON record, docs/security.md) for the audit stream's segment
+    served here -> ``AuditHead`` once they are durable: the broker's last record in the
+    stream. Only records that continue that broker's chain there are appended; records the
+    stream holds already (a retry) are skipped; records that would fork it are refused
+    (``invalid_argument`` with details ``head_seq``, ``head_hash``). Without records it asks
+    the head. WrongBroker if this broker does not serve the segment. With authentication on,
+    only brokers (admin) may send it."""
+
+    broker_id: str
+    records: list[bytes] = []
+
+
+class AuditHead(Message, frozen=True):
+    """Broker ``broker_id``'s last record in the audit stream: its ``seq`` and ``hash`` (0 and
+    64 zeros for none)."""
+
+    broker_id: str
+    seq: int
+    hash: str
+
+
 KINDS: dict[int, type[Message]] = {
     1: Hello,
     2: CreateStream,
@@ -905,6 +928,7 @@ KINDS: dict[int, type[Message]] = {
     45: DescribeCluster,
     47: ReadSegment,
     46: ApplyBatch,
+    52: AppendAudit,
     50: HoldPositions,
     51: ReleasePositions,
     64: Welcome,
@@ -938,6 +962,7 @@ KINDS: dict[int, type[Message]] = {
     93: IdentityList,
     94: ClusterInfo,
     96: SegmentData,
+    99: AuditHead,
     98: PositionsHeld,
 }
 KIND_OF: dict[type[Message], int] = {cls: kind for kind, cls in KINDS.items()}

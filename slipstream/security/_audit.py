@@ -15,7 +15,12 @@ Record layout (``AuditRecord``, JSON):
     peer       str     from where (host:port)
     details    object  facts of the event (the stream, the rule, the token id, the reason)
     prev_hash  str     ``hash`` of record seq-1, 64 hex digits; 64 zeros for seq 1
-    hash       str     sha256 (hex) of the canonical encoding of the other seven fields
+    hash       str     sha256 (hex) of the canonical encoding of the other fields
+    broker     str     only in a cluster: the id of the broker that wrote the record. Each
+                       broker of a cluster has its own chain (its own ``seq`` from 1, its
+                       ``prev_hash`` its own previous record's) in the one audit stream; a
+                       standalone broker's records have no ``broker`` (absent, not null), so
+                       their canonical encoding and hashes are what they always were
 
 Canonical encoding (``canonical``): the record as a JSON object without ``hash``, keys sorted
 at every level, no whitespace, as ``msgspec.json.encode(..., order="sorted")`` writes it. A
@@ -24,6 +29,9 @@ and a ``prev_hash`` that names no record; a record put in another place breaks t
 order and the links around it. What a chain cannot show alone is a rewrite of every record from
 some point on to its end with all hashes computed again: for that, keep the head ``hash`` that
 ``slipstream audit verify`` prints somewhere else and compare later.
+
+A history may hold several chains (a cluster's): ``verify_chains`` checks each one, the
+records of one broker in the order they appear, as ``verify_chain`` checks one.
 
 Write path: ``record`` runs on the event loop and never waits. It assigns the next ``seq``,
 links and hashes the record (so the chain's order is the order of the calls), logs it, and
@@ -36,6 +44,14 @@ future (an error says how many and which ``seq``), ``audit verify`` then reports
 the records themselves remain in the log. A ``kill -9`` loses the records of the last few
 milliseconds that were not yet appended (they are in the log); the restarted broker continues
 the chain from the last record in the stream, so the stream has no fork.
+
+In a cluster (slipstream/broker/_audit_stream.py) ``append`` hands the records to the broker
+serving the audit stream, which appends only records that continue the sender's chain there;
+one that does not (the stream holds records under this broker's id that it did not write:
+forged, or another process running with its id) fails the append with ``ChainConflict``.
+``run`` then chains its queued records again after the stream's head for it, first an
+``audit_chain_conflict`` record naming both heads, which ``verify`` reports as a break (it
+says that records under this broker's name were not written by it), and appends on.
 
 Cost on the event loop (2-core VM, 2026-11-24): about 10 µs a record to normalise, hash and
 encode it, plus its log line (about 20 µs to a file handler). Records are control-plane events
@@ -84,6 +100,17 @@ class AuditRecord(msgspec.Struct, frozen=True):
     hash: str
 
 
+class ChainConflict(Exception):
+    """Raised by a cluster's ``append``: the audit stream's last record of this broker is
+    ``seq`` with hash ``head``, and the records sent do not continue it (nothing of them was
+    appended)."""
+
+    def __init__(self, seq: int, head: str) -> None:
+        super().__init__(f"the audit stream's chain of this broker ends at seq {seq} ({head})")
+        self.seq = seq
+        self.head = head
+
+
 def canonical(fields: dict[str, Any]) -> bytes:
     """The bytes a record's hash covers: ``fields`` (every field but ``hash``) as JSON with
     sorted keys at every level."""
@@ -96,6 +123,24 @@ def record_hash(record: AuditRecord) -> str:
     fields = msgspec.structs.asdict(record)
     del fields["hash"]
     return hashlib.sha256(canonical(fields)).hexdigest()
+
+
+def content_hash(fields: dict[str, Any]) -> str:
+    """The hash a record decoded as a plain object (every field it holds, ``broker`` and
+    anything added included) should carry: what ``verify`` checks, so a field added to a
+    record is an edit too."""
+    return hashlib.sha256(canonical({k: v for k, v in fields.items() if k != "hash"})).hexdigest()
+
+
+def broker_of(value: bytes) -> str:
+    """The ``broker`` a record's value names ("" if none: a standalone broker's, or not a
+    record)."""
+    try:
+        fields = msgspec.json.decode(value)
+    except msgspec.DecodeError:
+        return ""
+    broker = fields.get("broker") if isinstance(fields, dict) else None
+    return broker if isinstance(broker, str) else ""
 
 
 def decode_record(value: bytes) -> AuditRecord:
@@ -126,6 +171,8 @@ class AuditLog:
         self.dropped = 0
         #: records appended to the stream by ``run``
         self.appended = 0
+        #: in a cluster: this broker's id, written into every record (its chain's name)
+        self.broker: str | None = None
         self._to_stream = True  # False: ``log_only``
 
     def record(self, event: str, *, subject: str | None, peer: str, **details: Any) -> None:
@@ -143,8 +190,8 @@ class AuditLog:
         self._chain(*entry)
 
     def log_only(self) -> None:
-        """No audit stream for this broker (a cluster's, docs/cluster.md "Limits"): the
-        records are chained from seq 1 and go to the log only."""
+        """No audit stream (a service without a broker's writer): the records are chained
+        from seq 1 and go to the log only."""
         self._to_stream = False
         self.resume(0, GENESIS_HASH)
 
@@ -169,6 +216,8 @@ class AuditLog:
             "details": details,
             "prev_hash": self.head,
         }
+        if self.broker is not None:
+            fields["broker"] = self.broker
         digest = hashlib.sha256(canonical(fields)).hexdigest()
         fields["hash"] = digest
         line = msgspec.json.encode(fields)
@@ -193,6 +242,41 @@ class AuditLog:
         self._drained.clear()
         self._wake.set()
 
+    def rebase(self, seq: int, head: str) -> None:
+        """Chain the queued records again after record ``seq`` with hash ``head`` (the
+        stream's head for this broker, which they did not continue: ``ChainConflict``): first
+        an ``audit_chain_conflict`` record naming both heads, then the queued records with
+        their new seq and hashes (logged again: the log then holds both forms)."""
+        queued = [msgspec.json.decode(line) for _, line in self._pending]
+        self._pending.clear()
+        expected = queued[0]["seq"] - 1 if queued else self.seq
+        log.error(
+            "the audit stream's chain of broker %s ends at seq %d (hash %s), not at seq %d "
+            "where this broker left it: records under its name were written by someone else; "
+            "%d queued records are chained again after it",
+            self.broker,
+            seq,
+            head,
+            expected,
+            len(queued),
+        )
+        self.seq, self.head = seq, head
+        self._chain(
+            time.time_ns() // 1_000_000,
+            "audit_chain_conflict",
+            None,
+            "broker",
+            {"stream_seq": seq, "stream_head": head, "expected_seq": expected},
+        )
+        for fields in queued:
+            self._chain(
+                fields["time_ms"],
+                fields["event"],
+                fields["subject"],
+                fields["peer"],
+                fields["details"],
+            )
+
     @property
     def pending(self) -> int:
         """Records chained but not yet durable in the audit stream."""
@@ -213,7 +297,7 @@ class AuditLog:
         must make them durable in that order or raise (nothing of them acknowledged). A
         failed append is logged and tried again after ``retry_s``, with the records that
         arrived meanwhile; the records stay queued until an append holding them succeeds."""
-        failing = 0
+        failing = conflicts = 0
         while True:
             await self._wake.wait()
             await asyncio.sleep(linger_s)  # gather a burst into one append
@@ -225,6 +309,12 @@ class AuditLog:
                     await append(batch)
                 except asyncio.CancelledError:
                     raise
+                except ChainConflict as conflict:
+                    conflicts += 1
+                    if conflicts > 1:  # refused again at once: do not spin on the owner
+                        await asyncio.sleep(retry_s)
+                    self.rebase(conflict.seq, conflict.head)
+                    continue
                 except Exception as exc:
                     failing += 1
                     if failing == 1 or failing % 60 == 0:
@@ -238,6 +328,7 @@ class AuditLog:
                         )
                     await asyncio.sleep(retry_s)
                     continue
+                conflicts = 0
                 if failing:
                     log.warning("audit stream writable again after %d failed appends", failing)
                     failing = 0
@@ -283,58 +374,105 @@ def verify_chain(values: Iterable[bytes], *, trimmed: bool | None = None) -> Cha
     """Check a history of audit records (event values, oldest first): each decodes, its
     ``hash`` is the hash of its content (else: edited), its ``seq`` is one more than the
     previous one's (else: missing records, or out of order), its ``prev_hash`` is the previous
-    record's ``hash`` (else: forged or inserted). Stops at the first problem.
+    record's ``hash`` (else: forged or inserted). Stops at the first problem. A record
+    ``audit_chain_conflict`` (a cluster's broker found records under its name that it did not
+    write) is a problem too.
 
     The first record must be seq 1 with the genesis ``prev_hash``, unless the history was
     trimmed by retention: ``trimmed`` True (the stream no longer starts at offset 0) or None
     (unknown) accepts a later first record and reports ``mid_chain``; False refuses it (records
     at the start were removed). Pure: no I/O."""
-    count = 0
-    first_seq: int | None = None
-    last: AuditRecord | None = None
-    mid_chain = False
+    check = _ChainCheck(trimmed)
+    for value in values:
+        if not check.feed(value):
+            break
+    return check.report()
 
-    def bad(problem: str, seq: int | None) -> ChainReport:
-        return ChainReport(
+
+def verify_chains(
+    values: Iterable[bytes], *, trimmed: bool | None = None
+) -> dict[str, ChainReport]:
+    """Check a history that may hold several chains (a cluster's audit stream: one per
+    broker, told apart by ``broker``; "" names the records without one, a standalone
+    broker's): each chain as ``verify_chain`` checks it, its records in the order they
+    appear. A record that does not decode counts against the chain its ``broker`` names, if
+    it can be read, else against "". ``problem_index`` is the bad record's position in the
+    whole history (not in its chain). Chains sorted by name; {} for an empty history. Pure."""
+    checks: dict[str, _ChainCheck] = {}
+    for index, value in enumerate(values):
+        name = broker_of(value)
+        check = checks.get(name)
+        if check is None:
+            check = checks[name] = _ChainCheck(trimmed)
+        check.feed(value, index)
+    return {name: checks[name].report() for name in sorted(checks)}
+
+
+class _ChainCheck:
+    """``verify_chain`` one record at a time: ``feed`` each (False once the chain broke;
+    later records are then ignored), ``report`` at the end."""
+
+    def __init__(self, trimmed: bool | None) -> None:
+        self.trimmed = trimmed
+        self.count = 0
+        self.first_seq: int | None = None
+        self.last: AuditRecord | None = None
+        self.mid_chain = False
+        self.broken: ChainReport | None = None
+
+    def _bad(self, problem: str, seq: int | None, index: int | None) -> bool:
+        last = self.last
+        self.broken = ChainReport(
             False,
-            count,
-            first_seq,
+            self.count,
+            self.first_seq,
             None if last is None else last.seq,
             None if last is None else last.hash,
-            mid_chain,
+            self.mid_chain,
             problem,
             seq,
-            count,
+            self.count if index is None else index,
         )
+        return False
 
-    for value in values:
+    def feed(self, value: bytes, index: int | None = None) -> bool:
+        if self.broken is not None:
+            return False
+        last = self.last
         try:
-            record = decode_record(value)
+            fields = msgspec.json.decode(value)
+            record = msgspec.convert(fields, AuditRecord)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             after = "at the start" if last is None else f"after seq {last.seq}"
-            return bad(f"the record {after} is not an audit record ({exc})", None)
-        if record_hash(record) != record.hash:
-            return bad(
-                f"seq {record.seq} was edited: its hash does not match its content", record.seq
+            return self._bad(f"the record {after} is not an audit record ({exc})", None, index)
+        if content_hash(fields) != record.hash:
+            return self._bad(
+                f"seq {record.seq} was edited: its hash does not match its content",
+                record.seq,
+                index,
             )
         if last is None:
             if record.seq == 1 and record.prev_hash != GENESIS_HASH:
-                return bad("seq 1 does not start the chain (its prev_hash is not the genesis)", 1)
+                return self._bad(
+                    "seq 1 does not start the chain (its prev_hash is not the genesis)", 1, index
+                )
             if record.seq != 1:
-                if trimmed is False:
-                    return bad(
+                if self.trimmed is False:
+                    return self._bad(
                         f"the history starts at seq {record.seq}, not 1, though nothing was "
                         f"trimmed: records 1..{record.seq - 1} are missing",
                         record.seq,
+                        index,
                     )
-                mid_chain = True
-            first_seq = record.seq
+                self.mid_chain = True
+            self.first_seq = record.seq
         else:
             if record.seq <= last.seq:
-                return bad(
+                return self._bad(
                     f"seq {record.seq} comes after seq {last.seq}: records out of order or "
                     "repeated",
                     record.seq,
+                    index,
                 )
             if record.seq != last.seq + 1:
                 missing = (
@@ -342,20 +480,39 @@ def verify_chain(values: Iterable[bytes], *, trimmed: bool | None = None) -> Cha
                     if record.seq == last.seq + 2
                     else f"seqs {last.seq + 1}..{record.seq - 1} are"
                 )
-                return bad(f"{missing} missing (gap before seq {record.seq})", record.seq)
+                return self._bad(
+                    f"{missing} missing (gap before seq {record.seq})", record.seq, index
+                )
             if record.prev_hash != last.hash:
-                return bad(
+                return self._bad(
                     f"seq {record.seq} does not link to seq {last.seq} (its prev_hash is not "
                     "that record's hash): forged, or an edited record's hash recomputed",
                     record.seq,
+                    index,
                 )
-        last = record
-        count += 1
-    return ChainReport(
-        True,
-        count,
-        first_seq,
-        None if last is None else last.seq,
-        None if last is None else last.hash,
-        mid_chain,
-    )
+        if record.event == "audit_chain_conflict":
+            facts = record.details
+            return self._bad(
+                f"seq {record.seq} says the stream held records under broker "
+                f"{fields.get('broker')!r}'s name up to seq {facts.get('stream_seq')} that "
+                f"it did not write (it had reached seq {facts.get('expected_seq')}): forged, "
+                "or another process running with its id",
+                record.seq,
+                index,
+            )
+        self.last = record
+        self.count += 1
+        return True
+
+    def report(self) -> ChainReport:
+        if self.broken is not None:
+            return self.broken
+        last = self.last
+        return ChainReport(
+            True,
+            self.count,
+            self.first_seq,
+            None if last is None else last.seq,
+            None if last is None else last.hash,
+            self.mid_chain,
+        )

@@ -34,7 +34,9 @@ from slipstream.protocol import (
     AccessRule,
     Append,
     AppendAck,
+    AppendAudit,
     ApplyBatch,
+    AuditHead,
     BeginTxn,
     BrokerInfo,
     CheckAccess,
@@ -518,6 +520,10 @@ MESSAGES[ReadSegment] = st.builds(
 MESSAGES[SegmentData] = st.builds(
     SegmentData, next_offset=OFFSETS, end_offset=OFFSETS, sealed=st.booleans()
 )
+MESSAGES[AppendAudit] = st.builds(
+    AppendAudit, broker_id=TEXT, records=st.lists(st.binary(max_size=64), max_size=3)
+)
+MESSAGES[AuditHead] = st.builds(AuditHead, broker_id=TEXT, seq=OFFSETS, hash=TEXT)
 messages = st.one_of(*MESSAGES.values())
 
 
