@@ -23,7 +23,9 @@ re-splits every refused batch, and every batch still buffered for a sealed segme
 over the segments open now, oldest first, ahead of anything newer: each key's events keep
 their send order, none is lost or stored twice. Receipts resolve to where each event finally
 landed. Sequences are per segment, so successors start at 0; a transaction's re-routed
-appends stay in the transaction.
+appends stay in the transaction. A scale that fails (a merge across brokers called off) opens
+its segments again: still open in the description after REOPENED_AFTER_S, they get their
+refused batches again, from the oldest one's sequence.
 """
 
 from __future__ import annotations
@@ -55,7 +57,6 @@ from ..format import (
     COMPRESSIONS,
     EVENT_SCHEMA,
     binary_array,
-    decode_header,
     encode_body,
     encode_body_parts,
     encode_header,
@@ -72,6 +73,9 @@ from ._cluster import Links
 from ._connection import Connection
 from ._rerouting import KeyRanges, open_ranges, resplit
 
+#: how long a producer waits for segments that refused its batches (a scale sealing them) to
+#: show as sealed before it sends to them again: the scale failed and they are open again
+REOPENED_AFTER_S = 1.0
 _EVENT_OVERHEAD = 24  # bytes of Arrow offsets and timestamp per event, for sizing batches
 
 
@@ -235,6 +239,7 @@ class _InFlight:
         "parts",
         "segment",
         "sent",
+        "sequence",
         "size",
     )
 
@@ -246,8 +251,10 @@ class _InFlight:
         future: concurrent.futures.Future[int],
         size: int,
         count: int,
+        sequence: int = -1,
     ) -> None:
         self.order = order
+        self.sequence = sequence  # of its first event (idempotent producers; else -1)
         self.segment = segment
         self.parts = parts
         self.future = future
@@ -413,6 +420,8 @@ class ProducerCore:
         # open segments that refused a batch for a key outside their range (KeyOutOfRange):
         # the router is stale or wrong; their later batches in flight are refused too
         self._stale: set[int] = set()
+        # per segment, of its newest acknowledged batch: (send order, the sequence after it)
+        self._stored: dict[int, tuple[int, int]] = {}
         self._describe = describe
         # where each segment's batches go (several brokers); None: all on ``connection``
         self._links = links
@@ -684,6 +693,7 @@ class ProducerCore:
             min_ts, max_ts = int(timestamps.min()), int(timestamps.max())
         body = encode_body_parts(record, self.compression)
         count = record.num_rows
+        sequence = -1
         if self.identity is None:
             head = encode_header(
                 body, event_count=count, min_timestamp=min_ts, max_timestamp=max_ts
@@ -701,7 +711,9 @@ class ProducerCore:
                 sequence=sequence,
             )
         self._unacked.add(future)
-        self._transmit(_InFlight(next(self._order), segment, [head, *body], future, size, count))
+        self._transmit(
+            _InFlight(next(self._order), segment, [head, *body], future, size, count, sequence)
+        )
 
     def _transmit(self, flight: _InFlight) -> None:
         connection = self.connection
@@ -776,6 +788,11 @@ class ProducerCore:
         else:
             ack, _ = done.result()
             assert isinstance(ack, AppendAck)
+            if flight.sequence >= 0:  # where its segment's sequence goes on (see _reroute)
+                self._stored[flight.segment] = (
+                    flight.order,
+                    next_sequence(flight.sequence, flight.count),
+                )
             self.acknowledged += flight.count
             future.set_result(ack.base_offset)
         self._release(flight.size)
@@ -798,7 +815,10 @@ class ProducerCore:
         if isinstance(exc, KeyOutOfRange):
             self._stale.add(flight.segment)
             return True
-        return isinstance(exc, OutOfOrderSequence) and flight.segment in self._stale
+        return isinstance(exc, OutOfOrderSequence) and (
+            flight.segment in self._stale
+            or any(f.segment == flight.segment for f in self._refused)  # reopened meanwhile
+        )
 
     def _resendable(self, flight: _InFlight) -> bool:
         return not self.closed and time.monotonic() - flight.first_sent < self.delivery_timeout
@@ -885,9 +905,12 @@ class ProducerCore:
 
         After a KeyOutOfRange the router itself was wrong (a stale or inconsistent view):
         every buffered batch is re-split too, whatever its segment, and each refusing open
-        segment's sequence goes back to its oldest refused batch's (the segment refused every
-        batch from there on, so it expects that one). Without idempotence a refused batch's
-        keys that the segment does own may land after later batches sent there meanwhile."""
+        segment's sequence goes back to what it expects: its oldest refused batch's (an
+        idempotent producer's batches behind a refused one are refused too, as out of
+        sequence), or the one after a batch it stored behind the refused ones. That happens
+        without idempotence, and when the segment had stored nothing of this producer yet (it
+        then takes any sequence): the refused batch's keys that the segment does own then land
+        after those later batches."""
         assert self._describe is not None
         stale, self._stale = self._stale, set()
         refused = {flight.segment for flight in self._refused if flight.segment not in stale}
@@ -896,6 +919,7 @@ class ProducerCore:
         # shows the successors once the scale is recorded. Wait for that, like for a broker
         # that is away, up to delivery_timeout.
         deadline = min(f.first_sent for f in self._refused) + self.delivery_timeout
+        reopened_after = time.monotonic() + REOPENED_AFTER_S
         while True:
             try:
                 info = await self._describe()
@@ -905,7 +929,14 @@ class ProducerCore:
                 await asyncio.sleep(0.05)
                 continue
             ranges = open_ranges(info)
-            if not refused & {segment for segment, _, _ in ranges}:
+            still_open = refused & {segment for segment, _, _ in ranges}
+            if still_open and time.monotonic() >= reopened_after:
+                # the scale that closed them failed (a merge across brokers called off, or
+                # one waiting long): send to them again, from their oldest refused batch
+                stale |= still_open
+                refused -= still_open
+                still_open = set()
+            if not still_open:
                 break
             if time.monotonic() >= deadline:
                 raise SegmentSealed(
@@ -924,11 +955,14 @@ class ProducerCore:
             for flight in sorted(self._refused, key=lambda f: f.order):
                 record = read_body(b"".join(flight.parts))
                 moved.append((record, flight.future, flight.size))
-            rewound: dict[int, int] = {}
             for flight in sorted(self._refused, key=lambda f: f.order, reverse=True):
-                if flight.segment in stale and self.identity is not None:
-                    rewound[flight.segment] = decode_header(flight.parts[0]).sequence
-            self._next_sequence.update(rewound)
+                if flight.segment in stale and flight.sequence >= 0:
+                    # the segment expects the sequence after its newest stored batch: the
+                    # oldest refused one's, or past a batch stored behind it (a segment that
+                    # knew nothing of this producer yet takes any sequence)
+                    stored = self._stored.get(flight.segment)
+                    behind = stored is not None and stored[0] > flight.order
+                    self._next_sequence[flight.segment] = stored[1] if behind else flight.sequence
             self._refused = []
             keep = frozenset() if stale else open_now  # a wrong router: re-split everything
             kept: list[_Batch | tuple[pa.RecordBatch, int, concurrent.futures.Future[int]]] = []
@@ -969,6 +1003,7 @@ class ProducerCore:
             self._sealed = [*parts, *kept]
             for segment in [s for s in self._next_sequence if s not in open_now]:
                 del self._next_sequence[segment]  # a sealed segment takes no more batches
+                self._stored.pop(segment, None)
         self._release(0)
 
     def _give_up(self, error: SlipstreamError) -> None:

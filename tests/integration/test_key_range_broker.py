@@ -168,3 +168,36 @@ def test_a_producer_routing_keys_to_the_wrong_open_segments_recovers_by_itself(
     events = check_placed(client, "kr/wrong", dict(sent))
     assert len(events) == 600
     assert {e.segment for e in events} == {0, 1}
+
+
+def test_batches_in_flight_behind_a_refused_one_are_resent_in_order_without_gaps(
+    client: slipstream.Client, broker: BrokerProcess
+) -> None:
+    """A router wrong for a quarter of the key space only: segment 1 gets batches mixing a key
+    it does not own with keys it does. Its batches sent behind a refused one, all keys its
+    own, are refused too (their sequence is past the one it expects); the producer re-splits
+    them with the refused one, rewinds the segment's sequence and re-splits what it buffers,
+    so every event lands once, in its segment, in order."""
+    client.create_stream("kr/behind", segments=2)
+    quarter = HALF // 2
+    wrong = [k for k in (b"w%d" % i for i in range(400)) if key_hash(k) < quarter][:3]
+    keys = [*wrong, *HIGH[:5]]
+    sent: dict[bytes, list[bytes]] = defaultdict(list)
+    pad = b"x" * 2000  # two events a batch: many batches in flight at once
+    with client.producer("kr/behind", linger_ms=20, batch_bytes=4096, max_in_flight=8) as producer:
+        producer.core.router = Router(
+            [(1, 0, quarter - 1), (0, quarter, HALF - 1), (1, HALF, KEY_SPACE - 1)]
+        )
+        for i in range(800):
+            # the first 40 correctly routed and flushed: the segment knows the producer, so it
+            # refuses every batch behind a refused one (an unknown producer starts anywhere)
+            key = HIGH[i % 5] if i < 40 else keys[i % len(keys)]
+            value = b"%d:" % i + pad
+            sent[key].append(value)
+            producer.send(value, key=key)
+            if i == 39:
+                producer.flush()
+        producer.flush()
+        assert producer.core.rerouted > 0 and producer.core.failed == 0
+    events = check_placed(client, "kr/behind", dict(sent))
+    assert len(events) == 800
