@@ -960,9 +960,9 @@ class ProducerCore:
                     # the segment expects the sequence after its newest stored batch: the
                     # oldest refused one's, or past a batch stored behind it (a segment that
                     # knew nothing of this producer yet takes any sequence)
-                    stored = self._stored.get(flight.segment)
-                    behind = stored is not None and stored[0] > flight.order
-                    self._next_sequence[flight.segment] = stored[1] if behind else flight.sequence
+                    order, after = self._stored.get(flight.segment, (-1, flight.sequence))
+                    behind = order > flight.order
+                    self._next_sequence[flight.segment] = after if behind else flight.sequence
             self._refused = []
             keep = frozenset() if stale else open_now  # a wrong router: re-split everything
             kept: list[_Batch | tuple[pa.RecordBatch, int, concurrent.futures.Future[int]]] = []
