@@ -633,6 +633,7 @@ class Broker:
 
     async def _close(self) -> None:
         self.service.peers.close()
+        await self.service.seals.close()
         await self.coordinator.close()
         for container in self.containers:
             if container.serving or not self.config.clustered:  # others: handed over
@@ -770,6 +771,7 @@ class Broker:
                 await self.controller.autoscale(
                     self.coordinator.touching,
                     self.service.is_served if self.config.clustered else None,
+                    self.service.peer_seals if self.config.clustered else None,
                 )
             except Exception:  # a failed pass (a full disk) is retried, never fatal
                 log.exception("scaling pass failed; will retry")

@@ -12,6 +12,7 @@ takes calls from any thread (SqliteMetaStore serialises its one connection with 
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import logging
 import time
@@ -19,23 +20,27 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import numpy as np
 
 from .._errors import (
+    BrokerUnavailable,
     CorruptData,
     InvalidArgument,
     OffsetOutOfRange,
     SegmentNotFound,
     SlipstreamError,
+    StorageError,
     StreamNotFound,
+    WrongBroker,
 )
 from ..format import decode_header, int64_values, read_body
 from ..protocol import SegmentInfo, StreamInfo
 from ..storage import (
     ChunkRecord,
+    Lease,
     LongTermStore,
     MetaStore,
     ScaleRecord,
@@ -68,6 +73,31 @@ T = TypeVar("T")
 
 #: the largest retention limit (time in ms, or bytes) the catalog stores: a signed 64-bit integer
 MAX_RETENTION = 2**63 - 1
+
+
+#: how long a scale keeps trying while a committed transaction's batches are being applied to
+#: its segments (``Controller.scale``)
+PENDING_RETRY_S = 10.0
+
+
+class RemotePrepare(Protocol):
+    """What the brokers serving a merge's other segments answered (_seal.RemotePrepared)."""
+
+    ends: dict[int, int]
+    leases: list[Lease]
+    deadline_ms: int
+
+
+class RemoteSeal(Protocol):
+    """The coordinator's side of a merge across brokers (_seal.PeerSeals)."""
+
+    async def prepare(
+        self, name: str, segments: Collection[Segment], epoch: int, max_rate: float = -1.0
+    ) -> RemotePrepare: ...
+
+    async def finish(
+        self, name: str, segments: Collection[Segment], epoch: int, *, committed: bool
+    ) -> None: ...
 
 
 class Stream:
@@ -438,6 +468,10 @@ class Controller:
         into: int,
         busy: Callable[[Collection[Segment]], bool],
         reason: str = "manual",
+        *,
+        served: Callable[[Segment], bool] | None = None,
+        remote: RemoteSeal | None = None,
+        max_rate: float = -1.0,
     ) -> Stream:
         """Split one open segment into ``into`` successors, or merge adjacent open segments
         into one, in a new epoch. Raises StreamNotFound, SegmentNotFound, InvalidArgument
@@ -450,50 +484,32 @@ class Controller:
         after; (3) one catalog transaction seals them with those ends and adds the
         successors; (4) the successors open. A crash before (3) leaves the old segments
         open after a restart (nothing of the scale happened); after it, the restart finds
-        the new epoch whole. A failure of (2) or (3) opens the old segments again."""
+        the new epoch whole. A failure of (2) or (3) opens the old segments again.
+
+        In a cluster (``served``: whether this broker serves a segment) a merge may name
+        segments other brokers serve: ``remote`` prepares those in step (2) (``PrepareSeal``,
+        see _seal.py), step (3) is fenced by every container's lease and the participants'
+        deadline, and ``remote`` tells them the outcome. ``max_rate`` >= 0: an automatic
+        merge of cold segments, which the participants check against their own rates.
+
+        The catalog refuses step (3) while a committed transaction still has batches to apply
+        to an old segment (``MetaStore.scale_stream``, ``pending_txn``): the segments then open
+        again for a moment (the batches land) and the scale is tried again, for up to
+        ``PENDING_RETRY_S``."""
         stream = self.stream(name)
         async with stream.scale_lock:
-            old = [stream.segment(n) for n in numbers]
-            ranges = _successor_ranges(stream, old, into)
-            if stream.scaling and reason == "manual":
-                _check_bounds(stream, ScalingPolicy.from_text(stream.scaling), old, ranges)
-            epoch = stream.epoch + 1
-            first = max(stream.segments) + 1
-            base = zlib.crc32(name.encode())
-            records = [
-                SegmentRecord(
-                    first + i,
-                    epoch,
-                    r.lo,
-                    r.hi,
-                    (base + first + i) % len(self.containers),
-                    predecessors=sorted(
-                        s.number for s in old if KeyRange(s.key_lo, s.key_hi).overlaps(r)
-                    ),
-                )
-                for i, r in enumerate(ranges)
-            ]
-            for segment in old:
-                segment.sealing = True
-            try:
-                crash_point("scale.sealing")
-                while busy(old) or any(s.pending_offset != s.next_offset for s in old):
-                    await asyncio.sleep(0.005)
-                crash_point("scale.before_record")
-                ends = {s.number: s.next_offset for s in old}
-                await self.in_catalog(
-                    self.meta.scale_stream,
-                    stream.id,
-                    epoch,
-                    int(time.time() * 1000),
-                    ends,
-                    records,
-                    reason.encode(),
-                )
-            except BaseException:
-                for segment in old:
-                    segment.sealing = False
-                raise
+            give_up = time.monotonic() + PENDING_RETRY_S
+            while True:
+                try:
+                    old, records, ends = await self._seal(
+                        stream, numbers, into, busy, reason, served, remote, max_rate
+                    )
+                    break
+                except InvalidArgument as exc:
+                    if "pending_txn" not in exc.details or time.monotonic() > give_up:
+                        raise
+                    log.info("scaling %s waits for a transaction to be applied: %s", name, exc)
+                    await asyncio.sleep(0.05)
             crash_point("scale.after_record")
             successors = [
                 Segment(
@@ -513,29 +529,147 @@ class Controller:
             for segment in successors:
                 self.containers[segment.container].segments[segment.global_id] = segment
                 segment.rates(now_ms)  # measured from its opening (the rules' cool-down)
+            others = [s for s in old if served is not None and not served(s)]
             for segment in old:
+                if segment in others:  # its broker learns from EndSeal or its refresh
+                    segment.next_offset = segment.pending_offset = ends[segment.number]
                 segment.sealed, segment.sealing = True, False
                 segment.notify()  # followers at its end learn that it ended
+        if others and remote is not None:
+            await remote.finish(name, others, records[0].epoch, committed=True)
         self.metrics.scaled(len(old), reason)
         log.info(
             "scaled %s in epoch %d: sealed %s at %s, opened %s",
             name,
-            epoch,
+            records[0].epoch,
             [s.number for s in old],
             ends,
             [r.number for r in records],
         )
         return stream
 
+    async def _seal(
+        self,
+        stream: Stream,
+        numbers: Sequence[int],
+        into: int,
+        busy: Callable[[Collection[Segment]], bool],
+        reason: str,
+        served: Callable[[Segment], bool] | None,
+        remote: RemoteSeal | None,
+        max_rate: float,
+    ) -> tuple[list[Segment], list[SegmentRecord], dict[int, int]]:
+        """Steps (1) to (3) of ``scale``: the old segments, the successors' records, the ends."""
+        name = stream.name
+        old = [stream.segment(n) for n in numbers]
+        ranges = _successor_ranges(stream, old, into)
+        if stream.scaling and reason == "manual":
+            _check_bounds(stream, ScalingPolicy.from_text(stream.scaling), old, ranges)
+        local = [s for s in old if served is None or served(s)]
+        others = [s for s in old if s not in local]
+        if others and remote is None:
+            raise InvalidArgument(f"segments {[s.number for s in others]} are not served here")
+        epoch = stream.epoch + 1
+        first = max(stream.segments) + 1
+        base = zlib.crc32(name.encode())
+        records = [
+            SegmentRecord(
+                first + i,
+                epoch,
+                r.lo,
+                r.hi,
+                (base + first + i) % len(self.containers),
+                predecessors=sorted(
+                    s.number for s in old if KeyRange(s.key_lo, s.key_hi).overlaps(r)
+                ),
+            )
+            for i, r in enumerate(ranges)
+        ]
+        for segment in local:
+            segment.sealing = True
+        prepared = None
+        try:
+            crash_point("scale.sealing")
+            while busy(local) or any(s.pending_offset != s.next_offset for s in local):
+                await asyncio.sleep(0.005)
+            if others:
+                assert remote is not None
+                prepared = await remote.prepare(name, others, epoch, max_rate)
+                crash_point("scale.prepared")
+            crash_point("scale.before_record")
+            ends = {s.number: s.next_offset for s in local}
+            leases = [] if served is None else self._leases(local)
+            if prepared is not None:
+                ends.update(prepared.ends)
+                leases.extend(prepared.leases)
+            await self.in_catalog(
+                functools.partial(
+                    self.meta.scale_stream,
+                    stream.id,
+                    epoch,
+                    int(time.time() * 1000),
+                    ends,
+                    records,
+                    reason.encode(),
+                    leases=leases,
+                    deadline_ms=None if prepared is None else prepared.deadline_ms,
+                )
+            )
+        except BaseException as exc:
+            recorded = False
+            if isinstance(exc, StorageError) and prepared is not None:
+                recorded = await self._recorded(stream, old)  # the outcome is unknown
+            if not recorded:
+                for segment in local:
+                    segment.sealing = False
+                if prepared is not None and not isinstance(exc, StorageError):
+                    assert remote is not None
+                    await remote.finish(name, others, epoch, committed=False)
+                raise
+            ends = {s.number: s.next_offset for s in local}
+            assert prepared is not None
+            ends.update(prepared.ends)
+        return old, records, ends
+
+    def _leases(self, segments: Collection[Segment]) -> list[Lease]:
+        """The leases of the containers of ``segments`` (served here), which fence a scale."""
+        leases = {}
+        for segment in segments:
+            lease = self.containers[segment.container].lease
+            if lease is not None:
+                leases[lease.container] = lease
+        return list(leases.values())
+
+    async def _recorded(self, stream: Stream, old: Sequence[Segment]) -> bool:
+        """After a scale record whose outcome is unknown (the catalog failed mid-commit):
+        whether it is in the catalog (its segments sealed there), asked for a few seconds;
+        False if the catalog cannot say."""
+        for _ in range(20):
+            try:
+                sealed = await self.in_catalog(
+                    self.meta.settle_seal, stream.id, [s.number for s in old], 0
+                )
+                return len(sealed) == len(old)
+            except StorageError:
+                await asyncio.sleep(0.25)
+        return False
+
     async def autoscale(
         self,
         busy: Callable[[Collection[Segment]], bool],
         served: Callable[[Segment], bool] | None = None,
+        remote: RemoteSeal | None = None,
     ) -> int:
         """One pass of automatic scaling: for every stream with a policy, the decisions of
         ``streams.decide`` on its open segments' rates, applied one by one with their
         reasons (see docs/scaling.md). Returns how many scales it made. A decision that no
-        longer applies (the stream was deleted or scaled meanwhile) is logged and skipped."""
+        longer applies (the stream was deleted or scaled meanwhile) is logged and skipped.
+
+        In a cluster (``served``) a broker acts on the decisions whose first segment it
+        serves: a split of its own segment, or a merge whose other segments another broker
+        may serve (``remote``; this broker sees no appends to those, so their rates look
+        zero here: the participants check a cold merge against their own rates and refuse
+        it when their segments are not cold)."""
         made = 0
         for stream in list(self.streams.values()):
             if not stream.scaling or stream.scale_lock.locked():
@@ -555,18 +689,40 @@ class Controller:
                         )
                     )
             for decision in decide(policy, loads, now_ms):
-                if served is not None and not all(
-                    served(stream.segments[n]) for n in decision.segments
-                ):
-                    continue  # in a cluster: the broker serving those segments decides
+                named = [stream.segments[n] for n in decision.segments]
+                max_rate = -1.0
+                if served is not None:
+                    mine = [s for s in named if served(s)]
+                    if not served(min(named, key=lambda s: s.number)):
+                        continue  # in a cluster: the broker serving the first segment decides
+                    if len(mine) < len(named):
+                        if remote is None:
+                            continue
+                        if decision.rule == "cold_300s" and decision.threshold is not None:
+                            own = sum(
+                                load.rates.of(policy.metric).peak_10s
+                                for load in decision.inputs
+                                if load.segment in {s.number for s in mine}
+                            )
+                            max_rate = decision.threshold - own
                 stamped = msgspec.structs.replace(decision, at_ms=int(time.time() * 1000))
                 into = len(decision.ranges) if decision.action == "split" else 1
                 try:
                     await self.scale(
-                        stream.name, decision.segments, into, busy, stamped.to_json().decode()
+                        stream.name,
+                        decision.segments,
+                        into,
+                        busy,
+                        stamped.to_json().decode(),
+                        served=served,
+                        remote=remote,
+                        max_rate=max_rate,
                     )
-                except (StreamNotFound, SegmentNotFound, InvalidArgument) as exc:
+                except (StreamNotFound, SegmentNotFound, InvalidArgument, WrongBroker) as exc:
                     log.warning("scaling %s skipped: %s", stream.name, exc)
+                    break
+                except (BrokerUnavailable, TimeoutError) as exc:
+                    log.warning("scaling %s skipped, a broker did not answer: %s", stream.name, exc)
                     break
                 made += 1
                 log.info("scaled %s automatically: %s", stream.name, decision.reason)

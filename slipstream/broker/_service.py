@@ -109,8 +109,10 @@ from ._find import Finder, FoundEvents, check_find_arguments, find_in_cluster
 from ._groups import Subscriptions
 from ._metrics import DETACHED, Metrics
 from ._peers import Peers, gather_answers
+from ._seal import PeerSeals, Preparations
 
 if TYPE_CHECKING:
+    from ..storage import Lease
     from ._container import Container
     from ._controller import Controller
     from ._segment import Segment
@@ -240,6 +242,8 @@ class Service:
             [decode_rule(v) for v in controller.meta.settings(RULES_SETTING).values()]
         )
         self._rules_version = 0  # callers' cached decisions hold while it is unchanged
+        #: segments prepared here for merges other brokers coordinate (_seal.py)
+        self.seals = Preparations(controller, coordinator.touching, lambda: self.refresh_catalog())
         self._txn_owners: dict[str, str] = {
             tid: subject.decode()
             for tid, subject in controller.meta.settings(TXN_OWNERS_SETTING).items()
@@ -488,23 +492,75 @@ class Service:
     ) -> StreamInfo:
         """Split one open segment into ``into`` successors, or merge adjacent open segments,
         in a new epoch (see ``Controller.scale``). Waits for transactions that staged into
-        them to end. Raises StreamNotFound, SegmentNotFound, InvalidArgument."""
+        them to end. Raises StreamNotFound, SegmentNotFound, InvalidArgument.
+
+        In a cluster the broker serving the lowest-numbered segment does it (WrongBroker
+        elsewhere); the others' brokers prepare theirs for it (docs/cluster.md, "Scaling
+        across brokers"): a broker that does not answer, or a container that moves meanwhile,
+        fails the merge (InvalidArgument, LeaseLost, BrokerUnavailable) and every segment
+        takes appends again."""
         self._authorize(caller, Action.MANAGE, name)
         self._refuse_system(name, "scale")
         known = self.controller.stream(name).segments
         named = [known[n] for n in segments if n in known]  # unknown: SegmentNotFound below
-        here = [s for s in named if self.is_served(s) or not self.cluster.enabled]
-        if named and not here:
-            self._served(named[0])  # WrongBroker: ask the broker serving them
-        elif len(here) < len(named):
-            raise InvalidArgument(
-                f"segments {sorted(s.number for s in named)} of {name!r} are served by "
-                "different brokers of the cluster, which cannot merge them in one step yet "
-                "(docs/cluster.md, 'Limits'); merge segments served by one broker"
-            )
-        stream = await self.controller.scale(name, segments, into, self.coordinator.touching)
+        if named and self.cluster.enabled:
+            self._served(min(named, key=lambda s: s.number))  # WrongBroker: its broker leads
+        stream = await self.controller.scale(
+            name,
+            segments,
+            into,
+            self.coordinator.touching,
+            served=self.is_served if self.cluster.enabled else None,
+            remote=self.peer_seals,
+        )
         self._audited(caller, "stream_scaled", stream=name, segments=list(segments), into=into)
         return stream.info()
+
+    @property
+    def peer_seals(self) -> PeerSeals:
+        """The coordinator's side of merges across brokers (``Controller.scale(remote=...)``)."""
+        return PeerSeals(self.peers, self.cluster)
+
+    async def prepare_seal(
+        self,
+        caller: Caller,
+        stream: str,
+        segments: Sequence[int],
+        epoch: int,
+        coordinator: str,
+        wait_ms: int,
+        max_rate: float,
+    ) -> Message:
+        """``PrepareSeal`` (broker to broker): close ``segments``, served here, for the merge
+        another broker coordinates -> ``SealPrepared`` (see _seal.Preparations.prepare).
+        Admin only with authentication on; InvalidArgument on a standalone broker;
+        WrongBroker unless this broker serves every one of them."""
+        self._authorize(caller, Action.ADMIN, None)
+        if not self.cluster.enabled:
+            raise InvalidArgument("PrepareSeal is sent between the brokers of a cluster")
+        self._refuse_system(stream, "scale")
+        target = self.controller.stream(stream)
+        for number in segments:
+            self._served(target.segment(number))
+
+        def lease(segment: Segment) -> Lease:
+            container = self.containers[segment.container]
+            self._served(segment)
+            if container.lease is None:
+                raise self.cluster.wrong_broker(segment.container, "a segment")
+            return container.lease
+
+        return await self.seals.prepare(
+            target, segments, epoch, coordinator, min(wait_ms, 10_000), max_rate, lease
+        )
+
+    async def end_seal(
+        self, caller: Caller, stream: str, segments: Sequence[int], epoch: int, committed: bool
+    ) -> None:
+        """``EndSeal`` (broker to broker): the outcome of a merge that prepared ``segments``
+        here. Admin only with authentication on."""
+        self._authorize(caller, Action.ADMIN, None)
+        await self.seals.end(self.controller.stream(stream), segments, epoch, committed)
 
     def scale_history(self, caller: Caller, name: str) -> list[ScaleEventInfo]:
         self._authorize(caller, None, name)
@@ -1222,6 +1278,12 @@ class Service:
             raise InvalidArgument("ApplyBatch is sent between the brokers of a cluster")
         target = self.controller.stream(stream).segment(segment)
         self._served(target)
+        if batch and target.sealing and not target.sealed:
+            # a scale is sealing it: the catalog refuses the scale while this batch's commit
+            # is pending, the segment then opens again and the coordinator's retry lands
+            from ._container import sealed_error
+
+            raise sealed_error(target)
         if not batch:
             done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             done.set_result(-1)

@@ -70,6 +70,7 @@ from ..protocol import (
     DescribeStream,
     DescribeSubscription,
     Done,
+    EndSeal,
     EndTxn,
     Error,
     EventsDelivered,
@@ -106,6 +107,7 @@ from ..protocol import (
     Oversized,
     Payload,
     PollGroup,
+    PrepareSeal,
     ProducerGrant,
     QuotaList,
     ReadSegment,
@@ -724,6 +726,13 @@ class Session(asyncio.BufferedProtocol):
                 return Done()
             case ScaleStream(stream, segments, into):
                 return await service.scale_stream(caller, stream, segments, into)
+            case PrepareSeal(stream, segments, epoch, coordinator, wait_ms, max_rate):
+                return await service.prepare_seal(
+                    caller, stream, segments, epoch, coordinator, wait_ms, max_rate
+                )
+            case EndSeal(stream, segments, epoch, committed):
+                await service.end_seal(caller, stream, segments, epoch, committed)
+                return Done()
             case GetScaleHistory(stream):
                 return ScaleHistory(stream, service.scale_history(caller, stream))
             case LeaveGroup(member_id):

@@ -803,6 +803,55 @@ class SegmentData(Message, frozen=True):
     sealed: bool = False
 
 
+class PrepareSeal(Message, frozen=True):
+    """Broker to broker, in a cluster (docs/cluster.md, "Scaling across brokers"): the broker
+    coordinating a merge (the one serving its lowest-numbered segment) asks the broker serving
+    ``segments`` to prepare them for it -> ``SealPrepared``: refuse appends to them
+    (SegmentSealed, which producers retry), wait until every append they took is durable and
+    no transaction this broker coordinates is still open on them (up to ``wait_ms``), and
+    answer their ends. They stay closed until ``EndSeal``, or until the answer's deadline has
+    passed and the catalog says whether the merge was recorded (sealed) or not (open again).
+    ``max_rate`` >= 0 (an automatic merge of cold segments): refused with InvalidArgument
+    unless these segments, as this broker measures them, carried less than that (events or
+    bytes per second, as the stream's policy counts) in every 10 s of the last 300 s.
+    ``epoch``: the one the merge makes; ``coordinator``: its broker's id. InvalidArgument for
+    a sealed or preparing segment, WrongBroker if this broker does not serve them. With
+    authentication on, only brokers (admin) may send it."""
+
+    stream: str
+    segments: list[int]
+    epoch: int
+    coordinator: str
+    wait_ms: int = 3000
+    max_rate: float = -1.0
+
+
+class SealPrepared(Message, frozen=True):
+    """``PrepareSeal``'s answer: ``ends[i]`` is ``segments[i]``'s end offset; ``leases``
+    the epochs of their containers' leases (``containers[i]``), which fence the merge's
+    catalog record (a container that moved since refuses it); ``deadline_ms``: the catalog's
+    clock after which this broker stops waiting for ``EndSeal`` (the record is refused from
+    then on)."""
+
+    ends: list[int]
+    containers: list[int]
+    leases: list[int]
+    deadline_ms: int
+
+
+class EndSeal(Message, frozen=True):
+    """Broker to broker: the outcome of the merge that prepared ``segments`` (``PrepareSeal``):
+    ``committed`` True, its record is in the catalog (the segments are sealed, this broker
+    reads the successors from the catalog); False, it was refused and will not be recorded
+    (the segments take appends again) -> ``Done``. For segments not prepared for ``epoch``:
+    ``Done``, nothing changes."""
+
+    stream: str
+    segments: list[int]
+    epoch: int
+    committed: bool
+
+
 class ApplyBatch(Message, frozen=True):
     """Broker to broker, in a cluster (docs/cluster.md, "Transactions"): payload, one batch of
     a committed transaction, stamped with its owner's producer id, epoch and sequence, for a
@@ -926,6 +975,8 @@ KINDS: dict[int, type[Message]] = {
     43: ListIdentities,
     44: HandOverIdentity,
     45: DescribeCluster,
+    48: PrepareSeal,
+    49: EndSeal,
     47: ReadSegment,
     46: ApplyBatch,
     52: AppendAudit,
@@ -961,6 +1012,7 @@ KINDS: dict[int, type[Message]] = {
     91: QuotaList,
     93: IdentityList,
     94: ClusterInfo,
+    97: SealPrepared,
     96: SegmentData,
     99: AuditHead,
     98: PositionsHeld,

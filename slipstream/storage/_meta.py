@@ -34,6 +34,7 @@ from .._errors import (
     StreamNotFound,
     SubscriptionExists,
     SubscriptionNotFound,
+    TransactionAborted,
 )
 
 _SHIFT = 1 << 63
@@ -306,6 +307,9 @@ class MetaStore(ABC):
         sealed: Mapping[int, int],
         created: Sequence[SegmentRecord],
         decision: bytes = b"",
+        *,
+        leases: Sequence[Lease] = (),
+        deadline_ms: int | None = None,
     ) -> StreamRecord:
         """Apply one scale event, all or nothing, and return the stream as stored: seal the
         open segments ``sealed`` (segment -> end offset: the offset after its last event),
@@ -323,7 +327,37 @@ class MetaStore(ABC):
         to seal that the stream does not have; InvalidArgument (with ``details["epoch"]``, the
         current epoch, for an epoch conflict) for the wrong epoch, a segment already sealed, a
         successor number the stream already has or that is given twice, nothing sealed or
-        nothing created, a negative end offset, or a successor that does not fit the rules above."""
+        nothing created, a negative end offset, or a successor that does not fit the rules above.
+
+        Also refused, nothing stored (docs/cluster.md, "Scaling across brokers"):
+        InvalidArgument with ``details["pending_txn"]`` (the
+        transaction's id) when a commit record not yet applied (``pending_commits``) names a
+        segment to seal (its batches would land past the sealed end; ask again once it is
+        applied); LeaseLost unless each of ``leases`` (the containers of the sealed segments,
+        in a cluster) is its container's current holding; InvalidArgument with
+        ``details["deadline_ms"]`` when the catalog's clock (``clock_ms``) is at or past
+        ``deadline_ms`` (a prepared segment's broker may have given up on this scale and
+        reopened it, see ``settle_seal``). These checks come after the seals, in the same
+        transaction, so a ``commit_txn`` or ``settle_seal`` running meanwhile is ordered before
+        or after this event as a whole."""
+
+    def clock_ms(self) -> int:
+        """The catalog's clock (ms since 1970): the one leases, members and a scale's
+        ``deadline_ms`` are measured by (PostgreSQL: the server's, so brokers with skewed
+        clocks agree)."""
+        return int(time.time() * 1000)
+
+    @abstractmethod
+    def settle_seal(
+        self, stream_id: int, numbers: Sequence[int], deadline_ms: int
+    ) -> dict[int, int]:
+        """The outcome of a merge that prepared segments ``numbers`` on this broker but never
+        told it (docs/cluster.md, "Scaling across brokers"): the end offsets of those of them
+        that are sealed ({} if none is). Refuses (InvalidArgument with
+        ``details["deadline_ms"]``) while the catalog's clock is before ``deadline_ms``; once
+        it answers, no ``scale_stream`` fenced by that deadline can seal them any more (it
+        locks their rows, and such a scale checks the clock after its seals). Raises
+        StreamNotFound if no live stream has that id."""
 
     @abstractmethod
     def scalings(self, stream_id: int | None = None) -> list[ScaleRecord]:
@@ -500,7 +534,11 @@ class MetaStore(ABC):
         """Store a commit record and make it its transactional id's last commit, atomically.
         With ``lease`` (the coordinating container's, in a cluster): LeaseLost, nothing stored,
         unless it is that container's current holding (a coordinator that lost its container
-        can no longer commit what the new holder would never apply)."""
+        can no longer commit what the new holder would never apply). TransactionAborted,
+        nothing stored, when a part names a segment that is sealed (a scale on another broker
+        sealed it after the transaction staged into it: its batches would land past the
+        sealed end); a scale and a commit naming one segment are ordered in the catalog, see
+        ``scale_stream``."""
 
     @abstractmethod
     def pending_commits(self) -> list[TxnCommit]:
@@ -759,9 +797,14 @@ class SqliteMetaStore(MetaStore):
         sealed: Mapping[int, int],
         created: Sequence[SegmentRecord],
         decision: bytes = b"",
+        *,
+        leases: Sequence[Lease] = (),
+        deadline_ms: int | None = None,
     ) -> StreamRecord:
         _check_scale(epoch, sealed, created)
         with self._transaction() as cur:
+            for lease in leases:
+                _check_lease(cur, lease)
             name = self._live_name(cur, stream_id)
             (current,) = cur.execute(
                 "SELECT COALESCE(MAX(epoch), 0) FROM scalings WHERE stream_id = ?", (stream_id,)
@@ -782,6 +825,13 @@ class SqliteMetaStore(MetaStore):
                 )
                 if cur.rowcount == 0:
                     raise self._not_sealable(cur, name, stream_id, number)
+            pending = [
+                msgspec.msgpack.decode(row[0], type=TxnCommit)
+                for row in cur.execute("SELECT record FROM txn_commits ORDER BY txn_id")
+            ]
+            _check_not_pending(name, stream_id, sealed, pending)
+            if deadline_ms is not None:
+                _check_deadline(name, deadline_ms, self.clock_ms())
             try:
                 self._insert_segments(cur, stream_id, created)
             except sqlite3.IntegrityError:
@@ -819,6 +869,20 @@ class SqliteMetaStore(MetaStore):
             stream=name,
             segment=number,
         )
+
+    def settle_seal(
+        self, stream_id: int, numbers: Sequence[int], deadline_ms: int
+    ) -> dict[int, int]:
+        with self._transaction() as cur:  # BEGIN IMMEDIATE: after or before any scale
+            name = self._live_name(cur, stream_id)
+            _check_settled(name, deadline_ms, self.clock_ms())
+            marks = ",".join("?" * len(numbers))
+            rows = cur.execute(
+                f"SELECT number, end_offset FROM segments WHERE stream_id = ? AND sealed "
+                f"AND number IN ({marks})",
+                (stream_id, *numbers),
+            ).fetchall()
+        return {int(number): int(end) for number, end in rows}
 
     def scalings(self, stream_id: int | None = None) -> list[ScaleRecord]:
         query = "SELECT record FROM scalings"
@@ -1189,6 +1253,13 @@ class SqliteMetaStore(MetaStore):
         with self._transaction() as cur:
             if lease is not None:
                 _check_lease(cur, lease)
+            for named in commit.parts:
+                row = cur.execute(
+                    "SELECT sealed FROM segments WHERE stream_id = ? AND number = ?",
+                    (named.stream_id, named.segment),
+                ).fetchone()
+                if row is not None and row[0]:
+                    raise _sealed_part(commit, named)
             for part in commit.positions:  # first: a stale generation refuses the whole commit
                 self._commit_positions(
                     cur, part.stream_id, part.subscription, part.generation, part.positions, None
@@ -1423,6 +1494,56 @@ def _check_lease(cur: sqlite3.Cursor, lease: Lease) -> None:
     ).fetchone()
     if row is None or row[0] != lease.owner or row[1] != lease.epoch:
         raise _lease_lost(lease, row)
+
+
+def _check_not_pending(
+    name: str, stream_id: int, sealed: Mapping[int, int], pending: Sequence[TxnCommit]
+) -> None:
+    """A scale's check (``MetaStore.scale_stream``): no commit record still to be applied
+    names a segment it seals."""
+    for commit in pending:
+        for part in commit.parts:
+            if part.stream_id == stream_id and part.segment in sealed:
+                raise InvalidArgument(
+                    f"segment {part.segment} of stream {name!r} has batches of committed "
+                    f"transaction {commit.txn_id} still to be applied: it cannot be sealed "
+                    "before they are (ask again in a moment)",
+                    stream=name,
+                    segment=part.segment,
+                    pending_txn=commit.txn_id,
+                )
+
+
+def _check_deadline(name: str, deadline_ms: int, now_ms: int) -> None:
+    """A scale's check: the catalog's clock is still before the deadline of its prepares."""
+    if now_ms >= deadline_ms:
+        raise InvalidArgument(
+            f"the merge of stream {name!r} came {now_ms - deadline_ms} ms past the deadline "
+            "its prepared segments' brokers waited for (they reopen them): plan it again",
+            stream=name,
+            deadline_ms=deadline_ms,
+        )
+
+
+def _check_settled(name: str, deadline_ms: int, now_ms: int) -> None:
+    """``settle_seal``'s check: the catalog's clock has reached the deadline."""
+    if now_ms < deadline_ms:
+        raise InvalidArgument(
+            f"a merge of stream {name!r} may still seal its prepared segments for "
+            f"{deadline_ms - now_ms} ms: settle them after that",
+            stream=name,
+            deadline_ms=deadline_ms,
+        )
+
+
+def _sealed_part(commit: TxnCommit, part: CommitPart) -> TransactionAborted:
+    return TransactionAborted(
+        f"transaction {commit.txn_id} staged into segment {part.segment} of stream id "
+        f"{part.stream_id}, which a scale sealed before it committed: it is aborted, nothing "
+        "of it is stored (write it again: the successors take its keys)",
+        txn_id=commit.txn_id,
+        segment=part.segment,
+    )
 
 
 def _check_scale(epoch: int, sealed: Mapping[int, int], created: Sequence[SegmentRecord]) -> None:

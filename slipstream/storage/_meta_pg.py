@@ -51,13 +51,17 @@ from ._meta import (
     StreamRecord,
     SubscriptionRecord,
     TxnCommit,
+    _check_deadline,
+    _check_not_pending,
     _check_scale,
+    _check_settled,
     _check_ttl,
     _grant,
     _lease_lost,
     _no_subscription,
     _registered,
     _renewed,
+    _sealed_part,
     schema_too_new,
 )
 
@@ -406,9 +410,14 @@ class PostgresMetaStore(MetaStore):
         sealed: Mapping[int, int],
         created: Sequence[SegmentRecord],
         decision: bytes = b"",
+        *,
+        leases: Sequence[Lease] = (),
+        deadline_ms: int | None = None,
     ) -> StreamRecord:
         _check_scale(epoch, sealed, created)
         with self._transaction() as cur:
+            for lease in sorted(leases, key=lambda lease: lease.container):
+                _check_lease(cur, lease)  # first, as in commit_txn
             # the stream's row lock makes scale events of one stream one at a time
             name = self._live_name(cur, stream_id, "FOR UPDATE")
             cur.execute(
@@ -431,6 +440,14 @@ class PostgresMetaStore(MetaStore):
                 )
                 if cur.rowcount == 0:
                     raise self._not_sealable(cur, name, stream_id, number)
+            # after the seals (their row locks): a commit_txn naming them either committed
+            # before (its record is read here) or waits and then sees them sealed
+            cur.execute("SELECT record FROM txn_commits ORDER BY txn_id")
+            pending = [msgspec.msgpack.decode(row[0], type=TxnCommit) for row in cur]
+            _check_not_pending(name, stream_id, sealed, pending)
+            if deadline_ms is not None:  # after the seals too: see settle_seal
+                cur.execute(f"SELECT {_CLOCK_MS}")
+                _check_deadline(name, deadline_ms, int(_one(cur)[0]))
             try:
                 self._insert_segments(cur, stream_id, created)
             except psycopg.errors.UniqueViolation:
@@ -469,6 +486,30 @@ class PostgresMetaStore(MetaStore):
             stream=name,
             segment=number,
         )
+
+    def clock_ms(self) -> int:
+        def query(cur: psycopg.Cursor[Any]) -> int:
+            cur.execute(f"SELECT {_CLOCK_MS}")
+            return int(_one(cur)[0])
+
+        return self._read(query, lookup=True)
+
+    def settle_seal(
+        self, stream_id: int, numbers: Sequence[int], deadline_ms: int
+    ) -> dict[int, int]:
+        with self._transaction() as cur:
+            name = self._live_name(cur, stream_id)
+            # the rows' locks first: a scale that sealed them commits (or not) before this
+            # reads; one that comes after reads the clock past the deadline and is refused
+            cur.execute(
+                "SELECT number, sealed, end_offset FROM segments WHERE stream_id = %s "
+                "AND number = ANY(%s) ORDER BY number FOR UPDATE",
+                (stream_id, list(numbers)),
+            )
+            rows = cur.fetchall()
+            cur.execute(f"SELECT {_CLOCK_MS}")
+            _check_settled(name, deadline_ms, int(_one(cur)[0]))
+        return {int(number): int(end) for number, sealed, end in rows if sealed}
 
     def scalings(self, stream_id: int | None = None) -> list[ScaleRecord]:
         where, args = ("WHERE stream_id = %s", (stream_id,)) if stream_id is not None else ("", ())
@@ -896,6 +937,16 @@ class PostgresMetaStore(MetaStore):
         with self._transaction() as cur:
             if lease is not None:
                 _check_lease(cur, lease)
+            # FOR SHARE, in one order: a scale sealing one of them (UPDATE) waits for this
+            # commit and then finds its record pending, or this waits and sees it sealed
+            for named in sorted(commit.parts, key=lambda p: (p.stream_id, p.segment)):
+                cur.execute(
+                    "SELECT sealed FROM segments WHERE stream_id = %s AND number = %s FOR SHARE",
+                    (named.stream_id, named.segment),
+                )
+                row = cur.fetchone()
+                if row is not None and row[0]:
+                    raise _sealed_part(commit, named)
             # first: a stale generation refuses the whole commit; in the subscriptions' order
             for part in sorted(commit.positions, key=lambda p: (p.stream_id, p.subscription)):
                 self._commit_positions(
@@ -1068,6 +1119,9 @@ def _configure(conn: psycopg.Connection[Any]) -> None:
 
 #: the server's clock in milliseconds since 1970, for leases
 _NOW_MS = "(extract(epoch FROM now()) * 1000)::bigint"
+#: the same clock as it runs now, not as of the transaction's start: for the deadline of a
+#: scale across brokers, checked after the transaction's row locks are held
+_CLOCK_MS = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 
 
 def _check_lease(cur: psycopg.Cursor[Any], lease: Lease) -> None:

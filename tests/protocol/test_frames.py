@@ -55,6 +55,7 @@ from slipstream.protocol import (
     DescribeStream,
     DescribeSubscription,
     Done,
+    EndSeal,
     EndTxn,
     Error,
     EventsDelivered,
@@ -93,6 +94,7 @@ from slipstream.protocol import (
     Message,
     Oversized,
     PollGroup,
+    PrepareSeal,
     PositionsHeld,
     ProducerGrant,
     QuotaInfo,
@@ -106,6 +108,7 @@ from slipstream.protocol import (
     ScaleEventInfo,
     ScaleHistory,
     ScaleStream,
+    SealPrepared,
     SegmentData,
     SegmentInfo,
     SetQuota,
@@ -519,6 +522,25 @@ MESSAGES[ReadSegment] = st.builds(
 )
 MESSAGES[SegmentData] = st.builds(
     SegmentData, next_offset=OFFSETS, end_offset=OFFSETS, sealed=st.booleans()
+)
+MESSAGES[PrepareSeal] = st.builds(
+    PrepareSeal,
+    stream=TEXT,
+    segments=st.lists(I64, max_size=3),
+    epoch=I64,
+    coordinator=TEXT,
+    wait_ms=I64,
+    max_rate=st.floats(allow_nan=False),
+)
+MESSAGES[SealPrepared] = st.builds(
+    SealPrepared,
+    ends=st.lists(OFFSETS, max_size=3),
+    containers=st.lists(I64, max_size=3),
+    leases=st.lists(I64, max_size=3),
+    deadline_ms=I64,
+)
+MESSAGES[EndSeal] = st.builds(
+    EndSeal, stream=TEXT, segments=st.lists(I64, max_size=3), epoch=I64, committed=st.booleans()
 )
 MESSAGES[AppendAudit] = st.builds(
     AppendAudit, broker_id=TEXT, records=st.lists(st.binary(max_size=64), max_size=3)

@@ -41,6 +41,7 @@ from slipstream.protocol import (
     DescribeCluster,
     DescribeStream,
     DescribeSubscription,
+    EndSeal,
     EndTxn,
     Error,
     FetchEvents,
@@ -65,6 +66,7 @@ from slipstream.protocol import (
     ListTxns,
     Message,
     PollGroup,
+    PrepareSeal,
     QuotaInfo,
     ReadSegment,
     ResetSubscription,
@@ -239,6 +241,8 @@ def requests(s: Setup) -> dict[str, tuple[Message, bytes]]:
         "HandOverIdentity": (HandOverIdentity("spark:q", "alice"), b""),  # admin only
         "ReadSegment": (ReadSegment("demo/orders", 0, 0), b""),  # consume
         "ApplyBatch": (ApplyBatch("demo/orders", 0), batch(2)),  # brokers (admin) only
+        "PrepareSeal": (PrepareSeal("demo/orders", [0], 1, "b0"), b""),  # brokers only
+        "EndSeal": (EndSeal("demo/orders", [0], 1, False), b""),  # brokers only
     }
 
 

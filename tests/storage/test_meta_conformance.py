@@ -13,6 +13,7 @@ all at once or not at all, in the epoch after the stream's current one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import sqlite3
 import subprocess
@@ -37,6 +38,7 @@ from slipstream import (
     StreamNotFound,
     SubscriptionExists,
     SubscriptionNotFound,
+    TransactionAborted,
 )
 from slipstream.storage import (
     ChunkRecord,
@@ -1593,3 +1595,143 @@ def test_brokers_racing_to_make_a_shared_secret_all_get_the_first_writers(kit: K
         assert len(got) == racers
         assert len(set(got)) == 1, got
         assert meta.shared_secret(f"s{round_}", lambda: b"late") == got[0]
+
+
+# --- scaling across brokers: the txn-vs-scale interlock, fences and prepares (h21) ---------
+
+
+def merge_both(epoch: int = 1) -> list[SegmentRecord]:
+    """Segments 0 and 1 of a two-segment stream merged into 2."""
+    return [successor(2, epoch, 0, MAX_KEY, [0, 1])]
+
+
+def test_a_commit_naming_a_sealed_segment_is_aborted_and_stores_nothing(kit: Kit) -> None:
+    """A transaction coordinated by one broker staged into a segment another broker sealed
+    meanwhile: its commit record would put batches past the sealed end, so it is refused."""
+    meta = kit.meta
+    stream_id = create(meta, "s/txn-sealed", 2)
+    meta.save_identity(Identity("app-1", 7, 0))
+    meta.scale_stream(stream_id, 1, 100, {0: 5, 1: 6}, merge_both())
+    late = TxnCommit(1, "app-1", 7, 0, [CommitPart(stream_id, 2, 0), CommitPart(stream_id, 1, 0)],
+                     b"late", 1_700, 2)  # fmt: skip
+    with pytest.raises(TransactionAborted) as caught:
+        meta.commit_txn(late)
+    assert caught.value.details["segment"] == 1
+    assert meta.pending_commits() == []
+    assert meta.identities()[0].last_txn_id == -1, "nothing of the commit was stored"
+    fine = TxnCommit(2, "app-1", 7, 0, [CommitPart(stream_id, 2, 0)], b"fine", 1_800, 1)
+    meta.commit_txn(fine)
+    assert meta.pending_commits() == [fine]
+
+
+def test_a_scale_refuses_segments_a_pending_commit_names_until_it_is_applied(kit: Kit) -> None:
+    meta = kit.meta
+    stream_id = create(meta, "s/txn-pending", 2)
+    other = create(meta, "s/other", 2)
+    meta.save_identity(Identity("app-1", 7, 0))
+    pending = TxnCommit(5, "app-1", 7, 0, [CommitPart(other, 0, 0), CommitPart(stream_id, 1, 3)],
+                        b"", 1_700, 2)  # fmt: skip
+    meta.commit_txn(pending)
+    before, history = meta.streams(), meta.scalings()
+    with pytest.raises(InvalidArgument) as caught:
+        meta.scale_stream(stream_id, 1, 100, {0: 5, 1: 6}, merge_both())
+    assert caught.value.details["pending_txn"] == 5
+    if kit.durable:
+        meta = kit.reopen()
+    assert meta.streams() == before, "nothing sealed, no successor"
+    assert meta.scalings() == history
+    # a part naming another stream's segment 0 does not hold up this stream's segment 0
+    split = [successor(2, 1, 0, QUARTER - 1, [0]), successor(3, 1, QUARTER, HALF - 1, [0])]
+    meta.scale_stream(stream_id, 1, 100, {0: 5}, split)
+    meta.finish_txn(5)  # applied: now segment 1 may be sealed
+    meta.scale_stream(stream_id, 2, 200, {1: 9}, [successor(4, 2, HALF, MAX_KEY, [1])])
+    assert meta.scalings(stream_id)[-1].sealed == {1: 9}
+
+
+def test_a_scale_fenced_by_leases_and_a_deadline_stores_nothing_once_either_is_gone(
+    kit: Kit,
+) -> None:
+    meta = kit.meta
+    stream_id = create(meta, "s/fenced", 2)
+    old = meta.acquire_lease(1, "broker-b", 60_000)
+    mine = meta.acquire_lease(0, "broker-a", 60_000)
+    assert old is not None and mine is not None
+    meta.release_lease(old)
+    new = meta.acquire_lease(1, "broker-c", 60_000)  # container 1 moved meanwhile
+    assert new is not None
+    before = meta.streams()
+    with pytest.raises(LeaseLost):
+        meta.scale_stream(stream_id, 1, 100, {0: 5, 1: 6}, merge_both(), leases=[mine, old])
+    with pytest.raises(InvalidArgument) as caught:
+        meta.scale_stream(stream_id, 1, 100, {0: 5, 1: 6}, merge_both(),
+                          leases=[mine, new], deadline_ms=meta.clock_ms() - 1)  # fmt: skip
+    assert "deadline_ms" in caught.value.details
+    assert meta.streams() == before and meta.scalings() == []
+    meta.scale_stream(stream_id, 1, 100, {0: 5, 1: 6}, merge_both(),
+                      leases=[mine, new], deadline_ms=meta.clock_ms() + 60_000)  # fmt: skip
+    assert meta.scalings(stream_id)[0].sealed == {0: 5, 1: 6}
+
+
+def test_settling_a_prepare_waits_for_its_deadline_then_fences_the_merge(kit: Kit) -> None:
+    """A broker that prepared segments for a merge whose coordinator went silent asks the
+    catalog, once the deadline passed: sealed there -> their ends; not -> {} and no scale with
+    that deadline can seal them from then on."""
+    meta = kit.meta
+    stream_id = create(meta, "s/settle", 2)
+    deadline = meta.clock_ms() + 300
+    with pytest.raises(InvalidArgument) as caught:
+        meta.settle_seal(stream_id, [1], deadline)
+    assert caught.value.details["deadline_ms"] == deadline
+    while meta.clock_ms() < deadline:
+        time.sleep(0.05)
+    assert meta.settle_seal(stream_id, [1], deadline) == {}
+    with pytest.raises(InvalidArgument):
+        meta.scale_stream(stream_id, 1, 100, {0: 5, 1: 6}, merge_both(), deadline_ms=deadline)
+    assert meta.scalings() == []
+    later = meta.clock_ms() + 60_000
+    meta.scale_stream(stream_id, 1, 100, {0: 5, 1: 6}, merge_both(), deadline_ms=later)
+    assert meta.settle_seal(stream_id, [1], 0) == {1: 6}
+    with pytest.raises(StreamNotFound):
+        meta.settle_seal(stream_id + 100, [1], 0)
+
+
+def race(*calls: Callable[[], object]) -> list[BaseException | None]:
+    """Run ``calls`` on threads started together: each one's refusal, or None if it landed."""
+    outcomes: list[BaseException | None] = [None] * len(calls)
+    start = threading.Barrier(len(calls))
+
+    def run(index: int) -> None:
+        start.wait()
+        try:
+            calls[index]()
+        except (TransactionAborted, InvalidArgument) as exc:
+            outcomes[index] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+def test_a_commit_and_a_scale_racing_for_one_segment_never_both_land(kit: Kit) -> None:
+    """Either the commit record is stored (and the scale refused while it is pending) or the
+    segment is sealed (and the commit refused): never a sealed segment with a pending commit."""
+    meta = kit.meta
+    meta.save_identity(Identity("app-1", 7, 0))
+    for round_ in range(12):
+        stream_id = create(meta, f"s/race-{round_}", 2)
+        commit = TxnCommit(100 + round_, "app-1", 7, 0, [CommitPart(stream_id, 1, 0)], b"",
+                           1_700, 1)  # fmt: skip
+        outcomes = race(
+            functools.partial(meta.commit_txn, commit),
+            functools.partial(meta.scale_stream, stream_id, 1, 1, {0: 1, 1: 1}, merge_both()),
+        )
+        assert outcomes.count(None) == 1, outcomes
+        (stream,) = [s for s in meta.streams() if s.id == stream_id]
+        sealed = any(s.sealed for s in stream.segments)
+        pending = any(c.txn_id == commit.txn_id for c in meta.pending_commits())
+        assert sealed != pending
+        if pending:
+            meta.finish_txn(commit.txn_id)

@@ -1,0 +1,382 @@
+"""Scaling across the brokers of a cluster (issue 20; docs/cluster.md, "Scaling across
+brokers"), on real brokers in cluster mode over PostgreSQL and SeaweedFS:
+
+- neighbours served by different brokers merge, under load from idempotent producers, and the
+  whole history holds (no acknowledged event lost, none stored twice, every key in order
+  across the scale); any broker describes the merged successor;
+- the coordinating broker killed -9 after the other prepared its segment (crash point
+  ``scale.prepared``) leaves the stream as it was and appendable: the prepared segment takes
+  appends again once its deadline passed and the catalog has no record of the merge;
+- a transaction coordinated by one broker that staged into a segment another broker seals
+  aborts cleanly (nothing visible) or commits wholly before the seal, never half."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from checker import Sent, check_history, encode
+from harness import Cluster, ask
+from objectstores import SeaweedFS
+from pg import PgCluster
+from raw import RawConnection, batch
+
+import slipstream
+from slipstream import Position
+from slipstream.cluster import coordinator
+from slipstream.protocol import (
+    Append,
+    AppendAck,
+    BeginTxn,
+    Cut,
+    DescribeStream,
+    EndTxn,
+    Error,
+    GetCut,
+    InitProducer,
+    Message,
+    ProducerGrant,
+    ScaleStream,
+    SegmentInfo,
+    StreamInfo,
+    TxnBegun,
+    TxnEnded,
+)
+
+STREAM = "scale/orders"
+CONTAINERS = 4
+KEYS = 12  # per producer
+
+
+def _cluster(tmp_path: Path, postgres: PgCluster, seaweedfs: SeaweedFS, fault: str = "") -> Cluster:
+    base = tmp_path / "cluster"
+    base.mkdir()
+    cluster = Cluster(base, postgres, seaweedfs, brokers=2, containers=CONTAINERS)
+    for broker in cluster.brokers:
+        if fault:
+            broker.env["SLIPSTREAM_FAULT"] = fault
+    cluster.start()
+    deadline = time.monotonic() + 60  # both brokers serve containers (a bound, not a timing)
+    while len(set(cluster.wait_until_all_containers_served().values())) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    return cluster
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, postgres: PgCluster, seaweedfs: SeaweedFS) -> Iterator[Cluster]:
+    with _cluster(tmp_path, postgres, seaweedfs) as started:
+        yield started
+
+
+def _address(cluster: Cluster, broker_id: str) -> str:
+    return cluster.brokers[int(broker_id[1:])].address
+
+
+def _describe(cluster: Cluster, via: int = 0) -> StreamInfo:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            info = ask(cluster.brokers[via].address, DescribeStream(STREAM))
+            assert isinstance(info, StreamInfo), info
+            return info
+        except (slipstream.WrongBroker, slipstream.BrokerUnavailable):
+            assert time.monotonic() < deadline  # a container moving: ask again (a bound)
+            time.sleep(0.2)
+
+
+def _cross_pair(cluster: Cluster) -> tuple[SegmentInfo, SegmentInfo, str, str]:
+    """Two open neighbours served by different brokers: (first, second, the first's broker
+    (the merge's coordinator), the second's)."""
+    owners = cluster.wait_until_all_containers_served()
+    segments = sorted(
+        (s for s in _describe(cluster).segments if not s.sealed), key=lambda s: s.key_lo
+    )
+    for a, b in itertools.pairwise(segments):
+        if owners[a.container] != owners[b.container]:
+            first, second = sorted((a, b), key=lambda s: s.number)
+            return first, second, owners[first.container], owners[second.container]
+    raise AssertionError(f"no neighbours on different brokers: {segments} {owners}")
+
+
+class Load:
+    """Idempotent producers in threads, each recording every acknowledged position and every
+    failure (a failed event is never sent again: in doubt, at most once)."""
+
+    def __init__(self, cluster: Cluster, producers: int = 3) -> None:
+        self.acknowledged: dict[bytes, Position] = {}
+        self.failures: list[str] = []
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._run, args=(cluster.addresses(), p), daemon=True)
+            for p in range(producers)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, addresses: str, producer_id: int) -> None:
+        client = slipstream.connect(addresses, reconnect_timeout=60)
+        try:
+            producer = client.producer(STREAM, linger_ms=2, batch_bytes=16 * 1024)
+            seq = 0
+            pending: list[tuple[bytes, slipstream.Receipt]] = []
+            while not self.stop.is_set() or pending:
+                if not self.stop.is_set() and len(pending) < 500:
+                    for _ in range(10):
+                        key = f"p{producer_id}-k{seq % KEYS}"
+                        value = encode(Sent(producer_id, key, seq))
+                        pending.append((value, producer.send(value, key=key)))
+                        seq += 1
+                done = [(v, r) for v, r in pending if r.done()]
+                pending = [(v, r) for v, r in pending if not r.done()]
+                for value, receipt in done:
+                    try:
+                        position = receipt.result()
+                    except slipstream.SlipstreamError as exc:
+                        with self.lock:
+                            self.failures.append(f"{value!r}: {exc}")
+                        continue
+                    with self.lock:
+                        self.acknowledged[value] = position
+                time.sleep(0.003)
+            producer.close()
+        finally:
+            client.close()
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.acknowledged)
+
+    def landed_in(self, segments: set[int]) -> int:
+        with self.lock:
+            return sum(p.segment in segments for p in self.acknowledged.values())
+
+    def wait_for(self, condition: Callable[[], bool], what: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"{what}: {self.failures[:5]}"  # a bound
+            assert all(t.is_alive() for t in self.threads), f"a producer died: {self.failures[:5]}"
+            time.sleep(0.05)
+
+    def finish(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(240)
+            assert not thread.is_alive(), "a producer did not finish"
+
+
+def _history(cluster: Cluster, load: Load) -> list[str]:
+    with slipstream.connect(cluster.addresses()) as client:
+        events = list(client.reader(STREAM, end=client.tail(STREAM)))
+    return check_history(load.acknowledged, events)
+
+
+def test_neighbours_on_two_brokers_merge_under_load_and_keep_the_whole_history(
+    cluster: Cluster,
+) -> None:
+    with slipstream.connect(cluster.addresses()) as client:
+        client.create_stream(STREAM, 4)
+    load = Load(cluster)
+    try:
+        load.wait_for(lambda: load.count() > 1500, "load before the merge")
+        first, second, leader, other = _cross_pair(cluster)
+        # the broker not serving the first segment sends the client to the one that does
+        with pytest.raises(slipstream.WrongBroker):
+            ask(_address(cluster, other), ScaleStream(STREAM, [first.number, second.number], 1))
+        merged = ask(
+            _address(cluster, leader), ScaleStream(STREAM, [first.number, second.number], 1)
+        )
+        assert isinstance(merged, StreamInfo), merged
+        (successor,) = [
+            s for s in merged.segments if s.predecessors == [first.number, second.number]
+        ]
+        before = load.count()
+        load.wait_for(
+            lambda: load.landed_in({successor.number}) > 300 and load.count() > before + 1500,
+            "load after the merge, in the successor",
+        )
+    finally:
+        load.finish()
+    assert load.failures == [], load.failures[:10]
+    # every broker describes the merge: old segments sealed at their ends, the successor open
+    for via in range(len(cluster.brokers)):
+        info = _describe(cluster, via)
+        by_number = {s.number: s for s in info.segments}
+        assert by_number[first.number].sealed and by_number[second.number].sealed
+        assert not by_number[successor.number].sealed
+        assert by_number[successor.number].predecessors == [first.number, second.number]
+    problems = _history(cluster, load)
+    assert not problems, "\n".join(problems[:30])
+    sealed_ends = {s.number: s.end_offset for s in _describe(cluster).segments if s.sealed}
+    for number in (first.number, second.number):
+        stored = [p.offset for p in load.acknowledged.values() if p.segment == number]
+        assert stored and max(stored) < sealed_ends[number], (number, sealed_ends)
+
+
+def test_a_coordinator_killed_after_the_prepare_leaves_the_stream_whole_and_appendable(
+    tmp_path: Path, postgres: PgCluster, seaweedfs: SeaweedFS
+) -> None:
+    with _cluster(tmp_path, postgres, seaweedfs, fault="scale.prepared") as cluster:
+        with slipstream.connect(cluster.addresses()) as client:
+            client.create_stream(STREAM, 4)
+        load = Load(cluster)
+        try:
+            load.wait_for(lambda: load.count() > 1000, "load before the merge")
+            first, second, leader, other = _cross_pair(cluster)
+            leader_index, other_index = int(leader[1:]), int(other[1:])
+            with pytest.raises(slipstream.SlipstreamError):  # the connection drops: killed
+                ask(cluster.brokers[leader_index].address,
+                    ScaleStream(STREAM, [first.number, second.number], 1))  # fmt: skip
+            deadline = time.monotonic() + 30
+            while cluster.running(leader_index):
+                assert time.monotonic() < deadline, "the crash point was not reached"
+                time.sleep(0.05)
+            assert "prepared segments" in cluster.brokers[other_index].log()
+            # the prepared segment takes appends again once its deadline passed unheard
+            before = load.landed_in({second.number})
+            load.wait_for(
+                lambda: load.landed_in({second.number}) > before + 200,
+                "appends to the prepared segment after the coordinator died",
+            )
+            assert "take appends again" in cluster.brokers[other_index].log()
+            cluster.brokers[leader_index].env.pop("SLIPSTREAM_FAULT")
+            cluster.restart(leader_index)
+            cluster.wait_until_all_containers_served()
+            before = load.count()
+            load.wait_for(lambda: load.count() > before + 1000, "load after the restart")
+        finally:
+            load.finish()
+        info = _describe(cluster)
+        assert all(not s.sealed for s in info.segments), "no merge was recorded"
+        assert len(info.segments) == 4
+        problems = _history(cluster, load)
+        assert not problems, "\n".join(problems[:30])
+        assert load.landed_in({first.number}) and load.landed_in({second.number})
+
+
+# --- transactions against scales on other brokers ----------------------------------------------
+
+
+class Raw:
+    """A hand-driven connection that answers one request at a time."""
+
+    def __init__(self, address: str) -> None:
+        self.connection = RawConnection(address)
+        self.connection.receive()  # Welcome
+        self._cid = 100
+
+    def ask(self, message: Message, payload: bytes = b"") -> Any:
+        self._cid += 1
+        self.connection.send_frame(message, self._cid, payload)
+        while True:
+            frame = self.connection.receive()
+            if frame.correlation_id == self._cid:
+                return frame.message
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def _staged(cluster: Cluster, via: str, tid: str, segment: int, batches: int) -> tuple[Raw, int]:
+    """A transaction of ``tid`` begun at ``via`` (its coordinator) with ``batches`` batches of
+    3 events staged into ``segment``: the connection and the transaction id."""
+    raw = Raw(_address(cluster, via))
+    grant = raw.ask(InitProducer(tid))
+    assert isinstance(grant, ProducerGrant), grant
+    begun = raw.ask(BeginTxn(grant.producer_id, grant.epoch, 60_000))
+    assert isinstance(begun, TxnBegun), begun
+    for i in range(batches):
+        ack = raw.ask(Append(STREAM, segment, begun.txn_id), batch(3, b"t%d" % i))
+        assert isinstance(ack, AppendAck) and ack.base_offset == -1, ack
+    return raw, begun.txn_id
+
+
+def _ends(cluster: Cluster) -> dict[int, int]:
+    deadline = time.monotonic() + 30
+    while True:
+        cut = Raw(cluster.brokers[0].address)
+        try:
+            answer = cut.ask(GetCut(STREAM, "latest"))
+        finally:
+            cut.close()
+        if isinstance(answer, Cut):
+            return dict(answer.positions)
+        assert time.monotonic() < deadline, answer  # a container moving: a bound
+        time.sleep(0.2)
+
+
+def _commit(raw: Raw, txn_id: int, outcome: dict[str, object]) -> None:
+    outcome["commit"] = raw.ask(EndTxn(txn_id, True))
+
+
+def test_a_transaction_staged_into_a_segment_another_broker_seals_aborts_or_commits_whole(
+    cluster: Cluster,
+) -> None:
+    owners = cluster.wait_until_all_containers_served()
+    with slipstream.connect(cluster.addresses()) as client:
+        info = client.create_stream(STREAM, 4)
+    # the transaction's coordinator is C; each segment it stages into is served by B != C
+    c_containers = {cid for cid, owner in owners.items() if owner == "b0"}
+    tid = next(
+        f"tid-{i}" for i in range(1000) if coordinator(f"tid-{i}", CONTAINERS) in c_containers
+    )
+    elsewhere = sorted(s.number for s in info.segments if owners[s.container] == "b1")
+    assert elsewhere, owners
+
+    # 1. staged, then sealed by B (B's scale does not wait for C's transaction), then the
+    #    commit: refused by the catalog, nothing of it visible
+    target = elsewhere[0]
+    raw, txn_id = _staged(cluster, "b0", tid, target, 5)
+    try:
+        split = ask(_address(cluster, "b1"), ScaleStream(STREAM, [target], 2))
+        assert isinstance(split, StreamInfo), split
+        ended = raw.ask(EndTxn(txn_id, True))
+        assert isinstance(ended, Error) and ended.code == "transaction_aborted", ended
+    finally:
+        raw.close()
+    assert _ends(cluster)[target] == 0, "nothing of the aborted transaction is in the segment"
+    sealed = {s.number: s for s in _describe(cluster).segments}
+    assert sealed[target].sealed and sealed[target].end_offset == 0
+
+    # 2. committed first, then sealed: the whole transaction is in the segment, before its end
+    info = _describe(cluster)
+    owners = cluster.wait_until_all_containers_served()
+    target = next(s.number for s in info.segments if not s.sealed and owners[s.container] == "b1")
+    raw, txn_id = _staged(cluster, "b0", tid, target, 5)
+    try:
+        ended = raw.ask(EndTxn(txn_id, True))
+        assert isinstance(ended, TxnEnded) and ended.committed, ended
+    finally:
+        raw.close()
+    split = ask(_address(cluster, "b1"), ScaleStream(STREAM, [target], 2))
+    assert isinstance(split, StreamInfo), split
+    assert {s.number: s.end_offset for s in split.segments}[target] == 15
+
+    # 3. commit and seal racing: each round ends with all of it or none of it before the end
+    for round_ in range(4):
+        info = _describe(cluster)
+        owners = cluster.wait_until_all_containers_served()
+        target = next(
+            s.number for s in info.segments if not s.sealed and owners[s.container] == "b1"
+        )
+        raw, txn_id = _staged(cluster, "b0", tid, target, 8)
+        outcome: dict[str, object] = {}
+        committing = threading.Thread(target=_commit, args=(raw, txn_id, outcome))
+        committing.start()
+        scaled = ask(_address(cluster, "b1"), ScaleStream(STREAM, [target], 2))
+        committing.join(60)
+        raw.close()
+        assert isinstance(scaled, StreamInfo), scaled
+        end = {s.number: s.end_offset for s in scaled.segments}[target]
+        answer = outcome["commit"]
+        if isinstance(answer, TxnEnded) and answer.committed:
+            assert end == 24, (round_, end, answer)
+        else:
+            assert isinstance(answer, Error) and answer.code == "transaction_aborted", answer
+            assert end == 0, (round_, end, answer)
