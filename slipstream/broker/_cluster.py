@@ -270,13 +270,15 @@ class Membership:
             if container.lease_error() is not None:  # expired or taken while it recovered
                 raise LeaseLost(f"container {cid}: lease lost during its takeover")
             lease = container.lease or lease  # as last renewed
+            # the groups it coordinates, from the catalog (under this lease no older holder
+            # writes there), before a group request can find the container served
+            await broker.service.subscriptions.adopt(self._coordinated_by(cid))
             old = broker.containers[cid]
             broker.controller.swap_in(container, records, segments)
             _retire(old)
             # the transactions it coordinates: staging journal and commits to apply (these
             # in the background, once it serves)
             await broker.coordinator.adopt(cid, lease, self.cluster.count)
-            await broker.service.subscriptions.adopt(self._coordinated_by(cid))
             container.serving = True
             self.tasks[cid] = asyncio.get_running_loop().create_task(
                 broker.run_container(container), name=f"container {cid}"

@@ -391,8 +391,13 @@ class Subscriptions:
         group = self.group(stream_name, name)
         self._check_positions(group.stream, positions)
         async with group.lock:
-            group.record = await self.controller.in_catalog(
-                self.controller.meta.reset_subscription, group.record.stream_id, name, positions
+            group.record = await self.queues.store(
+                group,
+                self.controller.meta.reset_subscription,
+                group.record.stream_id,
+                name,
+                positions,
+                here=False,
             )
             group.wake()
             self.queues.reset(group)
@@ -536,7 +541,8 @@ class Subscriptions:
         group = self.group(stream_name, name)
         async with group.lock:
             self._check_commit(caller, group, member_id, generation, positions)
-            await self.controller.in_catalog(
+            await self.queues.store(
+                group,
                 self.controller.meta.commit_positions,
                 group.record.stream_id,
                 name,

@@ -41,8 +41,11 @@ since nothing here hears of their new events; a dead letter for another broker's
 plain ``Append`` to it (``Queues.append``: at-least-once, like the local one). A dispatcher
 starts from the catalog's queue state (the coordinator may have moved here), and one whose
 group is coordinated elsewhere now is dropped; its members get WrongBroker and join there.
-Queue-state writes are not fenced by the coordinator's lease (a stale coordinator may write
-once before it notices: answered acks may then be delivered again later, at-least-once).
+Every write of a group's state (queue state, positions, resets: ``Queues.store``) is fenced
+by the lease of the container coordinating the group: a coordinator paused or cut off past its
+lease that goes on afterwards writes nothing over its successor's state (LeaseLost in the
+catalog's transaction), and its members are answered WrongBroker, never success: no event
+whose ack was answered is delivered again, no position goes back.
 
 Threads: everything here runs on the event loop; MetaStore writes go through
 ``Controller.in_catalog``.
@@ -53,18 +56,21 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import functools
 import heapq
 import itertools
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
 from .._errors import (
     BrokerUnavailable,
     InvalidArgument,
+    LeaseLost,
     ModeMismatch,
     OffsetOutOfRange,
     SlipstreamError,
@@ -72,6 +78,7 @@ from .._errors import (
     StreamExists,
     WrongBroker,
 )
+from ..cluster import coordinator
 from ..format import (
     FLAG_NO_KEYS,
     Event,
@@ -88,7 +95,7 @@ from ..format import (
     verify,
 )
 from ..protocol import Append, AppendAck, Message, Payload, ReadSegment, SegmentData
-from ..storage import QueueOptions, QueueSegment
+from ..storage import Lease, QueueOptions, QueueSegment
 from ..streams import Router
 
 if TYPE_CHECKING:
@@ -117,6 +124,7 @@ REMOTE_POLL_S = 0.1
 REMOTE_RETRY_MAX_S = 2.0
 
 Batch = bytes | bytearray | memoryview
+T = TypeVar("T")
 #: a batch with the offsets it holds: (base offset, next offset, batch)
 Located = tuple[int, int, Batch]
 
@@ -725,7 +733,6 @@ class Dispatcher:
         async with self.commit_lock:
             if self.durable_version >= wanted:
                 return
-            self.queues.check_here(self.group)
             version = self.version
             dirty, self.dirty = self.dirty, set()
             positions = {n: self.segments[n].floor for n in dirty}
@@ -736,7 +743,8 @@ class Dispatcher:
             record = self.group.record
             controller = self.queues.controller
             try:
-                await controller.in_catalog(
+                await self.queues.store(
+                    self.group,
                     controller.meta.commit_positions,
                     record.stream_id,
                     record.name,
@@ -817,6 +825,49 @@ class Queues:
         if self.clustered:
             assert self.service is not None
             self.service._group_here(group.stream.name, group.record.name)
+
+    def _coordinator(self, group: Group) -> int:
+        assert self.service is not None
+        return coordinator(f"{group.stream.name}/{group.record.name}", self.service.cluster.count)
+
+    def fence(self, group: Group) -> Lease | None:
+        """The lease that fences the catalog writes of ``group``'s state: in a cluster, that
+        of the container coordinating the group while this broker serves it (the container's
+        own, as last renewed: the one its journal and chunk writes carry); None standalone
+        (one broker per catalog) or when another broker serves it (a reset made through any
+        broker is ordered by the generation it starts, not by a lease)."""
+        if not self.clustered:
+            return None
+        container = self.controller.containers[self._coordinator(group)]
+        return container.lease if container.serving else None
+
+    async def store(
+        self, group: Group, write: Callable[..., T], *args: Any, here: bool = True
+    ) -> T:
+        """Run ``write(*args, lease=...)``, a MetaStore write of ``group``'s state
+        (``commit_positions``, ``reset_subscription``), on the catalog thread, fenced by
+        ``fence(group)``. ``here``: the coordinator's own write (positions, queue state):
+        WrongBroker first unless this broker coordinates the group, so that nothing is
+        written unfenced after a hand-over. Refused with LeaseLost (another broker took the
+        coordinating container: this one was paused or cut off past its lease), nothing was
+        stored: answered WrongBroker, never success, and a queue's state here is dropped
+        (its members join again at the new coordinator, which has the stored state)."""
+        if here:
+            self.check_here(group)
+        lease = self.fence(group)
+        try:
+            return await self.controller.in_catalog(functools.partial(write, *args, lease=lease))
+        except LeaseLost as exc:
+            assert self.service is not None
+            log.warning(
+                "%s: its state was not stored, this broker no longer coordinates it: %s",
+                self.label(group),
+                exc,
+            )
+            self.reset(group)
+            raise self.service.cluster.wrong_broker(
+                self._coordinator(group), f"the group of subscription {self.label(group)}"
+            ) from exc
 
     def serves(self, segment: Segment) -> bool:
         """Whether this broker serves ``segment`` (always, standalone)."""

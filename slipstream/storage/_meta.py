@@ -569,17 +569,29 @@ class MetaStore(ABC):
         generation: int,
         positions: Mapping[int, int],
         queue: Mapping[int, QueueSegment] | None = None,
+        *,
+        lease: Lease | None = None,
     ) -> None:
         """Set the positions of the segments named (others keep theirs) and, for a queue,
         those segments' state above the new floor. Raises SubscriptionNotFound, or
-        StaleGeneration if the subscription was reset since ``generation``."""
+        StaleGeneration if the subscription was reset since ``generation``. With ``lease``
+        (in a cluster, the lease of the container coordinating the subscription's group):
+        LeaseLost, nothing stored, unless it is that container's current holding, checked in
+        the same transaction (a coordinator paused past its lease cannot write its older
+        positions or queue state over the new holder's)."""
 
     @abstractmethod
     def reset_subscription(
-        self, stream_id: int, name: str, positions: Mapping[int, int]
+        self,
+        stream_id: int,
+        name: str,
+        positions: Mapping[int, int],
+        *,
+        lease: Lease | None = None,
     ) -> SubscriptionRecord:
         """Replace every position (and forget queue state), count one more generation, and
-        return the subscription as stored. Raises SubscriptionNotFound."""
+        return the subscription as stored. Raises SubscriptionNotFound; fenced by ``lease``
+        when given, as ``commit_positions`` is (LeaseLost, nothing changed)."""
 
     @abstractmethod
     def put_setting(self, kind: str, key: str, value: bytes) -> None:
@@ -1328,8 +1340,12 @@ class SqliteMetaStore(MetaStore):
         generation: int,
         positions: Mapping[int, int],
         queue: Mapping[int, QueueSegment] | None = None,
+        *,
+        lease: Lease | None = None,
     ) -> None:
         with self._transaction() as cur:
+            if lease is not None:
+                _check_lease(cur, lease)
             self._commit_positions(cur, stream_id, name, generation, positions, queue)
 
     def _commit_positions(
@@ -1359,9 +1375,16 @@ class SqliteMetaStore(MetaStore):
         )
 
     def reset_subscription(
-        self, stream_id: int, name: str, positions: Mapping[int, int]
+        self,
+        stream_id: int,
+        name: str,
+        positions: Mapping[int, int],
+        *,
+        lease: Lease | None = None,
     ) -> SubscriptionRecord:
         with self._transaction() as cur:
+            if lease is not None:
+                _check_lease(cur, lease)
             record = self._subscription(cur, stream_id, name)
             updated = msgspec.structs.replace(
                 record, positions=dict(positions), queue={}, generation=record.generation + 1

@@ -1018,8 +1018,12 @@ class PostgresMetaStore(MetaStore):
         generation: int,
         positions: Mapping[int, int],
         queue: Mapping[int, QueueSegment] | None = None,
+        *,
+        lease: Lease | None = None,
     ) -> None:
         with self._transaction() as cur:
+            if lease is not None:  # first, as in commit_txn: the lease row, then the record's
+                _check_lease(cur, lease)
             self._commit_positions(cur, stream_id, name, generation, positions, queue)
 
     def _commit_positions(
@@ -1049,9 +1053,16 @@ class PostgresMetaStore(MetaStore):
         )
 
     def reset_subscription(
-        self, stream_id: int, name: str, positions: Mapping[int, int]
+        self,
+        stream_id: int,
+        name: str,
+        positions: Mapping[int, int],
+        *,
+        lease: Lease | None = None,
     ) -> SubscriptionRecord:
         with self._transaction() as cur:
+            if lease is not None:
+                _check_lease(cur, lease)
             record = self._subscription(cur, stream_id, name)
             updated = msgspec.structs.replace(
                 record, positions=dict(positions), queue={}, generation=record.generation + 1

@@ -78,10 +78,10 @@ def test_concurrent_acks_share_catalog_writes(tmp_path: Path) -> None:
         writes = 0
         store = meta.commit_positions
 
-        def counted(*args: Any) -> None:  # the real write, counted
+        def counted(*args: Any, **kwargs: Any) -> None:  # the real write, counted
             nonlocal writes
             writes += 1
-            store(*args)
+            store(*args, **kwargs)
 
         meta.commit_positions = counted  # type: ignore[method-assign]
         unknown = await asyncio.gather(

@@ -711,6 +711,38 @@ def test_a_reset_counts_a_generation_and_refuses_older_commits(meta: MetaStore) 
     assert only(meta, stream).positions == {0: 8, 1: 4}
 
 
+def test_positions_and_resets_fenced_by_an_old_lease_are_refused_and_store_nothing(
+    kit: Kit,
+) -> None:
+    """In a cluster a group's positions, queue state and resets are written under the lease
+    of the container coordinating the group: a coordinator that lost it (paused past its
+    lease, then resumed) writes nothing over the new holder's state."""
+    meta = kit.meta
+    stream = create(meta, "s/a")
+    meta.create_subscription(subscription(stream))
+    old = meta.acquire_lease(1, "broker-a", 0)
+    assert old is not None
+    meta.commit_positions(stream, "billing", 0, {0: 5}, {0: QueueSegment([7])}, lease=old)
+    new = meta.acquire_lease(1, "broker-b", 60_000)
+    assert new is not None
+    meta.commit_positions(stream, "billing", 0, {0: 9}, {0: QueueSegment([11])}, lease=new)
+    before, version = only(meta, stream), meta.catalog_version()
+    with pytest.raises(LeaseLost) as caught:
+        meta.commit_positions(stream, "billing", 0, {0: 6, 1: 3}, {0: QueueSegment()}, lease=old)
+    assert caught.value.details == {"container": 1, "epoch": old.epoch}
+    with pytest.raises(LeaseLost):
+        meta.reset_subscription(stream, "billing", {0: 0, 1: 0}, lease=old)
+    with pytest.raises(LeaseLost):  # a container never leased is no one's to write for
+        meta.commit_positions(stream, "billing", 0, {0: 10}, lease=Lease(7, "broker-b", 1, 0))
+    assert only(meta, stream) == before
+    assert before.positions == {0: 9, 1: 0} and before.queue == {0: QueueSegment([11])}
+    assert meta.catalog_version() == version
+    reset = meta.reset_subscription(stream, "billing", {0: 2, 1: 2}, lease=new)
+    assert reset.generation == 1 and only(meta, stream) == reset
+    if kit.durable:
+        assert only(kit.reopen(), stream) == reset
+
+
 def test_queue_state_is_replaced_per_segment(meta: MetaStore) -> None:
     stream = create(meta, "s/a")
     meta.create_subscription(subscription(stream))
