@@ -260,8 +260,13 @@ def test_a_forged_or_edited_record_is_caught_and_its_chain_named(cluster: Cluste
             ask(address, impostor, AppendAudit(name, [forged(wrong, "stream_deleted")]))
         assert refused.value.details["head_seq"] >= head["seq"]
         # one that does continue it is taken (it looks like the broker's own) ...
-        reply = ask(address, impostor, AppendAudit(name, [forged(head, "token_revoked")]))
+        planted = forged(head, "token_revoked")
+        reply = ask(address, impostor, AppendAudit(name, [planted]))
         assert isinstance(reply, AuditHead) and reply.seq == head["seq"] + 1
+        # sent again (an answer lost): the same head, nothing stored twice
+        again = ask(address, impostor, AppendAudit(name, [planted]))
+        assert isinstance(again, AuditHead) and (again.seq, again.hash) == (reply.seq, reply.hash)
+        assert trail(client).count(planted) == 1
         # ... until the broker writes again: it finds a record it did not write and says so
         activity(cluster, victim, token, "later")
         values = wait_for(
