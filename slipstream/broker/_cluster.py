@@ -133,6 +133,12 @@ class Membership:
         """Every third of the ttl: membership, leases, assignment. A turn that fails (the
         catalog unreachable) is logged and retried; containers whose leases cannot be renewed
         stop acknowledging by themselves when the lease runs out (Container.lease_error)."""
+        log.info(
+            "cluster member %r: lease ttl %d ms, renewed every %d ms",
+            self.cluster.broker_id,
+            self.ttl_ms,
+            self.ttl_ms // 3,
+        )
         while True:
             for cid, task in list(self.tasks.items()):
                 if task.done():  # like a standalone broker: a dead container stops it

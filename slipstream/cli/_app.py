@@ -240,13 +240,14 @@ def up(
         ),
     ] = None,
     lease_ttl: Annotated[
-        float,
+        float | None,
         typer.Option(
             help="Seconds a container's lease lasts unless renewed (every third of it); a "
             "broker that cannot renew stops acknowledging appends by then, and another may "
-            "take the containers over after it."
+            "take the containers over after it. Default: 5 in a cluster, 10 standalone.",
+            show_default=False,
         ),
-    ] = 10.0,
+    ] = None,
     journal: Annotated[
         str,
         typer.Option(
@@ -306,7 +307,7 @@ def up(
         raise typer.BadParameter("use s3://bucket/prefix", param_hint="--objects")
     if s3_endpoint is not None and objects is None:
         raise typer.BadParameter("needs --objects", param_hint="--s3-endpoint")
-    if not lease_ttl >= 0.1:
+    if lease_ttl is not None and not lease_ttl >= 0.1:
         raise typer.BadParameter("must be at least 0.1 seconds", param_hint="--lease-ttl")
     if advertise is not None and not _is_address(advertise):
         raise typer.BadParameter("use host:port, e.g. 10.0.0.5:7070", param_hint="--advertise")
@@ -345,7 +346,7 @@ def up(
         objects_cache_bytes=0 if objects_cache.strip() == "0" else parse_size_bytes(objects_cache),
         broker_id=broker_id,
         advertise=advertise,
-        lease_ttl_ms=int(lease_ttl * 1000),
+        lease_ttl_ms=None if lease_ttl is None else int(lease_ttl * 1000),
         journal=journal,
         journal_group_ms=journal_group_ms,
         journal_group_bytes=parse_size_bytes(journal_group_bytes),

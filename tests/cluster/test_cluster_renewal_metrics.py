@@ -2,7 +2,8 @@
 a broker in cluster mode exports the histogram at /metrics for its member registration and
 its containers' leases, and a broker held still (SIGSTOP) for longer than a third of the ttl
 observes its next renewals that much later than their schedule. bench/takeover.py reads the
-same values from the debug log line each renewal writes."""
+same values from the debug log line each renewal writes. And the default ``--lease-ttl``: 5 s
+in a cluster (a dead broker's containers served again within seconds), 10 s standalone."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from conftest import BrokerProcess
 from harness import Cluster
-from objectstores import SeaweedFS
+from objectstores import ACCESS_KEY, SECRET_KEY, SeaweedFS
 from pg import PgCluster
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -83,3 +85,27 @@ def test_renewals_are_observed_and_a_held_broker_lands_them_late(cluster: Cluste
     log = cluster.brokers[0].log()
     assert re.search(r"member renewal -1 landed \+\d+\.\d{3} s from its schedule", log), log
     assert re.search(r"lease renewal [01] landed [-+]\d+\.\d{3} s from its schedule", log), log
+
+
+def test_the_default_lease_ttl_is_5_s_in_a_cluster_and_10_s_standalone(
+    broker_factory: type[BrokerProcess], pg_dsn: str, seaweedfs: SeaweedFS
+) -> None:
+    bucket = seaweedfs.create_bucket()
+    clustered = broker_factory(
+        *("--meta", pg_dsn, "--objects", f"s3://{bucket}/c", "--journal", "objects"),
+        *("--s3-endpoint", seaweedfs.endpoint, "--broker-id", "b0"),
+    )
+    clustered.env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+    clustered.start(60)
+    wait_for_log(clustered, "cluster member 'b0': lease ttl 5000 ms, renewed every 1666 ms")
+    clustered.kill()
+    # the same catalog without shared journals and chunks: a standalone broker
+    standalone = broker_factory("--meta", pg_dsn, "--broker-id", "b0").start(60)
+    wait_for_log(standalone, ", ttl 10000 ms)")
+
+
+def wait_for_log(broker: BrokerProcess, line: str) -> None:
+    deadline = time.monotonic() + 60  # a bound against hanging, not a timing
+    while line not in broker.log():
+        assert time.monotonic() < deadline, broker.log()
+        time.sleep(0.1)
