@@ -259,6 +259,11 @@ def test_a_forged_or_edited_record_is_caught_and_its_chain_named(cluster: Cluste
         with pytest.raises(InvalidArgument, match="would fork it") as refused:
             ask(address, impostor, AppendAudit(name, [forged(wrong, "stream_deleted")]))
         assert refused.value.details["head_seq"] >= head["seq"]
+        # the next seq, linked to a record that is not the head: refused too
+        unlinked = forged(dict(head, hash="e" * 64), "stream_deleted")
+        with pytest.raises(InvalidArgument, match="would fork it") as refused:
+            ask(address, impostor, AppendAudit(name, [unlinked]))
+        assert refused.value.details["head_hash"] == head["hash"]
         # one that does continue it is taken (it looks like the broker's own) ...
         planted = forged(head, "token_revoked")
         reply = ask(address, impostor, AppendAudit(name, [planted]))
