@@ -1221,10 +1221,12 @@ class Service:
                 f"the group of {consumed.subscription!r} stayed busy; try again"
             ) from None
         # how long this broker surely coordinates the group: its lease, as it knows it
-        lease = self.containers[
-            coordinator(f"{consumed.stream}/{consumed.subscription}", self.cluster.count)
-        ].lease_deadline
-        valid_ms = max(0, int(min(lease - time.monotonic(), HOLD_TTL_MS / 1000) * 1000))
+        cid = coordinator(f"{consumed.stream}/{consumed.subscription}", self.cluster.count)
+        left = min(self.containers[cid].lease_deadline - time.monotonic(), HOLD_TTL_MS / 1000)
+        if not left > 0:  # (-inf: the lease is lost) moving: nothing held
+            await self.subscriptions.release_hold(hold_id, 0)
+            raise self.cluster.wrong_broker(cid, f"the group of {consumed.subscription!r}")
+        valid_ms = int(left * 1000)
         return PositionsHeld(hold_id, group.record.stream_id, group.record.generation, valid_ms)
 
     async def release_positions(self, caller: Caller, hold_id: int, stored: int) -> PositionsHeld:
