@@ -93,12 +93,12 @@ def logged(cluster: Cluster, i: int) -> list[dict[str, Any]]:
     return found
 
 
-def verify(cluster: Cluster, i: int, token: str) -> tuple[int, dict[str, Any]]:
+def verify(cluster: Cluster, i: int, token: str, *extra: str) -> tuple[int, dict[str, Any]]:
     """``slipstream audit verify --json`` against broker ``i`` alone."""
     result = subprocess.run(
         [
             *(sys.executable, "-m", "slipstream", "--token", token, "audit", "verify"),
-            *("--json", "--broker", cluster.brokers[i].address),
+            *("--json", "--broker", cluster.brokers[i].address, *extra),
         ],
         capture_output=True,
         text=True,
@@ -292,7 +292,7 @@ def test_a_forged_or_edited_record_is_caught_and_its_chain_named(cluster: Cluste
         assert not by_name[name]["ok"]
         assert all(c["ok"] for b, c in by_name.items() if b != name)
 
-    # an edited record in a copy of the trail: its chain (and only it) is named
+    # an edited record in a copy of the trail (another stream): its chain (only it) is named
     other = f"b{(victim + 1) % 3}"
     copy = []
     edited_seq = None
@@ -304,11 +304,24 @@ def test_a_forged_or_edited_record_is_caught_and_its_chain_named(cluster: Cluste
             value = msgspec.json.encode(record)
         copy.append(value)
     assert edited_seq == 2
-    reports = verify_chains(copy, trimmed=False)
-    assert not reports[other].ok and reports[other].problem_seq == 2
-    assert "was edited" in (reports[other].problem or "")
-    assert reports[other].problem_index == next(
+    edited_at = next(
         i
         for i, v in enumerate(copy)
         if msgspec.json.decode(v)["broker"] == other and msgspec.json.decode(v)["seq"] == 2
     )
+    reports = verify_chains(copy, trimmed=False)
+    assert not reports[other].ok and reports[other].problem_seq == 2
+    assert "was edited" in (reports[other].problem or "")
+    assert reports[other].problem_index == edited_at
+    with slipstream.connect(cluster.addresses(), token=token) as client:
+        client.create_stream("archive/audit", segments=1)
+        with client.producer("archive/audit") as producer:
+            for value in copy:
+                producer.send(value)
+    code, report = verify(cluster, victim, token, "--stream", "archive/audit")
+    assert code == 1 and not report["ok"], report
+    by_name = {c["broker"]: c for c in report["chains"]}
+    assert "was edited" in by_name[other]["problem"]
+    assert by_name[other]["problem_seq"] == 2 and by_name[other]["problem_offset"] == edited_at
+    assert not by_name[name]["ok"]  # the victim's conflict is in the copy too
+    assert by_name[f"b{owner}"]["ok"]  # (owner, victim and other are the three brokers)
