@@ -213,7 +213,11 @@ class Membership:
         held.update(self._taking)  # a takeover's recovery may outlast the ttl
         for cid, container in held.items():
             lease = container.lease
-            if lease is None or container.lease_lost is not None:
+            if lease is None:
+                continue
+            if container.lease_lost is not None:  # found lost since (an append, a fetch)
+                if cid not in self._taking:  # (a takeover gives up by itself)
+                    await self.hand_over(cid, f"lease lost: {container.lease_lost}", release=False)
                 continue
             asked = time.monotonic()
             try:

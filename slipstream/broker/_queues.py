@@ -44,7 +44,8 @@ group is coordinated elsewhere now is dropped; its members get WrongBroker and j
 Every write of a group's state (queue state, positions, resets: ``Queues.store``) is fenced
 by the lease of the container coordinating the group: a coordinator paused or cut off past its
 lease that goes on afterwards writes nothing over its successor's state (LeaseLost in the
-catalog's transaction), and its members are answered WrongBroker, never success: no event
+catalog's transaction), and its members are answered WrongBroker, never success; nor does it
+hand out events from its old state (a fetch checks the lease first, ``check_lease``): no event
 whose ack was answered is delivered again, no position goes back.
 
 Threads: everything here runs on the event loop; MetaStore writes go through
@@ -826,6 +827,24 @@ class Queues:
             assert self.service is not None
             self.service._group_here(group.stream.name, group.record.name)
 
+    def check_lease(self, group: Group) -> None:
+        """In a cluster: WrongBroker unless this broker surely still holds the lease of the
+        container coordinating ``group`` (``Container.lease_error``: not lost, its deadline on
+        this broker's monotonic clock not passed). The guard of what the dispatcher hands out:
+        a coordinator paused past its lease hands out nothing from its old state when it wakes
+        (events its successor may have seen acknowledged since). Its writes need no such
+        guard: the catalog refuses them (``store``)."""
+        if not self.clustered:
+            return
+        assert self.service is not None
+        cid = self._coordinator(group)
+        lost = self.controller.containers[cid].lease_error()
+        if lost is not None:
+            self.reset(group)
+            raise self.service.cluster.wrong_broker(
+                cid, f"the group of subscription {self.label(group)} ({lost})"
+            )
+
     def _coordinator(self, group: Group) -> int:
         assert self.service is not None
         return coordinator(f"{group.stream.name}/{group.record.name}", self.service.cluster.count)
@@ -967,6 +986,7 @@ class Queues:
                 if dispatcher.closed:
                     continue
                 self._member(caller, member_id)  # not gone while reading
+                self.check_lease(member.group)
                 share = -(-dispatcher.ready_count() // (dispatcher.fetchers + 1))
                 picked = dispatcher.take(member_id, min(room, max(1, share)), loop.time())
                 if picked:
