@@ -78,6 +78,9 @@ MAX_RETENTION = 2**63 - 1
 #: how long a scale keeps trying while a committed transaction's batches are being applied to
 #: its segments (``Controller.scale``)
 PENDING_RETRY_S = 10.0
+#: how long (real seconds) an automatic merge across brokers that a participant refused (its
+#: segment not cold) is left alone before it is planned again
+REFUSED_MERGE_RETRY_S = 5.0
 
 
 class RemotePrepare(Protocol):
@@ -214,6 +217,9 @@ class Controller:
         self._catalog_version: int | None = None  # as of the last refresh applied
         self._created = 0  # streams created here: a refresh that read before one reads again
         self._refreshing = asyncio.Lock()
+        #: automatic merges across brokers the other broker refused (not cold there), by
+        #: stream id and segments -> monotonic time before which they are not tried again
+        self._refused_merges: dict[tuple[int, tuple[int, ...]], float] = {}
 
     def close(self) -> None:
         """Finish the catalog writes under way and stop their thread (before the catalog is
@@ -696,7 +702,11 @@ class Controller:
                     if not served(min(named, key=lambda s: s.number)):
                         continue  # in a cluster: the broker serving the first segment decides
                     if len(mine) < len(named):
-                        if remote is None:
+                        refused = (stream.id, decision.segments)
+                        if (
+                            remote is None
+                            or self._refused_merges.get(refused, 0) > time.monotonic()
+                        ):
                             continue
                         if decision.rule == "cold_300s" and decision.threshold is not None:
                             own = sum(
@@ -719,6 +729,10 @@ class Controller:
                         max_rate=max_rate,
                     )
                 except (StreamNotFound, SegmentNotFound, InvalidArgument, WrongBroker) as exc:
+                    if max_rate >= 0:  # the other broker measured its segment not cold: later
+                        self._refused_merges[stream.id, decision.segments] = (
+                            time.monotonic() + REFUSED_MERGE_RETRY_S
+                        )
                     log.warning("scaling %s skipped: %s", stream.name, exc)
                     break
                 except (BrokerUnavailable, TimeoutError) as exc:

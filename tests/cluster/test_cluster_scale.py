@@ -47,6 +47,7 @@ from slipstream.protocol import (
     TxnBegun,
     TxnEnded,
 )
+from slipstream.streams import key_hash
 
 STREAM = "scale/orders"
 CONTAINERS = 4
@@ -388,3 +389,96 @@ def test_a_transaction_staged_into_a_segment_another_broker_seals_aborts_or_comm
         else:
             assert isinstance(answer, Error) and answer.code == "transaction_aborted", answer
             assert end == 0, (round_, end, answer)
+
+
+# --- the autoscaler merges cold neighbours across brokers ---------------------------------------
+
+
+def _scaling_lines(cluster: Cluster) -> str:
+    return "\n".join(
+        f"b{i}: {line}"
+        for i, broker in enumerate(cluster.brokers)
+        for line in broker.log().splitlines()
+        if "DEBUG" not in line and any(w in line for w in ("scal", "prepar", "merge", "rror"))
+    )[-6000:]
+
+
+def _scaled_by(cluster: Cluster, name: str) -> list[str]:
+    return [
+        f"b{i}"
+        for i, broker in enumerate(cluster.brokers)
+        if f"scaled {name} automatically" in broker.log()
+    ]
+
+
+SPEEDUP = 20  # the scaling clock: the merge rule's 300 s window passes in 15 s
+TARGET = 1000  # events/s per segment: a pair below 500 at its 10 s peak is cold
+
+
+def test_the_autoscaler_merges_cold_neighbours_on_two_brokers_and_not_a_busy_one(
+    tmp_path: Path, postgres: PgCluster, seaweedfs: SeaweedFS
+) -> None:
+    base = tmp_path / "cluster"
+    base.mkdir()
+    cluster = Cluster(base, postgres, seaweedfs, brokers=2, containers=CONTAINERS)
+    for broker in cluster.brokers:
+        broker.env["SLIPSTREAM_SCALING_SPEEDUP"] = str(SPEEDUP)
+    with cluster.start():
+        deadline = time.monotonic() + 60
+        while len(set((owners := cluster.wait_until_all_containers_served()).values())) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        policy = slipstream.ScalingPolicy.by_event_rate(TARGET, min_segments=1, max_segments=2)
+        with slipstream.connect(cluster.addresses()) as client:
+            # a name whose two segments two brokers serve (the only merge is across them)
+            for i in itertools.count():
+                name = f"scale/auto-{i}"
+                info = client.create_stream(name, 2)
+                first, second = sorted(info.segments, key=lambda s: s.number)
+                if owners[first.container] != owners[second.container]:
+                    break
+            client.update_stream(name, scaling=policy)
+            leader = owners[first.container]
+            # 1. the second segment busy (700/s: not hot, but not cold either): the first's
+            #    broker, which sees no appends to it, plans the merge, and the other refuses it
+            keys = [
+                k
+                for i in range(5000)
+                if second.key_lo <= key_hash(k := b"k%d" % i) <= second.key_hi
+            ]
+            stop = threading.Event()
+
+            def produce() -> None:
+                with slipstream.connect(cluster.addresses()) as own, own.producer(name) as producer:
+                    n = 0
+                    while not stop.is_set():
+                        for _ in range(35):
+                            producer.send(b"x", key=keys[n % len(keys)])
+                            n += 1
+                        time.sleep(0.05)
+
+            busy = threading.Thread(target=produce, daemon=True)
+            busy.start()
+            try:
+                coordinating = cluster.brokers[int(leader[1:])]  # logs the other's refusal
+                deadline = time.monotonic() + 90
+                while "not cold, no merge" not in coordinating.log():
+                    assert time.monotonic() < deadline, _scaling_lines(cluster)  # a bound
+                    time.sleep(0.2)
+                assert client.scale_history(name) == []
+            finally:
+                stop.set()
+                busy.join(30)
+            # 2. quiet: the pair merges, coordinated by the first segment's broker
+            deadline = time.monotonic() + 120
+            while not (history := client.scale_history(name)):
+                assert time.monotonic() < deadline, _scaling_lines(cluster)  # a bound
+                time.sleep(0.2)
+        (merge,) = history
+        assert set(merge.sealed) == {first.number, second.number}
+        assert '"cold_300s"' in merge.reason
+        deadline = time.monotonic() + 30  # its log line follows the record (a bound)
+        while not (done_by := _scaled_by(cluster, name)):
+            assert time.monotonic() < deadline, _scaling_lines(cluster)
+            time.sleep(0.2)
+        assert done_by == [leader], (leader, done_by, _scaling_lines(cluster))
