@@ -174,9 +174,6 @@ class Preparations:
         self._prepared: dict[tuple[int, int], _Prepared] = {}  # (stream id, number)
         self._watchers: set[asyncio.Task[None]] = set()
 
-    def preparing(self, segment: Segment) -> bool:
-        return (segment.stream_id, segment.number) in self._prepared
-
     async def prepare(
         self,
         stream: Stream,
