@@ -14,6 +14,7 @@ transactional ids and the group are coordinated by different brokers (asserted).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -404,3 +405,67 @@ def _hold_expires(cluster: Cluster, name: str) -> None:
         meta.close()
         member.connection.close()
         broker.connection.close()
+
+
+# --- with authentication: a member is its subject's ---------------------------------------------
+
+
+def _token(cluster: Cluster, subject: str) -> str:
+    """An admin token of ``subject``, signed with the cluster's keys."""
+    made = subprocess.run(
+        [
+            *(sys.executable, "-m", "slipstream", "token", "create"),
+            *("--data-dir", str(cluster.brokers[0].data_dir)),
+            *("--subject", subject, "--role", "admin", "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert made.returncode == 0, made.stderr
+    return str(json.loads(made.stdout)["token"])
+
+
+def test_with_auth_only_the_members_subject_commits_its_positions(
+    tmp_path: Path, postgres: PgCluster, seaweedfs: SeaweedFS
+) -> None:
+    base = tmp_path / "cluster"
+    base.mkdir()
+    with Cluster(
+        base, postgres, seaweedfs, brokers=2, containers=CONTAINERS, extra=("--auth",)
+    ).start() as cluster:
+        _, (alices, mallorys), _ = _layout(cluster)
+        addresses = cluster.addresses()
+        with (
+            slipstream.connect(addresses, token=_token(cluster, "alice")) as alice,
+            slipstream.connect(addresses, token=_token(cluster, "mallory")) as mallory,
+        ):
+            alice.create_stream(SOURCE, segments=1)
+            alice.create_stream(SINK, segments=1)
+            alice.create_subscription(SOURCE, SUBSCRIPTION)
+            with alice.producer(SOURCE) as producer:
+                for i in range(5):
+                    producer.send(b"%d" % i)
+            consumer = alice.consumer(SOURCE, SUBSCRIPTION, commit="manual")
+            events = _take(consumer, 5)
+            core = consumer.core
+            # another subject names alice's member (its id and generation) in its commit
+            forged = TxnPositions(SOURCE, SUBSCRIPTION, core.member_id, core.generation, {0: 5})
+            txn = mallory.transaction(mallorys)
+            txn.send(SINK, b"mallory")
+            mallory._loop.run(txn._async.flush())
+            with pytest.raises(UnknownMember):
+                mallory._loop.run(
+                    mallory._async._end(txn.txn_id, True, b"", (), [forged], txn._async.home)
+                )
+            assert alice.describe_subscription(SOURCE, SUBSCRIPTION).segments[0].position == 0
+            # alice's own commit of the same positions, from another broker, goes through
+            with alice.transaction(alices) as mine:
+                for event in events:
+                    mine.send(SINK, event.value)
+                mine.commit_position(consumer)
+            assert alice.describe_subscription(SOURCE, SUBSCRIPTION).segments[0].position == 5
+            assert sorted(e.value for e in alice.reader(SINK, end=alice.tail(SINK))) == sorted(
+                e.value for e in events
+            )
+            consumer.close()
