@@ -46,7 +46,7 @@ from .._errors import (
     StorageError,
 )
 from .._tls import ServerTls, client_context
-from ..security import TokenKeys
+from ..security import Action, TokenKeys
 from ..storage import (
     FileJournal,
     Journal,
@@ -564,7 +564,9 @@ class Broker:
 
     async def append_audit(self, caller: Caller, broker_id: str, records: list[bytes]) -> AuditHead:
         """``AppendAudit`` from another broker of the cluster (``ClusterAudit.accept``);
-        InvalidArgument on a standalone broker."""
+        PermissionDenied unless the caller is an admin; InvalidArgument on a standalone
+        broker."""
+        self.service._authorize(caller, Action.ADMIN, None)
         if self.cluster_audit is None:
             raise InvalidArgument("AppendAudit is sent between the brokers of a cluster")
         return await self.cluster_audit.accept(caller, broker_id, records)

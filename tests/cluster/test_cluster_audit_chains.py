@@ -51,7 +51,8 @@ def test_records_name_their_broker_and_the_hash_covers_it() -> None:
 
 
 def test_each_chain_is_verified_on_its_own_and_a_break_names_its_broker() -> None:
-    history = interleave(chain_of("b0", 4), chain_of("b1", 4), chain_of("b2", 3))
+    b1 = chain_of("b1", 4)
+    history = interleave(chain_of("b0", 4), b1, chain_of("b2", 3))
     reports = verify_chains(history, trimmed=False)
     assert list(reports) == ["b0", "b1", "b2"]
     assert all(r.ok for r in reports.values())
@@ -63,7 +64,7 @@ def test_each_chain_is_verified_on_its_own_and_a_break_names_its_broker() -> Non
     assert reports["b0"].ok and reports["b2"].ok
     assert not reports["b1"].ok and reports["b1"].problem_seq == 4
     assert "seq 3 is missing" in (reports["b1"].problem or "")
-    assert reports["b1"].problem_index == history.index(chain_of("b1", 4)[3])
+    assert reports["b1"].problem_index == history.index(b1[3])
 
     # one chain's records are not another's: a b0 record put into b2's place breaks b2
     forged = msgspec.json.decode(chain_of("b0", 4)[3])

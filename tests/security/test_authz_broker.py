@@ -27,6 +27,7 @@ from slipstream.protocol import (
     KINDS,
     AccessRule,
     Append,
+    AppendAudit,
     ApplyBatch,
     BeginTxn,
     CheckAccess,
@@ -241,6 +242,7 @@ def requests(s: Setup) -> dict[str, tuple[Message, bytes]]:
         "HandOverIdentity": (HandOverIdentity("spark:q", "alice"), b""),  # admin only
         "ReadSegment": (ReadSegment("demo/orders", 0, 0), b""),  # consume
         "ApplyBatch": (ApplyBatch("demo/orders", 0), batch(2)),  # brokers (admin) only
+        "AppendAudit": (AppendAudit("b0"), b""),  # brokers (admin) only
         "PrepareSeal": (PrepareSeal("demo/orders", [0], 1, "b0"), b""),  # brokers only
         "EndSeal": (EndSeal("demo/orders", [0], 1, False), b""),  # brokers only
     }
