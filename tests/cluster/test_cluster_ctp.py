@@ -203,7 +203,10 @@ def test_consume_transform_produce_across_brokers_is_exactly_once_through_kills(
             _kill(process)
     assert not input_thread.is_alive()
     final = workers.start(txn_ids[0], 4.0, final=True)
-    assert final.wait(180) == 0, workers.logs()[-5000:]
+    try:
+        assert final.wait(180) == 0, workers.logs()[-5000:]
+    finally:
+        _kill(final)
 
     with slipstream.connect(cluster.addresses(), reconnect_timeout=60) as client:
         inputs = [e.value for e in client.reader(SOURCE, end=client.tail(SOURCE))]
