@@ -64,7 +64,7 @@ from ..streams import (
     validate_stream_name,
 )
 from ._container import Container
-from ._faults import crash_point, scaling_now_ms
+from ._faults import FAULT, PREPARED_PAUSE_S, crash_point, scaling_now_ms
 from ._metrics import DETACHED, Metrics
 from ._segment import Segment
 
@@ -602,6 +602,8 @@ class Controller:
                 assert remote is not None
                 prepared = await remote.prepare(name, others, epoch, max_rate)
                 crash_point("scale.prepared")
+                if FAULT == "scale.prepared_pause":  # tests: a container moves meanwhile
+                    await asyncio.sleep(PREPARED_PAUSE_S)
             crash_point("scale.before_record")
             ends = {s.number: s.next_offset for s in local}
             leases = [] if served is None else self._leases(local)

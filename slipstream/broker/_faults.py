@@ -4,8 +4,11 @@ kill itself with SIGKILL when it reaches that point (a crash at an exact step), 
 
 Points: ``txn.before_commit_record``, ``txn.after_commit_record``, ``txn.mid_apply``,
 ``txn.after_apply`` (a transaction's commit); ``scale.sealing``, ``scale.before_record``,
-``scale.after_record`` (a split or merge); ``journal.before_record`` (an object journal's
+``scale.after_record`` (a split or merge), ``scale.prepared`` (a merge across brokers whose
+other brokers prepared their segments); ``journal.before_record`` (an object journal's
 group uploaded, its record not yet committed); ``broker.container_dies``.
+``scale.prepared_pause`` is no crash: a merge across brokers waits PREPARED_PAUSE_S between
+the prepares and its record (a container moves meanwhile in the test).
 
 ``SLIPSTREAM_SCALING_SPEEDUP=<factor>`` (a float > 0, default 1; for tests and demos) runs the
 broker's scaling clock that many times faster: see :func:`scaling_now_ms`.
@@ -21,6 +24,8 @@ import signal
 log = logging.getLogger("slipstream.faults")
 
 FAULT = os.environ.get("SLIPSTREAM_FAULT", "")
+#: how long ``scale.prepared_pause`` holds a merge between its prepares and its record
+PREPARED_PAUSE_S = 3.0
 
 
 def _speedup(text: str) -> float:

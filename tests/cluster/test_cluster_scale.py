@@ -482,3 +482,67 @@ def test_the_autoscaler_merges_cold_neighbours_on_two_brokers_and_not_a_busy_one
             assert time.monotonic() < deadline, _scaling_lines(cluster)
             time.sleep(0.2)
         assert done_by == [leader], (leader, done_by, _scaling_lines(cluster))
+
+
+def test_a_container_handed_over_during_a_prepare_fences_the_merge(
+    tmp_path: Path, postgres: PgCluster, seaweedfs: SeaweedFS
+) -> None:
+    """The other segment's broker stops cleanly (hands its containers over) while the merge
+    waits between the prepares and its record (``scale.prepared_pause``): the new holder's
+    lease refuses the record (``lease_lost``), or, if the record came first, the new holder
+    serves the segment sealed. Either way nothing acknowledged is lost or reordered."""
+    with _cluster(tmp_path, postgres, seaweedfs, fault="scale.prepared_pause") as cluster:
+        with slipstream.connect(cluster.addresses()) as client:
+            client.create_stream(STREAM, 4)
+        load = Load(cluster)
+        outcome: dict[str, object] = {}
+        try:
+            load.wait_for(lambda: load.count() > 1000, "load before the merge")
+            first, second, leader, other = _cross_pair(cluster)
+            other_index = int(other[1:])
+
+            def merge() -> None:
+                try:
+                    outcome["merge"] = ask(
+                        _address(cluster, leader),
+                        ScaleStream(STREAM, [first.number, second.number], 1),
+                    )
+                except slipstream.SlipstreamError as exc:
+                    outcome["merge"] = exc
+
+            merging = threading.Thread(target=merge)
+            merging.start()
+            deadline = time.monotonic() + 30
+            while "prepared segments" not in cluster.brokers[other_index].log():
+                assert time.monotonic() < deadline, _scaling_lines(cluster)  # a bound
+                time.sleep(0.05)
+            assert cluster.stop(other_index) == 0, cluster.brokers[other_index].log()[-3000:]
+            merging.join(60)
+            cluster.wait_until_all_containers_served()  # all on the leader now
+            before = load.count()
+            load.wait_for(lambda: load.count() > before + 500, "load after the hand-over")
+            cluster.start_broker(other_index)
+            cluster.wait_until_all_containers_served()
+            before = load.count()
+            load.wait_for(lambda: load.count() > before + 500, "load after the restart")
+        finally:
+            load.finish()
+        answer = outcome["merge"]
+        print("the merge:", answer)
+        with slipstream.connect(cluster.addresses()) as client:
+            history = client.scale_history(STREAM)
+        if isinstance(answer, StreamInfo):
+            (scale,) = history
+            assert set(scale.sealed) == {first.number, second.number}
+        else:
+            assert isinstance(answer, slipstream.LeaseLost), answer
+            assert history == []
+            assert all(not s.sealed for s in _describe(cluster).segments)
+        for via in range(len(cluster.brokers)):
+            described = {
+                s.number: s.end_offset for s in _describe(cluster, via).segments if s.sealed
+            }
+            assert described == (history[0].sealed if history else {}), (via, described)
+        problems = _history(cluster, load)
+        assert not problems, "\n".join(problems[:30])
+        assert load.failures == [], load.failures[:10]
