@@ -51,7 +51,9 @@ one that does not (the stream holds records under this broker's id that it did n
 forged, or another process running with its id) fails the append with ``ChainConflict``.
 ``run`` then chains its queued records again after the stream's head for it, first an
 ``audit_chain_conflict`` record naming both heads, which ``verify`` reports as a break (it
-says that records under this broker's name were not written by it), and appends on.
+says that records under this broker's name were not written by it), and appends on. Until
+the broker knows its head, records wait unchained, bounded by ``MAX_PENDING`` too: past it the
+oldest are dropped before they are chained, each logged whole with an error.
 
 Cost on the event loop (2-core VM, 2026-11-24): about 10 µs a record to normalise, hash and
 encode it, plus its log line (about 20 µs to a file handler). Records are control-plane events
@@ -161,7 +163,9 @@ class AuditLog:
         self.seq = 0  # of the last record chained
         self.head = GENESIS_HASH  # its hash
         self._resumed = False
-        self._early: list[tuple[int, str, str | None, str, dict[str, Any]]] = []
+        #: records made before ``resume`` (a cluster's broker reads its head from another
+        #: broker, which may take a takeover's time), bounded like the queue
+        self._early: deque[tuple[int, str, str | None, str, dict[str, Any]]] = deque()
         self._pending: deque[tuple[int, bytes]] = deque()  # (seq, JSON) not yet appended
         self._max_pending = max_pending
         self._wake = asyncio.Event()
@@ -185,6 +189,15 @@ class AuditLog:
         facts = msgspec.json.decode(msgspec.json.encode(details))
         entry = (time.time_ns() // 1_000_000, event, subject, peer, facts)
         if not self._resumed:
+            if len(self._early) >= self._max_pending:  # never chained: logged as they were
+                lost = self._early.popleft()
+                self.dropped += 1
+                log.error(
+                    "audit queue full while the chain's head is not known yet: record dropped "
+                    "before it was chained (%d dropped in all): %s",
+                    self.dropped,
+                    msgspec.json.encode(lost).decode(),
+                )
             self._early.append(entry)
             return
         self._chain(*entry)
@@ -200,7 +213,7 @@ class AuditLog:
         for an empty trail); the records made before this call are chained now, in order."""
         self.seq, self.head = seq, head
         self._resumed = True
-        early, self._early = self._early, []
+        early, self._early = self._early, deque()
         for entry in early:
             self._chain(*entry)
 

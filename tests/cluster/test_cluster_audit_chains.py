@@ -5,6 +5,7 @@ the writer chaining its queued records again after a conflict, saying so first."
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 
 import msgspec
@@ -109,3 +110,20 @@ async def _conflict() -> None:
     (report,) = verify_chains(history, trimmed=True).values()
     assert not report.ok and report.problem_seq == 8
     assert "did not write" in (report.problem or "")
+
+
+def test_records_waiting_for_the_head_are_bounded_and_the_dropped_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    audit = AuditLog(max_pending=3)
+    audit.broker = "b1"
+    with caplog.at_level(logging.ERROR, logger="slipstream.audit"):
+        for n in range(5):
+            audit.record("denied", subject="x", peer="p", n=n)
+    assert audit.dropped == 2
+    dropped = [r.getMessage() for r in caplog.records if "before it was chained" in r.getMessage()]
+    assert len(dropped) == 2 and '"n":0' in dropped[0] and '"n":1' in dropped[1]
+    audit.resume(7, "c" * 64)  # the head, read at last: the three left are chained after it
+    records = [msgspec.json.decode(line) for _, line in audit._pending]
+    assert [(r["seq"], r["details"]["n"]) for r in records] == [(8, 2), (9, 3), (10, 4)]
+    assert records[0]["prev_hash"] == "c" * 64
