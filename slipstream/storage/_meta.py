@@ -530,7 +530,9 @@ class MetaStore(ABC):
         """Store a transactional id's producer id and epoch (keeps its last commit)."""
 
     @abstractmethod
-    def commit_txn(self, commit: TxnCommit, *, lease: Lease | None = None) -> None:
+    def commit_txn(
+        self, commit: TxnCommit, *, lease: Lease | None = None, holds: Sequence[int] = ()
+    ) -> None:
         """Store a commit record and make it its transactional id's last commit, atomically.
         With ``lease`` (the coordinating container's, in a cluster): LeaseLost, nothing stored,
         unless it is that container's current holding (a coordinator that lost its container
@@ -538,7 +540,31 @@ class MetaStore(ABC):
         nothing stored, when a part names a segment that is sealed (a scale on another broker
         sealed it after the transaction staged into it: its batches would land past the
         sealed end); a scale and a commit naming one segment are ordered in the catalog, see
-        ``scale_stream``."""
+        ``scale_stream``. ``holds``: the position holds (``add_hold``) of the groups whose
+        positions it stores, consumed (removed) in the same transaction; TransactionAborted,
+        nothing stored, if one is not there (its group let go: it expired, or the group's
+        container moved), so a record stored late never moves positions under a group that
+        went on without it."""
+
+    @abstractmethod
+    def add_hold(self, hold_id: int, stream_id: int, subscription: str, *, lease: Lease) -> None:
+        """Record that the group of ``subscription`` is held for a transaction's commit on
+        another broker (docs/cluster.md, "Consume-transform-produce"), by the broker
+        coordinating the group, under ``lease`` (the container coordinating it): LeaseLost,
+        nothing recorded, unless it is that container's current holding. InvalidArgument if
+        ``hold_id`` is recorded already. The commit consumes it (``commit_txn(holds=)``)."""
+
+    @abstractmethod
+    def remove_holds(self, hold_ids: Sequence[int]) -> list[int]:
+        """Remove the holds named (a hold released, or expired): returns those that were
+        there, sorted. One not there was consumed by its commit (its record, with the
+        positions, is stored: a read of the subscriptions after this one sees them) or never
+        recorded; one removed here can no longer be consumed (its commit stores nothing)."""
+
+    @abstractmethod
+    def remove_holds_of(self, container: int) -> list[int]:
+        """Remove every hold recorded under ``container``'s leases (a broker adopting the
+        groups it coordinates, before it reads their positions), as ``remove_holds``."""
 
     @abstractmethod
     def pending_commits(self) -> list[TxnCommit]:
@@ -1261,10 +1287,16 @@ class SqliteMetaStore(MetaStore):
                 (identity.transactional_id, identity.producer_id, identity.epoch),
             )
 
-    def commit_txn(self, commit: TxnCommit, *, lease: Lease | None = None) -> None:
+    def commit_txn(
+        self, commit: TxnCommit, *, lease: Lease | None = None, holds: Sequence[int] = ()
+    ) -> None:
         with self._transaction() as cur:
             if lease is not None:
                 _check_lease(cur, lease)
+            for hold_id in sorted(holds):
+                cur.execute("DELETE FROM position_holds WHERE hold_id = ?", (hold_id,))
+                if cur.rowcount != 1:
+                    raise _hold_gone(commit, hold_id)
             for named in commit.parts:
                 row = cur.execute(
                     "SELECT sealed FROM segments WHERE stream_id = ? AND number = ?",
@@ -1290,6 +1322,36 @@ class SqliteMetaStore(MetaStore):
         with self._lock:
             rows = self._db.execute("SELECT record FROM txn_commits ORDER BY txn_id").fetchall()
         return [msgspec.msgpack.decode(row[0], type=TxnCommit) for row in rows]
+
+    def add_hold(self, hold_id: int, stream_id: int, subscription: str, *, lease: Lease) -> None:
+        with self._transaction() as cur:
+            _check_lease(cur, lease)
+            try:
+                cur.execute(
+                    "INSERT INTO position_holds (hold_id, container, stream_id, subscription, "
+                    "created_ms) VALUES (?, ?, ?, ?, ?)",
+                    (hold_id, lease.container, stream_id, subscription, _wall_ms()),
+                )
+            except sqlite3.IntegrityError:
+                raise _hold_exists(hold_id) from None
+
+    def remove_holds(self, hold_ids: Sequence[int]) -> list[int]:
+        removed = []
+        with self._transaction() as cur:
+            for hold_id in sorted(set(hold_ids)):
+                cur.execute("DELETE FROM position_holds WHERE hold_id = ?", (hold_id,))
+                if cur.rowcount == 1:
+                    removed.append(hold_id)
+        return removed
+
+    def remove_holds_of(self, container: int) -> list[int]:
+        with self._transaction() as cur:
+            rows = cur.execute(
+                "SELECT hold_id FROM position_holds WHERE container = ? ORDER BY hold_id",
+                (container,),
+            ).fetchall()
+            cur.execute("DELETE FROM position_holds WHERE container = ?", (container,))
+        return [int(row[0]) for row in rows]
 
     def finish_txn(self, txn_id: int) -> None:
         with self._transaction() as cur:
@@ -1569,6 +1631,20 @@ def _sealed_part(commit: TxnCommit, part: CommitPart) -> TransactionAborted:
     )
 
 
+def _hold_gone(commit: TxnCommit, hold_id: int) -> TransactionAborted:
+    return TransactionAborted(
+        f"transaction {commit.txn_id} aborted: the hold {hold_id} on the positions it commits "
+        "is gone (it expired, or the group's coordinator moved) and the group went on without "
+        "it; nothing of it is stored (run it again)",
+        txn_id=commit.txn_id,
+        hold_id=hold_id,
+    )
+
+
+def _hold_exists(hold_id: int) -> InvalidArgument:
+    return InvalidArgument(f"hold {hold_id} is recorded already", hold_id=hold_id)
+
+
 def _check_scale(epoch: int, sealed: Mapping[int, int], created: Sequence[SegmentRecord]) -> None:
     """What a scale event must be, whatever the stream (see ``MetaStore.scale_stream``)."""
     if not sealed or not created:
@@ -1623,6 +1699,10 @@ SQLITE_MIGRATIONS: tuple[str, ...] = (
     "CREATE TABLE IF NOT EXISTS catalog_version (version INTEGER NOT NULL); "
     "INSERT INTO catalog_version SELECT 0 WHERE NOT EXISTS (SELECT 1 FROM catalog_version); "
     "CREATE TABLE IF NOT EXISTS shared_secrets (name TEXT PRIMARY KEY, value BLOB NOT NULL)",
+    # 5: groups held for transactions' commits on other brokers (MetaStore.add_hold)
+    "CREATE TABLE IF NOT EXISTS position_holds (hold_id INTEGER PRIMARY KEY, "
+    "container INTEGER NOT NULL, stream_id INTEGER NOT NULL, subscription TEXT NOT NULL, "
+    "created_ms INTEGER NOT NULL)",
 )
 
 #: the SQLite catalog's schema version this code reads and writes (table ``schema_version``)

@@ -57,6 +57,8 @@ from ._meta import (
     _check_settled,
     _check_ttl,
     _grant,
+    _hold_exists,
+    _hold_gone,
     _lease_lost,
     _no_subscription,
     _registered,
@@ -172,6 +174,16 @@ _MIGRATIONS: tuple[str, ...] = (
     CREATE TABLE catalog_version (version BIGINT NOT NULL);
     INSERT INTO catalog_version (version) VALUES (0);
     CREATE TABLE shared_secrets (name TEXT PRIMARY KEY, value BYTEA NOT NULL);
+    """,
+    # 5: groups held for transactions' commits on other brokers (MetaStore.add_hold)
+    """
+    CREATE TABLE position_holds (
+        hold_id BIGINT PRIMARY KEY,
+        container BIGINT NOT NULL,
+        stream_id BIGINT NOT NULL,
+        subscription TEXT COLLATE "C" NOT NULL,
+        created_ms BIGINT NOT NULL
+    );
     """,
 )
 
@@ -933,10 +945,18 @@ class PostgresMetaStore(MetaStore):
                 (identity.transactional_id, identity.producer_id, identity.epoch),
             )
 
-    def commit_txn(self, commit: TxnCommit, *, lease: Lease | None = None) -> None:
+    def commit_txn(
+        self, commit: TxnCommit, *, lease: Lease | None = None, holds: Sequence[int] = ()
+    ) -> None:
         with self._transaction() as cur:
             if lease is not None:
                 _check_lease(cur, lease)
+            # a hold's row lock orders this commit and the group letting go of it
+            # (remove_holds, remove_holds_of): whichever deletes the row first wins
+            for hold_id in sorted(holds):
+                cur.execute("DELETE FROM position_holds WHERE hold_id = %s", (hold_id,))
+                if cur.rowcount != 1:
+                    raise _hold_gone(commit, hold_id)
             # FOR SHARE, in one order: a scale sealing one of them (UPDATE) waits for this
             # commit and then finds its record pending, or this waits and sees it sealed
             for named in sorted(commit.parts, key=lambda p: (p.stream_id, p.segment)):
@@ -968,6 +988,39 @@ class PostgresMetaStore(MetaStore):
             return [msgspec.msgpack.decode(row[0], type=TxnCommit) for row in cur]
 
         return self._read(query)
+
+    def add_hold(self, hold_id: int, stream_id: int, subscription: str, *, lease: Lease) -> None:
+        try:
+            with self._transaction() as cur:
+                _check_lease(cur, lease)
+                cur.execute(
+                    "INSERT INTO position_holds (hold_id, container, stream_id, subscription, "
+                    f"created_ms) VALUES (%s, %s, %s, %s, {_NOW_MS})",
+                    (hold_id, lease.container, stream_id, subscription),
+                )
+        except psycopg.errors.UniqueViolation:
+            raise _hold_exists(hold_id) from None
+
+    def remove_holds(self, hold_ids: Sequence[int]) -> list[int]:
+        removed = []
+        with self._transaction() as cur:
+            for hold_id in sorted(set(hold_ids)):  # in one order, as commit_txn
+                cur.execute("DELETE FROM position_holds WHERE hold_id = %s", (hold_id,))
+                if cur.rowcount == 1:
+                    removed.append(hold_id)
+        return removed
+
+    def remove_holds_of(self, container: int) -> list[int]:
+        with self._transaction() as cur:
+            # locked in hold id order first, as commit_txn takes them: no deadlock
+            cur.execute(
+                "SELECT hold_id FROM position_holds WHERE container = %s "
+                "ORDER BY hold_id FOR UPDATE",
+                (container,),
+            )
+            removed = [int(row[0]) for row in cur.fetchall()]
+            cur.execute("DELETE FROM position_holds WHERE hold_id = ANY(%s)", (removed,))
+        return removed
 
     def finish_txn(self, txn_id: int) -> None:
         with self._transaction() as cur:

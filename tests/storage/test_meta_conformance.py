@@ -788,6 +788,75 @@ def test_positions_commit_with_the_transaction_or_not_at_all(durable_kit: Kit) -
     assert only(meta, stream).positions == {0: 0, 1: 0}
 
 
+def test_a_commit_consumes_its_holds_and_stores_nothing_if_one_is_gone(kit: Kit) -> None:
+    """Positions held by a group's coordinator for a transaction on another broker
+    (docs/cluster.md, "Consume-transform-produce"): the commit record is stored only by
+    consuming its holds; a hold removed first (expired, its group adopted) makes the commit
+    store nothing, and removing a hold after its commit reports it gone."""
+    meta = kit.meta
+    stream = create(meta, "s/a")
+    meta.create_subscription(subscription(stream))
+    meta.save_identity(Identity("app", 3, 0))
+    group = meta.acquire_lease(1, "broker-b", 60_000)
+    other = meta.acquire_lease(2, "broker-b", 60_000)
+    assert group is not None and other is not None
+
+    def commit(txn_id: int, offset: int) -> TxnCommit:
+        return TxnCommit(
+            txn_id, "app", 3, 0, [CommitPart(stream, 0, 0)], b"", 1_700 + txn_id, 1,
+            positions=[PositionCommit(stream, "billing", 0, {0: offset})],
+        )  # fmt: skip
+
+    meta.add_hold(11, stream, "billing", lease=group)
+    meta.add_hold(12, stream, "billing", lease=group)
+    with pytest.raises(InvalidArgument):
+        meta.add_hold(11, stream, "billing", lease=group)
+    if kit.durable:
+        meta = kit.reopen()
+    stored = commit(7, 12)
+    meta.commit_txn(stored, holds=[11])  # a live hold: stored, the hold consumed
+    assert only(meta, stream).positions == {0: 12, 1: 0}
+    assert meta.remove_holds([11]) == []  # after the commit: gone, the record is stored
+
+    # a hold the group let go of (expired): the late record stores nothing
+    assert meta.remove_holds([12, 99]) == [12]
+    for late, holds in ((commit(8, 5), [12]), (commit(9, 5), [13])):  # 13: never recorded
+        with pytest.raises(TransactionAborted) as caught:
+            meta.commit_txn(late, holds=holds)
+        assert caught.value.details == {"txn_id": late.txn_id, "hold_id": holds[0]}
+    assert meta.pending_commits() == [stored]
+    assert meta.identities()[0].last_txn_id == 7
+    assert only(meta, stream).positions == {0: 12, 1: 0}
+
+    # a broker adopting container 1's groups removes their holds (not container 2's)
+    meta.add_hold(15, stream, "billing", lease=group)
+    meta.add_hold(14, stream, "billing", lease=group)
+    meta.add_hold(16, stream, "billing", lease=other)
+    assert meta.remove_holds_of(1) == [14, 15]
+    assert meta.remove_holds_of(1) == []
+    with pytest.raises(TransactionAborted):
+        meta.commit_txn(commit(10, 20), holds=[16, 14])  # one of them gone: nothing stored
+    assert meta.pending_commits() == [stored]
+    meta.commit_txn(commit(11, 30), holds=[16])
+    assert only(meta, stream).positions == {0: 30, 1: 0}
+    assert meta.remove_holds([16]) == []
+
+
+def test_a_hold_is_recorded_only_under_its_containers_current_lease(kit: Kit) -> None:
+    meta = kit.meta
+    stream = create(meta, "s/a")
+    meta.create_subscription(subscription(stream))
+    old = meta.acquire_lease(1, "broker-a", 0)
+    assert old is not None
+    new = meta.acquire_lease(1, "broker-b", 60_000)
+    assert new is not None
+    with pytest.raises(LeaseLost):  # a coordinator that lost the group holds nothing
+        meta.add_hold(1, stream, "billing", lease=old)
+    assert meta.remove_holds([1]) == []
+    meta.add_hold(1, stream, "billing", lease=new)
+    assert meta.remove_holds([1]) == [1]
+
+
 def test_subscriptions_survive_a_reopen(durable_kit: Kit) -> None:
     meta = durable_kit.meta
     stream = create(meta, "s/a")

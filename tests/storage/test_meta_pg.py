@@ -323,6 +323,8 @@ def test_concurrent_writers_lose_nothing(store: PostgresMetaStore) -> None:
 # --- migration 4: cluster membership, the catalog's version, shared secrets ------------------
 
 CLUSTER_TABLES = ("members", "catalog_version", "shared_secrets")
+#: tables of the migrations after 4, dropped too to go back to version 3
+LATER_TABLES = ("position_holds",)
 
 
 def test_a_catalog_at_schema_version_3_gets_the_cluster_tables(tmp_path: Path, pg_dsn: str) -> None:
@@ -336,13 +338,13 @@ def test_a_catalog_at_schema_version_3_gets_the_cluster_tables(tmp_path: Path, p
         meta.close()
         if isinstance(meta, SqliteMetaStore):
             with sqlite3.connect(path) as db:
-                for table in CLUSTER_TABLES:
+                for table in (*CLUSTER_TABLES, *LATER_TABLES):
                     db.execute(f"DROP TABLE {table}")
                 db.execute("UPDATE schema_version SET version = 3")
             db.close()
         else:
             with psycopg.connect(pg_dsn) as conn:
-                for table in CLUSTER_TABLES:
+                for table in (*CLUSTER_TABLES, *LATER_TABLES):
                     conn.execute(f"DROP TABLE {table}".encode())
                 conn.execute("UPDATE schema_version SET version = 3")
         meta = open_store()
@@ -355,5 +357,5 @@ def test_a_catalog_at_schema_version_3_gets_the_cluster_tables(tmp_path: Path, p
             assert meta.catalog_version() == 1
         finally:
             meta.close()
-    assert sqlite_version(path) == [(sqlite_meta.SCHEMA_VERSION,)] == [(4,)]
-    assert pg_version(pg_dsn) == [(_meta_pg.SCHEMA_VERSION,)] == [(4,)]
+    assert sqlite_version(path) == [(sqlite_meta.SCHEMA_VERSION,)] == [(5,)]
+    assert pg_version(pg_dsn) == [(_meta_pg.SCHEMA_VERSION,)] == [(5,)]
