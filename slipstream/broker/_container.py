@@ -312,7 +312,8 @@ class Container:
         if self.lease_lost is None:
             log.error(
                 "container %d: lease lost, appends to it are refused from now on "
-                "(restart the broker to take the container again): %s",
+                "(in a cluster it is handed over and may be taken again; a standalone broker "
+                "takes it again at a restart): %s",
                 self.id,
                 reason,
             )

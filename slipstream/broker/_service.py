@@ -633,7 +633,8 @@ class Service:
         if local:
             return mine
         positions, stale = await self._cut_from_peers(stream, at, timestamp_ms, mine)
-        if stale and await self.refresh_catalog():  # a scale elsewhere this broker missed
+        if stale:  # a scale elsewhere this broker missed (or took in while it asked)
+            await self.refresh_catalog()
             mine = await self.controller.cut(stream, at, timestamp_ms, self.is_served)
             positions, _ = await self._cut_from_peers(stream, at, timestamp_ms, mine)
         return positions
@@ -697,7 +698,8 @@ class Service:
         after reading the catalog if those show a scale this broker has not read yet (a
         description missing the successors would route keys to sealed segments)."""
         merged, stale = await self._merged(infos(), local_request)
-        if stale and await self.refresh_catalog():
+        if stale:  # merged again even when this refresh read nothing new: the periodic
+            await self.refresh_catalog()  # refresh may have taken the scale in meanwhile
             merged, _ = await self._merged(infos(), local_request)
         return merged
 
