@@ -281,7 +281,9 @@ class Membership:
                 raise LeaseLost(f"container {cid}: lease lost during its takeover")
             lease = container.lease or lease  # as last renewed
             # the groups it coordinates, from the catalog (under this lease no older holder
-            # writes there), before a group request can find the container served
+            # writes there), before a group request can find the container served; their
+            # holds for commits elsewhere removed first: a record not stored by then never is
+            await self._call(broker.meta.remove_holds_of, cid)
             await broker.service.subscriptions.adopt(self._coordinated_by(cid))
             old = broker.containers[cid]
             broker.controller.swap_in(container, records, segments)

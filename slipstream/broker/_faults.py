@@ -8,7 +8,9 @@ Points: ``txn.before_commit_record``, ``txn.after_commit_record``, ``txn.mid_app
 other brokers prepared their segments); ``journal.before_record`` (an object journal's
 group uploaded, its record not yet committed); ``broker.container_dies``.
 ``scale.prepared_pause`` is no crash: a merge across brokers waits PREPARED_PAUSE_S between
-the prepares and its record (a container moves meanwhile in the test).
+the prepares and its record (a container moves meanwhile in the test). Nor is
+``txn.held_pause``: a commit holding groups on other brokers waits HELD_PAUSE_S after its
+deadline check, before its record (its holds expire meanwhile in the test).
 
 ``SLIPSTREAM_SCALING_SPEEDUP=<factor>`` (a float > 0, default 1; for tests and demos) runs the
 broker's scaling clock that many times faster: see :func:`scaling_now_ms`.
@@ -26,6 +28,8 @@ log = logging.getLogger("slipstream.faults")
 FAULT = os.environ.get("SLIPSTREAM_FAULT", "")
 #: how long ``scale.prepared_pause`` holds a merge between its prepares and its record
 PREPARED_PAUSE_S = 3.0
+#: how long ``txn.held_pause`` holds a commit record (past a hold's 10 s)
+HELD_PAUSE_S = 20.0
 
 
 def _speedup(text: str) -> float:

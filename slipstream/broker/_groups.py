@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import secrets
@@ -58,7 +59,7 @@ from ..protocol import (
     SubscriptionSegment,
     TxnPositions,
 )
-from ..storage import PositionCommit, QueueOptions, SubscriptionRecord
+from ..storage import Lease, PositionCommit, QueueOptions, SubscriptionRecord
 from ..streams import SegmentProgress, assign, assignable, validate_subscription_name
 from ._queues import Queues
 
@@ -574,7 +575,13 @@ class Subscriptions:
     # --- holds: a transaction's commit coordinated by another broker ------------------------
 
     async def hold(
-        self, hold_id: int, txn_id: int, subject: str, ttl_ms: int, consumed: TxnPositions
+        self,
+        hold_id: int,
+        txn_id: int,
+        subject: str,
+        ttl_ms: int,
+        consumed: TxnPositions,
+        lease: Lease | None = None,
     ) -> Group:
         """For transaction ``txn_id`` coordinated by another broker (docs/cluster.md,
         "Consume-transform-produce"): check ``consumed`` as ``committing`` does, the member
@@ -583,7 +590,11 @@ class Subscriptions:
         group (its lock: no grant, commit or reset) until ``release_hold`` or ``ttl_ms``
         (capped at MAX_HOLD_MS). Raises NotAssigned / StaleGeneration / UnknownMember /
         SubscriptionNotFound / OffsetOutOfRange like a commit, TimeoutError if the group
-        stays busy for HOLD_WAIT_S, InvalidArgument for a hold id in use."""
+        stays busy for HOLD_WAIT_S, InvalidArgument for a hold id in use. With ``lease`` (the
+        container coordinating the group) the hold is recorded in the catalog under it
+        (``MetaStore.add_hold``; LeaseLost, nothing held, if it is no longer current): the
+        commit record is stored only by consuming that row, and the group removes it before
+        it lets go (release, expiry, or a broker adopting the group)."""
         group = self.group(consumed.stream, consumed.subscription)
         if hold_id in self.holds:
             raise InvalidArgument(f"hold {hold_id} is in place already")
@@ -593,6 +604,16 @@ class Subscriptions:
             self._check_commit(
                 None, group, consumed.member_id, consumed.generation, consumed.positions, subject
             )
+            if lease is not None:
+                await self.controller.in_catalog(
+                    functools.partial(
+                        self.controller.meta.add_hold,
+                        hold_id,
+                        group.record.stream_id,
+                        group.record.name,
+                        lease=lease,
+                    )
+                )
         except BaseException:
             group.lock.release()
             raise
@@ -602,15 +623,18 @@ class Subscriptions:
 
     async def release_hold(self, hold_id: int, stored: int) -> Group | None:
         """End a hold: ``stored`` 1, the transaction's commit record with the positions is
-        in the catalog (the group takes them); 0, it is not; -1, unknown (the group reads its
-        record from the catalog first). None if no such hold (it expired, or never was)."""
+        in the catalog (it consumed the hold's row: the group takes them); 0 or -1 (not
+        stored, or unknown): the hold's row is removed from the catalog first, so a record not
+        stored by then never is (``MetaStore.commit_txn(holds=)``), and if the row was gone
+        the record consumed it: the group reads its positions from the catalog. None if no
+        such hold (it expired, or never was)."""
         hold = self.holds.pop(hold_id, None)
         if hold is None:
             return None
         try:
             if stored > 0:
                 self._committed(hold.group, hold.positions)
-            elif stored < 0:
+            elif not await self.controller.in_catalog(self.controller.meta.remove_holds, [hold_id]):
                 await self._reread(hold.group)
         except BaseException:
             self.holds[hold_id] = hold  # the catalog did not answer: expiry reads it again
@@ -619,10 +643,11 @@ class Subscriptions:
         return hold.group
 
     async def _expire(self, hold: Hold) -> None:
-        """A hold whose transaction coordinator did not release it in time (it died, or
-        cannot reach this broker): the commit record may or may not be stored, so the group
-        takes its positions from the catalog before it grants again; while the catalog does
-        not answer, the hold stays and is tried again."""
+        """A hold whose transaction coordinator did not release it in time (it died, is
+        paused, or cannot reach this broker): its row is removed from the catalog, so its
+        commit record, if not stored by then, never is (however late it tries); then the group
+        takes its positions from the catalog (with the record's, if it was stored) before it
+        grants again. While the catalog does not answer, the hold stays and is tried again."""
         log.warning(
             "hold %d of %s for transaction %d expired: reading its positions from the catalog",
             hold.id,
@@ -630,6 +655,7 @@ class Subscriptions:
             hold.txn_id,
         )
         try:
+            await self.controller.in_catalog(self.controller.meta.remove_holds, [hold.id])
             await self._reread(hold.group)
         except Exception as exc:
             log.error("hold %d: the catalog did not answer (%s); trying again", hold.id, exc)

@@ -49,6 +49,7 @@ from .._errors import (
     BrokerUnavailable,
     CorruptBatch,
     InvalidArgument,
+    LeaseLost,
     NotOwner,
     PermissionDenied,
     SlipstreamError,
@@ -1131,7 +1132,7 @@ class Service:
         local = [p for i, p in enumerate(positions) if i not in remote]
         holds: list[tuple[str, int]] = []
 
-        async def hold() -> tuple[list[PositionCommit], float]:
+        async def hold() -> tuple[list[PositionCommit], float, list[int]]:
             started = time.monotonic()
             valid_ms = HOLD_TTL_MS // 2
             held = []
@@ -1151,7 +1152,7 @@ class Service:
                         dict(consumed.positions),
                     )
                 )
-            return held, started + valid_ms / 1000
+            return held, started + valid_ms / 1000, [hold_id for _, hold_id in holds]
 
         stored, checked = 0, False
         try:
@@ -1216,14 +1217,21 @@ class Service:
         if not self.cluster.enabled:
             raise InvalidArgument("HoldPositions is for brokers of a cluster")
         self._group_here(consumed.stream, consumed.subscription)
+        cid = coordinator(f"{consumed.stream}/{consumed.subscription}", self.cluster.count)
+        lease = self.containers[cid].lease
+        if lease is None:
+            raise self.cluster.wrong_broker(cid, f"the group of {consumed.subscription!r}")
         try:
-            group = await self.subscriptions.hold(hold_id, txn_id, subject, ttl_ms, consumed)
+            group = await self.subscriptions.hold(hold_id, txn_id, subject, ttl_ms, consumed, lease)
         except TimeoutError:
             raise BrokerUnavailable(
                 f"the group of {consumed.subscription!r} stayed busy; try again"
             ) from None
+        except LeaseLost:  # the hold's row is written under the lease: moving, nothing held
+            raise self.cluster.wrong_broker(
+                cid, f"the group of {consumed.subscription!r}"
+            ) from None
         # how long this broker surely coordinates the group: its lease, as it knows it
-        cid = coordinator(f"{consumed.stream}/{consumed.subscription}", self.cluster.count)
         left = min(self.containers[cid].lease_deadline - time.monotonic(), HOLD_TTL_MS / 1000)
         if not left > 0:  # (-inf: the lease is lost) moving: nothing held
             await self.subscriptions.release_hold(hold_id, 0)

@@ -97,7 +97,7 @@ from ..storage import (
 )
 from ..streams import SEQUENCE_MODULUS, ProducerState, next_sequence
 from ._container import JOURNAL_CHECKPOINT_SECONDS, sealed_error
-from ._faults import FAULT, crash_point
+from ._faults import FAULT, HELD_PAUSE_S, crash_point
 from ._metrics import DETACHED, Metrics
 from ._peers import PEER_TIMEOUT_S
 from ._segment import Segment, segment_global_id, split_global_id
@@ -107,8 +107,9 @@ if TYPE_CHECKING:
     from ._peers import Peers
 
 #: positions of groups other brokers coordinate, held for a commit (``Coordinator.end``):
-#: ``() -> (the positions, the time.monotonic() by which their record must be written)``
-PositionsHold = Callable[[], Awaitable[tuple[list[PositionCommit], float]]]
+#: ``() -> (the positions, the time.monotonic() by which their record must be written, the
+#: holds' ids its record consumes in the catalog)``
+PositionsHold = Callable[[], Awaitable[tuple[list[PositionCommit], float, list[int]]]]
 
 log = logging.getLogger("slipstream.txn")
 
@@ -901,10 +902,10 @@ class Coordinator:
         except (SlipstreamError, TimeoutError) as exc:
             await abort_all(f"a segment's broker did not answer: {exc}")
             raise
-        deadline = None
+        deadline, hold_ids = None, list[int]()
         if hold is not None:
             try:
-                held, deadline = await hold()
+                held, deadline, hold_ids = await hold()
             except (SlipstreamError, TimeoutError) as exc:
                 await abort_all(f"its positions could not be held: {exc}")
                 raise
@@ -930,7 +931,12 @@ class Coordinator:
                     f"transaction {txn.txn_id} aborted: the groups holding its positions for it "
                     "may have let go before its record could be stored"
                 )
-            self.meta.commit_txn(record, lease=lease)
+            if hold_ids and FAULT == "txn.held_pause":  # tests: paused past the holds
+                log.warning("fault injection: pausing %.0f s before the record", HELD_PAUSE_S)
+                time.sleep(HELD_PAUSE_S)
+            # the deadline only spares a doomed write: what makes a late record store nothing
+            # is the catalog (the holds' rows, consumed here, removed by a group letting go)
+            self.meta.commit_txn(record, lease=lease, holds=hold_ids)
 
         try:
             await loop.run_in_executor(self._io, store)

@@ -1,0 +1,96 @@
+"""Consume-transform-produce across brokers: a transaction coordinator paused between its
+deadline check and its commit record, past its hold on the group (docs/cluster.md,
+"Consume-transform-produce"). The hold expires, the group goes on (its member commits further
+positions), then the record's write starts: the catalog refuses it (its hold's row was
+removed when the hold expired), so the transaction aborts and the positions never go back.
+Without the holds' rows in the catalog the late record stored its older positions over the
+group's newer ones (the inputs between them processed twice).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from harness import Cluster
+from objectstores import SeaweedFS
+from pg import PgCluster
+from test_cluster_ctp import CONTAINERS, SINK, SOURCE, SUBSCRIPTION, _layout, _outputs, _take
+
+import slipstream
+from slipstream import TransactionAborted
+from slipstream.storage._meta_pg import PostgresMetaStore
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, postgres: PgCluster, seaweedfs: SeaweedFS) -> Iterator[Cluster]:
+    base = tmp_path / "cluster"
+    base.mkdir()
+    made = Cluster(base, postgres, seaweedfs, brokers=2, containers=CONTAINERS)
+    for broker in made.brokers:  # only a commit holding groups elsewhere pauses (20 s)
+        broker.env["SLIPSTREAM_FAULT"] = "txn.held_pause"
+    with made.start() as started:
+        yield started
+
+
+def test_a_record_stored_after_its_hold_expired_aborts_and_positions_never_go_back(
+    cluster: Cluster,
+) -> None:
+    group, (txn_id,), txn_broker = _layout(cluster, 1)
+    with slipstream.connect(cluster.addresses(), reconnect_timeout=60) as client:
+        client.create_stream(SOURCE, segments=1)
+        client.create_stream(SINK, segments=1)
+        client.create_subscription(SOURCE, SUBSCRIPTION)
+        with client.producer(SOURCE) as producer:
+            for i in range(10):
+                producer.send(b"%d" % i)
+        consumer = client.consumer(SOURCE, SUBSCRIPTION, commit="manual", session_timeout=90.0)
+        events = _take(consumer, 10)
+        txn = client.transaction(txn_id)
+        for event in events:
+            txn.send(SINK, b"out:" + event.value)
+        txn.commit_position(consumer)  # {0: 10}, held on the group's broker for the commit
+
+        outcome: list[BaseException | None] = []
+
+        def commit() -> None:
+            try:
+                txn.commit()  # its coordinator pauses 20 s after its deadline check
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        committing = threading.Thread(target=commit, daemon=True)
+        committing.start()
+        deadline = time.monotonic() + 60
+        while "expired: reading its positions" not in cluster.brokers[group].log():
+            assert committing.is_alive(), f"the commit ended before its hold expired: {outcome}"
+            assert time.monotonic() < deadline, cluster.logs()
+            time.sleep(0.1)
+        # the group goes on without the paused commit: its member commits past it
+        with (
+            slipstream.connect(cluster.addresses(), reconnect_timeout=60) as other,
+            other.producer(SOURCE) as producer,
+        ):
+            for i in range(10, 15):
+                producer.send(b"%d" % i)
+        _take(consumer, 5)
+        consumer.commit()  # {0: 15}
+        assert committing.is_alive(), "the group went on only after the late commit ended"
+        committing.join(90)
+        assert not committing.is_alive()
+
+        meta = PostgresMetaStore(cluster.dsn)
+        try:
+            (record,) = [r for r in meta.subscriptions() if r.name == SUBSCRIPTION]
+        finally:
+            meta.close()
+        assert record.positions == {0: 15}, "the late record moved the positions back"
+        assert not _outputs(client), "the late transaction's outputs are visible"
+        (error,) = outcome
+        assert isinstance(error, TransactionAborted), error
+        assert f"b{txn_broker}" != f"b{group}"
+        consumer.close()
