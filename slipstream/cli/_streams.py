@@ -50,6 +50,7 @@ def segment_dict(segment: SegmentInfo) -> dict[str, Any]:
         "first_timestamp": segment.first_timestamp,
         "last_timestamp": segment.last_timestamp,
         "predecessors": segment.predecessors,
+        "container": segment.container,  # in a cluster: 'slipstream cluster' says who serves it
     }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import re
 import shutil
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -639,6 +640,15 @@ async def revoke_token(call: Call) -> Any:
 
 # --- broker ----------------------------------------------------------------------------------
 
+_URL_PASSWORD = re.compile(r"(://[^:/@?#]*):[^@/?#]*@")
+_PARAM_PASSWORD = re.compile(r"(?i)(\bpassword=)[^&\s]*")
+
+
+def redact_dsn(dsn: str) -> str:
+    """``dsn`` (the ``--meta`` catalog URL) with its password, in the URL's user part or as a
+    ``password=`` parameter, replaced by ``***``; the rest (user, host, database) kept."""
+    return _PARAM_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1:***@", dsn))
+
 
 @operation("GET", "/api/broker", BrokerInfo, errors=())
 async def broker_info(call: Call) -> Any:
@@ -661,6 +671,8 @@ async def broker_info(call: Call) -> Any:
         for c in broker.containers
     ]
     config = msgspec.to_builtins(dataclasses.asdict(broker.config), enc_hook=str)
+    if config.get("meta"):  # any authenticated caller reads this: never the catalog's password
+        config["meta"] = redact_dsn(config["meta"])
     host, port = broker.address or ("", 0)
     http_host, http_port = broker.http_address or ("", 0)
     return BrokerInfo(

@@ -203,6 +203,21 @@ def test_the_broker_reports_version_config_containers_disk_and_recovery(
     assert again["started_ms"] > info["started_ms"]
 
 
+def test_the_broker_shows_its_catalog_url_without_the_password(
+    broker_factory: type[BrokerProcess], pg_dsn: str
+) -> None:
+    """Any authenticated caller reads /api/broker: the --meta URL's password must not be there
+    (a local ./run.sh --cluster showed it whole)."""
+    password = pg_dsn.split("@")[0].rsplit(":", 1)[1]
+    assert password
+    broker = broker_factory("--meta", pg_dsn).start()
+    with httpx.Client(base_url=broker.http_url, timeout=30) as http:
+        answer = http.get("/api/broker")
+    assert answer.status_code == 200, answer.text
+    assert password not in answer.text
+    assert answer.json()["config"]["meta"] == pg_dsn.replace(f":{password}@", ":***@")
+
+
 # --- errors ----------------------------------------------------------------------------------
 
 

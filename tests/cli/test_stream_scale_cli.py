@@ -323,3 +323,14 @@ def test_history_decodes_a_decision_of_the_broker(broker: BrokerProcess) -> None
     assert f"why: {decision['reason']}" in " ".join(block.split())
     assert "policy events 1000/s factor 2 min 2" in block
     assert "segment 0 events/s: 10s 0.0" in block
+
+
+def test_describe_json_names_each_segments_container(broker: BrokerProcess) -> None:
+    """The container says which broker of a cluster serves a segment (``slipstream cluster``);
+    describe --json gives the broker's SegmentInfo.container of every segment."""
+    ok("stream", "create", "ops/placed", "--segments", "4", broker=broker)
+    with broker.client() as client:
+        expected = [s.container for s in client.describe_stream("ops/placed").segments]
+    assert len(set(expected)) > 1  # the default 4 containers share the segments
+    described = describe("ops/placed", broker)
+    assert [s["container"] for s in described["segments"]] == expected
