@@ -61,3 +61,27 @@ def test_a_description_right_after_a_scale_elsewhere_covers_every_key(cluster: C
         cut = ask(other, GetCut(STREAM, "latest"))
         assert isinstance(cut, CutReply), cut
         assert set(cut.positions) == {s.number for s in scaled.segments}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DescribeSubscription gives open segments served by another broker end offset 0 "
+    "(backlog and lag 0): docs/cluster.md, Limits",
+)
+def test_a_subscription_description_counts_the_segments_of_every_broker(
+    cluster: Cluster,
+) -> None:
+    """Found running ./run.sh --cluster: the auctions view's backlog and `slipstream
+    subscription describe` counted only the answering broker's open segments."""
+    stream = "describe/backlog"
+    with slipstream.connect(cluster.addresses()) as client:
+        client.create_stream(stream, 4)
+        client.create_subscription(stream, "g")
+        with client.producer(stream) as producer:
+            for i in range(40):
+                producer.send(b"x", key=f"k{i}")
+        ends = {s.number: s.end_offset for s in client.describe_stream(stream).segments}
+        assert len({s.container for s in client.describe_stream(stream).segments}) > 1
+        info = client.describe_subscription(stream, "g")
+    assert {s.segment: s.end_offset for s in info.segments} == ends
+    assert sum(s.backlog_events for s in info.segments) == 40
