@@ -541,9 +541,31 @@ class PostgresMetaStore(MetaStore):
         return str(row[0])
 
     def streams(self) -> list[StreamRecord]:
+        # two statements in one snapshot, not two per stream: a cluster's brokers read every
+        # stream at each catalog change (Controller.refresh), and round trips were its cost
         def query(cur: psycopg.Cursor[Any]) -> list[StreamRecord]:
-            cur.execute("SELECT name FROM streams ORDER BY name")
-            return [self._stream(cur, name) for (name,) in cur.fetchall()]
+            cur.execute(
+                "SELECT stream_id, number, epoch, key_lo, key_hi, container, sealed, "
+                "start_offset, producers, predecessors, end_offset FROM segments "
+                "WHERE stream_id IN (SELECT id FROM streams) ORDER BY stream_id, number"
+            )
+            segments: dict[int, list[SegmentRecord]] = {}
+            for stream_id, number, epoch, lo, hi, container, sealed, start, *rest in cur:
+                producers, predecessors, end = rest
+                segments.setdefault(stream_id, []).append(
+                    SegmentRecord(
+                        number, epoch, lo + _SHIFT, hi + _SHIFT, container, sealed, start,
+                        bytes(producers), list(predecessors), end,
+                    )
+                )  # fmt: skip
+            cur.execute(
+                "SELECT id, name, retention_ms, retention_bytes, created_ms, scaling "
+                "FROM streams ORDER BY name"
+            )
+            return [
+                StreamRecord(sid, name, ms, size, created, segments.get(sid, []), scaling)
+                for sid, name, ms, size, created, scaling in cur.fetchall()
+            ]
 
         return self._read(query)
 

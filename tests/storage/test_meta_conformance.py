@@ -218,6 +218,37 @@ def test_streams_lists_every_live_stream_by_name(meta: MetaStore) -> None:
     assert all([seg.number for seg in s.segments] == [0, 1, 2] for s in listed)
 
 
+def test_streams_gives_each_stream_its_own_segments_with_every_field(meta: MetaStore) -> None:
+    """streams() is one read of every stream (PostgreSQL: one statement for all segments):
+    each record is what create_stream returned, segments in number order, whatever the order
+    of creation, of ids and of names, and a deleted stream's segments appear nowhere."""
+    made = {}
+    for i, name in enumerate(["m/c", "m/a", "m/doomed", "m/b", "m/d"]):
+        count = i + 1
+        made[name] = meta.create_stream(
+            name,
+            [
+                SegmentRecord(
+                    n, n % 2, 2**64 * n // count, 2**64 * (n + 1) // count - 1, 7 - n,
+                    sealed=n < count - 1, start_offset=10 * i + n,
+                    producers=bytes([i, n]), predecessors=list(range(n)),
+                    end_offset=100 * i + n if n < count - 1 else -1,
+                )
+                for n in reversed(range(count))
+            ],
+            i * 1000 or None, i or None, 1_700_000_000_000 + i, f"policy {i}",
+        )  # fmt: skip
+    meta.delete_stream("m/doomed")
+    del made["m/doomed"]
+    listed = meta.streams()
+    assert [s.name for s in listed] == ["m/a", "m/b", "m/c", "m/d"]
+    for record in listed:
+        expected = made[record.name]
+        assert record == msgspec.structs.replace(
+            expected, segments=sorted(expected.segments, key=lambda s: s.number)
+        )
+
+
 def test_delete_stream_returns_its_chunks_and_removes_it(meta: MetaStore) -> None:
     doomed = create(meta, "s/doomed")
     kept = create(meta, "s/kept")
