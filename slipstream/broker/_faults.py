@@ -28,7 +28,7 @@ log = logging.getLogger("slipstream.faults")
 FAULT = os.environ.get("SLIPSTREAM_FAULT", "")
 #: how long ``scale.prepared_pause`` holds a merge between its prepares and its record
 PREPARED_PAUSE_S = 3.0
-#: how long ``txn.held_pause`` holds a commit record (past a hold's 10 s)
+#: how long ``txn.held_pause`` holds a commit record (past a hold's 5 s, with room for the test)
 HELD_PAUSE_S = 20.0
 
 

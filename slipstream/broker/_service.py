@@ -125,8 +125,11 @@ log = logging.getLogger("slipstream.service")
 #: client does not say when a producer is closed). Its next append gets NotOwner.
 MAX_PRODUCERS_PER_CALLER = 4096
 #: how long a group coordinated by another broker is held for a transaction's commit
-#: (``HoldPositions``); the commit record is written only within the first half of it
-HOLD_TTL_MS = 10_000
+#: (``HoldPositions``): how long a group waits for a transaction coordinator that died. Safe
+#: at any length (the catalog refuses a record whose hold expired, ``MetaStore.add_hold``);
+#: the record's write is not started in its last HOLD_MARGIN_MS, where it would be refused
+HOLD_TTL_MS = 5_000
+HOLD_MARGIN_MS = 1_000
 PRODUCER_KEY_FILE = "producer.key"
 _KEY_BYTES = 32
 _TOKEN_BYTES = 16
@@ -1123,18 +1126,20 @@ class Service:
         The local groups are held by ``committing`` as on one broker; the others, just
         before the commit record is written, by their coordinators (``HoldPositions``, one
         at a time in one order), which check the positions as a member's commit. The record
-        is written only if its write starts while every hold stands (within half of
-        HOLD_TTL_MS and within each coordinator's lease, as it answered); then the holds are
-        released, telling whether it was stored. A failed check (NotAssigned,
-        StaleGeneration, UnknownMember, ...) aborts the transaction with that error; a group
-        coordinator that cannot be reached aborts it with TransactionAborted."""
+        is stored only by consuming every hold's row in the catalog (a hold that expired or
+        whose group moved is gone: the transaction aborts), and its write is not started
+        past HOLD_TTL_MS - HOLD_MARGIN_MS or a coordinator's lease as it answered (it would
+        be refused); then the holds are released, telling whether it was stored. A failed
+        check (NotAssigned, StaleGeneration, UnknownMember, ...) aborts the transaction with
+        that error; a group coordinator that cannot be reached aborts it with
+        TransactionAborted."""
         subject = caller.principal.subject if caller.principal is not None else ""
         local = [p for i, p in enumerate(positions) if i not in remote]
         holds: list[tuple[str, int]] = []
 
         async def hold() -> tuple[list[PositionCommit], float, list[int]]:
             started = time.monotonic()
-            valid_ms = HOLD_TTL_MS // 2
+            valid_ms = HOLD_TTL_MS - HOLD_MARGIN_MS
             held = []
             for i in sorted(remote, key=lambda i: (positions[i].stream, positions[i].subscription)):
                 consumed, owner = positions[i], remote[i]
