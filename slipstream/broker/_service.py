@@ -130,6 +130,8 @@ MAX_PRODUCERS_PER_CALLER = 4096
 #: the record's write is not started in its last HOLD_MARGIN_MS, where it would be refused
 HOLD_TTL_MS = 5_000
 HOLD_MARGIN_MS = 1_000
+#: how long a commit looks for a moving group's coordinator before it aborts
+ASK_GROUP_S = 2.0
 PRODUCER_KEY_FILE = "producer.key"
 _KEY_BYTES = 32
 _TOKEN_BYTES = 16
@@ -257,6 +259,8 @@ class Service:
         #: commits holding groups on other brokers (``_commit_with_holds``), run to the end
         #: even if their caller goes: a hold is released only once the outcome is known
         self._holding: set[asyncio.Task[TxnEnded]] = set()
+        #: this broker asking itself (a hold on a group of another of its containers)
+        self._itself = Caller(0, "this broker", None)
 
     # --- callers -----------------------------------------------------------------------------
 
@@ -1080,7 +1084,10 @@ class Service:
             if operator:
                 self._audited(caller, "transaction_aborted", txn_id=txn_id)
             return ended
-        remote = {i: o for i, p in enumerate(positions) if (o := self._group_owner(p)) is not None}
+        home = self.coordinator.open[txn_id].home
+        remote = {
+            i: o for i, p in enumerate(positions) if (o := self._group_owner(p, home)) is not None
+        }
         if remote and self.coordinator.open[txn_id].state == "open":
             task = asyncio.get_running_loop().create_task(
                 self._commit_with_holds(caller, txn_id, metadata, list(merge), positions, remote)
@@ -1101,14 +1108,20 @@ class Service:
                     await self.coordinator.end(txn_id, False, b"")
             raise
 
-    def _group_owner(self, consumed: TxnPositions) -> str | None:
-        """The broker coordinating ``consumed``'s group when it is another ("" if nobody
-        does right now); None when this broker does (or standalone)."""
+    def _group_owner(self, consumed: TxnPositions, home: int) -> str | None:
+        """The broker to hold ``consumed``'s group at for a commit coordinated by container
+        ``home``: None when the group is coordinated by ``home`` itself (or standalone), whose
+        lease fences the record; else the broker serving the group's container ("" if nobody
+        does right now), this one included: a group of another container of this broker is
+        held through its catalog row like another broker's, since its container may be
+        handed over while the record is written (the record carries only ``home``'s lease)."""
         if not self.cluster.enabled:
             return None
         cid = coordinator(f"{consumed.stream}/{consumed.subscription}", self.cluster.count)
-        if self.containers[cid].serving:
+        if cid == home:
             return None
+        if self.containers[cid].serving:
+            return self.cluster.broker_id
         owner = self.cluster.owners[cid]
         return "" if owner == self.cluster.broker_id else owner
 
@@ -1134,6 +1147,7 @@ class Service:
         that error; a group coordinator that cannot be reached aborts it with
         TransactionAborted."""
         subject = caller.principal.subject if caller.principal is not None else ""
+        home = self.coordinator.open[txn_id].home
         local = [p for i, p in enumerate(positions) if i not in remote]
         holds: list[tuple[str, int]] = []
 
@@ -1142,11 +1156,13 @@ class Service:
             valid_ms = HOLD_TTL_MS - HOLD_MARGIN_MS
             held = []
             for i in sorted(remote, key=lambda i: (positions[i].stream, positions[i].subscription)):
-                consumed, owner = positions[i], remote[i]
+                consumed = positions[i]
                 hold_id = secrets.randbits(62)
-                holds.append((owner, hold_id))  # before asking: an answer lost still releases
                 answer = await self._ask_group(
-                    owner, HoldPositions(hold_id, txn_id, subject, HOLD_TTL_MS, consumed), consumed
+                    remote[i],
+                    HoldPositions(hold_id, txn_id, subject, HOLD_TTL_MS, consumed),
+                    home,
+                    holds,
                 )
                 valid_ms = min(valid_ms, answer.valid_ms)
                 held.append(
@@ -1157,7 +1173,7 @@ class Service:
                         dict(consumed.positions),
                     )
                 )
-            return held, started + valid_ms / 1000, [hold_id for _, hold_id in holds]
+            return held, started + valid_ms / 1000, list(dict.fromkeys(h for _, h in holds))
 
         stored, checked = 0, False
         try:
@@ -1177,19 +1193,39 @@ class Service:
             await self._release_holds(holds, stored)
 
     async def _ask_group(
-        self, owner: str, message: HoldPositions, consumed: TxnPositions
+        self, owner: str, message: HoldPositions, home: int, holds: list[tuple[str, int]]
     ) -> PositionsHeld:
+        """Hold ``message.positions``' group at ``owner`` (this broker included), adding each
+        broker asked to ``holds`` before asking (an answer lost still releases). A group
+        moving (nobody serves it, or the broker asked no longer does) is looked up again for
+        up to ASK_GROUP_S: this broker's view of the owners lags a turn behind the catalog."""
+        consumed = message.positions
         what = f"the group of subscription {consumed.subscription!r} of {consumed.stream!r}"
-        try:
-            if not owner:
-                raise BrokerUnavailable("nobody coordinates it right now (it is moving)")
-            answer = await self.peers.ask(owner, message)
-        except (BrokerUnavailable, WrongBroker, TimeoutError) as exc:
-            raise TransactionAborted(
-                f"transaction {message.txn_id} aborted: {what} could not be held by its "
-                f"coordinator{f' ({owner})' if owner else ''}: {exc or 'no answer'}; run it again",
-                txn_id=message.txn_id,
-            ) from None
+        deadline = time.monotonic() + ASK_GROUP_S
+        while True:
+            try:
+                if not owner:
+                    raise BrokerUnavailable("nobody coordinates it right now (it is moving)")
+                holds.append((owner, message.hold_id))
+                if owner == self.cluster.broker_id:
+                    answer: Message = await self.hold_positions(
+                        self._itself, *msgspec.structs.astuple(message)
+                    )
+                else:
+                    answer = await self.peers.ask(owner, message)
+                break
+            except (BrokerUnavailable, WrongBroker, TimeoutError) as exc:
+                moving = not isinstance(exc, TimeoutError)
+                if moving and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                    owner = self._group_owner(consumed, home) or ""
+                    continue
+                raise TransactionAborted(
+                    f"transaction {message.txn_id} aborted: {what} could not be held by its "
+                    f"coordinator{f' ({owner})' if owner else ''}: {exc or 'no answer'}; run it "
+                    "again",
+                    txn_id=message.txn_id,
+                ) from None
         if not isinstance(answer, PositionsHeld):
             raise TransactionAborted(f"{what}: unexpected answer {answer!r}")
         return answer
@@ -1197,7 +1233,10 @@ class Service:
     async def _release_holds(self, holds: list[tuple[str, int]], stored: int) -> None:
         async def one(owner: str, hold_id: int) -> None:
             try:
-                await self.peers.ask(owner, ReleasePositions(hold_id, stored))
+                if owner == self.cluster.broker_id:
+                    await self.release_positions(self._itself, hold_id, stored)
+                else:
+                    await self.peers.ask(owner, ReleasePositions(hold_id, stored))
             except (SlipstreamError, TimeoutError) as exc:
                 log.warning(
                     "hold %d on broker %r not released (%s): it expires there", hold_id, owner, exc

@@ -188,3 +188,80 @@ def test_a_record_stored_after_its_group_was_handed_over_aborts(three: Cluster) 
         (error,) = outcome
         assert isinstance(error, TransactionAborted), error
         consumer.close()
+
+
+@pytest.fixture
+def alone(tmp_path: Path, postgres: PgCluster, seaweedfs: SeaweedFS) -> Iterator[Cluster]:
+    base = tmp_path / "alone"
+    base.mkdir()
+    made = Cluster(base, postgres, seaweedfs, brokers=1, containers=CONTAINERS)
+    made.brokers[0].env["SLIPSTREAM_FAULT"] = "txn.held_pause"
+    with made.start() as started:
+        yield started
+
+
+def test_a_group_of_another_container_of_the_same_broker_is_held_by_its_row(
+    alone: Cluster,
+) -> None:
+    """The transaction's container and the group's are different containers of one broker:
+    the record carries only the transaction container's lease, and the group's container may
+    be handed over meanwhile, so the group is held through its catalog row as another
+    broker's would be. Paused past that hold, the record is refused and the positions the
+    group committed since stay."""
+    cluster = alone
+    cluster.wait_until_all_containers_served()
+    group_cid = coordinator(f"{SOURCE}/{SUBSCRIPTION}", CONTAINERS)
+    txn_id = next(
+        t for t in (f"ctp-tx-{i}" for i in range(200)) if coordinator(t, CONTAINERS) != group_cid
+    )
+    with slipstream.connect(cluster.addresses(), reconnect_timeout=60) as client:
+        client.create_stream(SOURCE, segments=1)
+        client.create_stream(SINK, segments=1)
+        client.create_subscription(SOURCE, SUBSCRIPTION)
+        with client.producer(SOURCE) as producer:
+            for i in range(10):
+                producer.send(b"%d" % i)
+        consumer = client.consumer(SOURCE, SUBSCRIPTION, commit="manual", session_timeout=90.0)
+        events = _take(consumer, 10)
+        txn = client.transaction(txn_id)
+        for event in events:
+            txn.send(SINK, b"out:" + event.value)
+        txn.commit_position(consumer)  # {0: 10}, held by its row for the commit
+
+        outcome: list[BaseException | None] = []
+
+        def commit() -> None:
+            try:
+                txn.commit()  # pauses 20 s after its deadline check: only a held commit does
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        committing = threading.Thread(target=commit, daemon=True)
+        committing.start()
+        deadline = time.monotonic() + 60
+        while "expired: reading its positions" not in cluster.brokers[0].log():
+            assert committing.is_alive(), f"the commit ended without a hold: {outcome}"
+            assert time.monotonic() < deadline, cluster.logs()
+            time.sleep(0.1)
+        with (
+            slipstream.connect(cluster.addresses(), reconnect_timeout=60) as other,
+            other.producer(SOURCE) as producer,
+        ):
+            for i in range(10, 15):
+                producer.send(b"%d" % i)
+        _take(consumer, 5)
+        consumer.commit()  # {0: 15}
+        committing.join(90)
+        assert not committing.is_alive()
+
+        meta = PostgresMetaStore(cluster.dsn)
+        try:
+            (record,) = [r for r in meta.subscriptions() if r.name == SUBSCRIPTION]
+        finally:
+            meta.close()
+        assert record.positions == {0: 15}, "the late record moved the positions back"
+        assert not _outputs(client), "the late transaction's outputs are visible"
+        (error,) = outcome
+        assert isinstance(error, TransactionAborted), error
+        consumer.close()
