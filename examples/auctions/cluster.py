@@ -180,6 +180,10 @@ class LocalCluster:
         containers: int = 4,
         lease_ttl: float = 10.0,
     ) -> None:
+        # lease_ttl: 10 s, not a cluster's default 5 s: on a laptop the brokers share the
+        # cores with Spark, whose executors delayed renewals by up to 2.6 s in the two-broker
+        # Spark tests (docs/operations.md, "Choosing the lease ttl"); a false takeover in the
+        # middle of the demo costs more than a slower one after a crash
         self.root = root.resolve()
         self.containers = containers
         self.lease_ttl = lease_ttl
