@@ -1118,14 +1118,16 @@ def _read_streams(
     meta: MetaStore, known: frozenset[tuple[int, int]]
 ) -> tuple[list[StreamRecord], dict[tuple[int, int], SegmentChunks]]:
     """The catalog's streams and, when it has segments not in ``known`` (stream id, number),
-    their chunks' totals (a refresh's read, on the catalog thread)."""
+    their chunks' totals (a refresh's read, on the catalog thread): of their streams only,
+    not the whole chunk table, which a stream created anywhere would have every broker
+    aggregate."""
     records = meta.streams()
     new = {(r.id, s.number) for r in records for s in r.segments} - known
     if not new:
         return records, {}
     return records, {
         (c.stream_id, c.segment): c
-        for c in meta.segment_chunks()
+        for c in meta.segment_chunks({stream_id for stream_id, _ in new})
         if (c.stream_id, c.segment) in new
     }
 

@@ -16,7 +16,7 @@ import sqlite3
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -490,8 +490,10 @@ class MetaStore(ABC):
         and ``producers``), for their files to be deleted."""
 
     @abstractmethod
-    def segment_chunks(self) -> list[SegmentChunks]:
-        """For every segment with chunks: how many, their bytes and times, and the newest."""
+    def segment_chunks(self, stream_ids: Collection[int] | None = None) -> list[SegmentChunks]:
+        """For every segment with chunks (of the streams ``stream_ids`` only, when given: a
+        cluster's refresh asks for the few streams with segments new to it, not the whole
+        chunk table): how many, their bytes and times, and the newest; by stream and segment."""
 
     @abstractmethod
     def chunk_at(self, stream_id: int, segment: int, offset: int) -> ChunkRecord | None:
@@ -1198,13 +1200,19 @@ class SqliteMetaStore(MetaStore):
                 )
         return removed
 
-    def segment_chunks(self) -> list[SegmentChunks]:
+    def segment_chunks(self, stream_ids: Collection[int] | None = None) -> list[SegmentChunks]:
         with self._read_lock:
             cur = self._reader.cursor()
+            where: str = ""
+            args: tuple[str, ...] = ()
+            if stream_ids is not None:
+                where = "WHERE stream_id IN (SELECT value FROM json_each(?)) "
+                args = (msgspec.json.encode(sorted(stream_ids)).decode(),)
             totals = cur.execute(
                 "SELECT stream_id, segment, COUNT(*), SUM(bytes), MIN(min_timestamp), "
-                "MAX(max_timestamp), MAX(base_offset) FROM chunks GROUP BY stream_id, segment "
-                "ORDER BY stream_id, segment"
+                f"MAX(max_timestamp), MAX(base_offset) FROM chunks {where}"
+                "GROUP BY stream_id, segment ORDER BY stream_id, segment",
+                args,
             ).fetchall()
             out = []
             for stream_id, segment, count, size, lo, hi, newest in totals:

@@ -15,7 +15,7 @@ naming both versions) before anything is written.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -550,7 +550,7 @@ class PostgresMetaStore(MetaStore):
                 "WHERE stream_id IN (SELECT id FROM streams) ORDER BY stream_id, number"
             )
             segments: dict[int, list[SegmentRecord]] = {}
-            for stream_id, number, epoch, lo, hi, container, sealed, start, *rest in cur:
+            for stream_id, number, epoch, lo, hi, container, sealed, start, *rest in cur.fetchall():
                 producers, predecessors, end = rest
                 segments.setdefault(stream_id, []).append(
                     SegmentRecord(
@@ -797,17 +797,24 @@ class PostgresMetaStore(MetaStore):
                 cur.execute(f"DELETE FROM chunks {where}", args)
         return removed
 
-    def segment_chunks(self) -> list[SegmentChunks]:
+    def segment_chunks(self, stream_ids: Collection[int] | None = None) -> list[SegmentChunks]:
+        if stream_ids is not None and not stream_ids:
+            return []
+        where, args = (
+            ("", ()) if stream_ids is None else ("WHERE stream_id = ANY(%s) ", (list(stream_ids),))
+        )
+
         def query(cur: psycopg.Cursor[Any]) -> list[SegmentChunks]:
             cur.execute(
                 "SELECT t.n, t.total, t.lo, t.hi, "
                 + ", ".join(f"c.{column}" for column in _CHUNK.split(", "))
                 + ", c.idx, c.producers FROM (SELECT stream_id, segment, COUNT(*) AS n, "
                 "SUM(bytes)::bigint AS total, MIN(min_timestamp) AS lo, "
-                "MAX(max_timestamp) AS hi, MAX(base_offset) AS newest FROM chunks "
+                f"MAX(max_timestamp) AS hi, MAX(base_offset) AS newest FROM chunks {where}"
                 "GROUP BY stream_id, segment) AS t JOIN chunks AS c ON c.stream_id = "
                 "t.stream_id AND c.segment = t.segment AND c.base_offset = t.newest "
-                "ORDER BY c.stream_id, c.segment"
+                "ORDER BY c.stream_id, c.segment",
+                args,
             )
             return [
                 SegmentChunks(row[4], row[5], row[0], row[1], row[2], row[3], _chunk(row[4:]))

@@ -586,6 +586,22 @@ def test_retention_removes_a_range_of_chunks_in_one_call(kit: Kit) -> None:
     assert [c.count for c in meta.segment_chunks()] == [1, 2]
 
 
+def test_segment_chunks_of_some_streams_are_those_of_every_stream_for_them(
+    meta: MetaStore,
+) -> None:
+    """A cluster's refresh asks for the streams with segments new to it only."""
+    ids = [create(meta, f"s/part{i}", 3) for i in range(4)]
+    meta.add_chunks(
+        0, 0, [chunk(s, n, 10 * k) for s in ids for n in range(3) for k in range(n + 1) if n != 1]
+    )
+    every = meta.segment_chunks()
+    assert len(every) == 8
+    for wanted in ([ids[1]], [ids[3], ids[0]], ids, [ids[2], max(ids) + 7]):
+        assert meta.segment_chunks(set(wanted)) == [c for c in every if c.stream_id in wanted]
+    assert meta.segment_chunks([]) == []
+    assert meta.segment_chunks([max(ids) + 7]) == []
+
+
 def test_a_time_lookup_never_starts_after_a_chunk_with_a_late_enough_event(kit: Kit) -> None:
     # Event times need not grow with offsets. The chunk found for a time has no earlier kept
     # chunk with an event that late, and is at or before the first kept chunk that has one;
