@@ -55,6 +55,7 @@ from ..format import decode_header
 from ..protocol import (
     GroupAssignment,
     MemberInfo,
+    SegmentInfo,
     SubscriptionInfo,
     SubscriptionSegment,
     TxnPositions,
@@ -347,10 +348,18 @@ class Subscriptions:
             if sid == stream.id
         ]
 
-    async def describe(self, stream_name: str, name: str) -> SubscriptionInfo:
+    async def describe(
+        self, stream_name: str, name: str, live: Mapping[int, SegmentInfo] | None = None
+    ) -> SubscriptionInfo:
         """A group nobody uses here is described with its positions as the catalog has them:
         commits made through another broker are not announced (``catalog_version`` leaves
-        positions out)."""
+        positions out). ``live``: in a cluster, the segments as the brokers serving them know
+        them now (``Service.stream_info``): the backlog counts from their end and size, not
+        from this broker's copy of a segment it does not serve (an open one's end is 0 here),
+        and the lag reads the oldest unconsumed batch from its broker (ReadSegment): 0 when
+        that read fails (the broker does not answer, the segment is moving), never an error.
+        The members and queue counts are this broker's: right only on the broker
+        coordinating the group (``Service.describe_subscription`` asks it)."""
         group = self.group(stream_name, name)
         if not group.members and group not in self.queues.dispatchers:
             seen = group.record
@@ -360,21 +369,28 @@ class Subscriptions:
             for record in stored:
                 if record.name == name:
                     self._absorb(group, seen, record)
-        info = self.info(group, detail=True)
+        info = self.info(group, detail=True, live=live)
         now_ms = int(time.time() * 1000)
-        segments = []
-        for one in info.segments:  # the lag: the age of the oldest unconsumed event
-            lag_ms = 0
-            if one.backlog_events:
-                segment = group.stream.segments[one.segment]
-                with contextlib.suppress(Exception):  # a damaged batch: no lag, not no answer
-                    container = self.controller.containers[segment.container]
-                    batches = await container.read(segment, one.position, 1)
-                    if batches:
-                        lag_ms = max(0, now_ms - decode_header(batches[0]).min_timestamp)
-            counts = self.queues.counts(group, one.segment)
-            segments.append(msgspec.structs.replace(one, lag_ms=lag_ms, **counts))
+        lags = await asyncio.gather(*(self._lag(group, one, now_ms) for one in info.segments))
+        segments = [
+            msgspec.structs.replace(one, lag_ms=lag_ms, **self.queues.counts(group, one.segment))
+            for one, lag_ms in zip(info.segments, lags, strict=True)
+        ]
         return msgspec.structs.replace(info, segments=segments)
+
+    async def _lag(self, group: Group, one: SubscriptionSegment, now_ms: int) -> int:
+        """The age of the oldest unconsumed event of a segment: its first batch at the
+        position, read here or from the broker serving it (``Queues.read``); 0 without a
+        backlog or when the read fails (a damaged batch, an unreachable broker: no lag,
+        not no answer)."""
+        segment = group.stream.segments.get(one.segment)
+        if not one.backlog_events or segment is None:
+            return 0
+        with contextlib.suppress(Exception):
+            read = await self.queues.read(segment, one.position, 1)
+            if read.batches:
+                return max(0, now_ms - decode_header(read.batches[0]).min_timestamp)
+        return 0
 
     async def delete(self, stream_name: str, name: str) -> None:
         group = self.group(stream_name, name)
@@ -775,7 +791,12 @@ class Subscriptions:
             )
         return group
 
-    def info(self, group: Group, *, detail: bool) -> SubscriptionInfo:
+    def info(
+        self, group: Group, *, detail: bool, live: Mapping[int, SegmentInfo] | None = None
+    ) -> SubscriptionInfo:
+        """The subscription; with ``detail``, each segment's position and backlog (from
+        ``live``'s end and size for the segments it names, else this broker's segment
+        objects) and the members here. ``lag_ms`` is left 0 (``describe`` reads it)."""
         record = group.record
         options = msgspec.structs.asdict(record.options) if record.options else {}
         summary = SubscriptionInfo(
@@ -791,16 +812,21 @@ class Subscriptions:
         segments = []
         for number, segment in sorted(group.stream.segments.items()):
             position = group.position(number)
-            end = segment.next_offset
+            seen = (live or {}).get(number)
+            start, end, size = (
+                (segment.start_offset, segment.next_offset, segment.bytes)
+                if seen is None
+                else (seen.start_offset, seen.end_offset, seen.bytes)
+            )
             backlog = max(0, end - position)
-            held = segment.next_offset - segment.start_offset
+            held = end - start
             segments.append(
                 SubscriptionSegment(
                     number,
                     position,
                     end,
                     backlog,
-                    segment.bytes * backlog // held if held > 0 else 0,
+                    size * backlog // held if held > 0 else 0,
                     0,
                     group.holder.get(number, 0),
                 )

@@ -64,6 +64,7 @@ from ..protocol import (
     ClusterInfo,
     Cut,
     DescribeStream,
+    DescribeSubscription,
     GetCut,
     GroupAssignment,
     HoldPositions,
@@ -1426,11 +1427,53 @@ class Service:
         return self.subscriptions.of_stream(stream)
 
     async def describe_subscription(
-        self, caller: Caller, stream: str, name: str
+        self, caller: Caller, stream: str, name: str, local: bool = False
     ) -> SubscriptionInfo:
-        """Per segment: position, backlog (events, bytes), lag; and the members."""
+        """Per segment: position, backlog (events, bytes), lag; and the members. In a
+        cluster the broker coordinating the group answers, since its members and queue
+        counts live there: another broker forwards the request to it (``local``: answer
+        here, forward no further), or, if it cannot be reached, answers from its own view
+        without the members (logged). The answering broker counts each segment another
+        broker serves from that broker's live end and size (``stream_info``; WrongBroker
+        while a container has nobody serving it) and reads its lag from it."""
         self._authorize(caller, Action.CONSUME, stream)
-        return await self.subscriptions.describe(stream, name)
+        if not self.cluster.enabled:
+            return await self.subscriptions.describe(stream, name)
+        if not local:
+            forwarded = await self._describe_at_coordinator(stream, name)
+            if forwarded is not None:
+                return forwarded
+        info = await self.stream_info(caller, stream)
+        live = {s.number: s for s in info.segments}
+        return await self.subscriptions.describe(stream, name, live)
+
+    async def _describe_at_coordinator(self, stream: str, name: str) -> SubscriptionInfo | None:
+        """The group's description from the broker coordinating it; None if this broker
+        does (or nobody can answer now: the caller describes from here)."""
+        cid = coordinator(f"{stream}/{name}", self.cluster.count)
+        if self.containers[cid].serving:
+            return None
+        owner = self.cluster.owners[cid]
+        try:
+            if not owner or owner == self.cluster.broker_id:
+                raise self.cluster.wrong_broker(cid, f"the group of {stream}:{name}")
+            reply = await self.peers.ask(owner, DescribeSubscription(stream, name, local=True))
+        except (BrokerUnavailable, WrongBroker, TimeoutError) as exc:
+            log.warning(
+                "subscription %s:%s described from this broker's view, without its members "
+                "and queue counts: the broker coordinating its group (container %d) did not "
+                "answer: %s",
+                stream,
+                name,
+                cid,
+                exc,
+            )
+            return None
+        if not isinstance(reply, SubscriptionInfo):
+            raise SlipstreamError(
+                f"broker {owner!r} answered DescribeSubscription with {type(reply).__name__}"
+            )
+        return reply
 
     async def delete_subscription(self, caller: Caller, stream: str, name: str) -> None:
         self._authorize(caller, Action.MANAGE, stream)

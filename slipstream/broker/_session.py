@@ -702,8 +702,8 @@ class Session(asyncio.BufferedProtocol):
                 )
             case ListSubscriptions(stream):
                 return SubscriptionList(service.list_subscriptions(caller, stream))
-            case DescribeSubscription(stream, name):
-                return await service.describe_subscription(caller, stream, name)
+            case DescribeSubscription(stream, name, local):
+                return await service.describe_subscription(caller, stream, name, local)
             case DeleteSubscription(stream, name):
                 await service.delete_subscription(caller, stream, name)
                 return Done()

@@ -14,10 +14,21 @@ import pytest
 from harness import Cluster, ask
 from objectstores import SeaweedFS
 from pg import PgCluster
+from raw import RawConnection
 
 import slipstream
+from slipstream.cluster import coordinator
 from slipstream.protocol import Cut as CutReply
-from slipstream.protocol import DescribeStream, GetCut, ScaleStream, StreamInfo
+from slipstream.protocol import (
+    DescribeStream,
+    DescribeSubscription,
+    GetCut,
+    GroupJoined,
+    JoinGroup,
+    ScaleStream,
+    StreamInfo,
+    SubscriptionInfo,
+)
 
 STREAM = "describe/orders"
 KEY_SPACE = (0, 2**64 - 1)
@@ -63,16 +74,12 @@ def test_a_description_right_after_a_scale_elsewhere_covers_every_key(cluster: C
         assert set(cut.positions) == {s.number for s in scaled.segments}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DescribeSubscription gives open segments served by another broker end offset 0 "
-    "(backlog and lag 0): docs/cluster.md, Limits",
-)
 def test_a_subscription_description_counts_the_segments_of_every_broker(
     cluster: Cluster,
 ) -> None:
     """Found running ./run.sh --cluster: the auctions view's backlog and `slipstream
-    subscription describe` counted only the answering broker's open segments."""
+    subscription describe` counted only the answering broker's open segments (end 0,
+    backlog and lag 0 for the others'); through either broker, each segment counts."""
     stream = "describe/backlog"
     with slipstream.connect(cluster.addresses()) as client:
         client.create_stream(stream, 4)
@@ -82,6 +89,38 @@ def test_a_subscription_description_counts_the_segments_of_every_broker(
                 producer.send(b"x", key=f"k{i}")
         ends = {s.number: s.end_offset for s in client.describe_stream(stream).segments}
         assert len({s.container for s in client.describe_stream(stream).segments}) > 1
+        time.sleep(0.05)  # so that the oldest unconsumed event is at least 1 ms old
         info = client.describe_subscription(stream, "g")
     assert {s.segment: s.end_offset for s in info.segments} == ends
     assert sum(s.backlog_events for s in info.segments) == 40
+    assert all(s.lag_ms > 0 for s in info.segments if s.backlog_events), info
+    for broker in cluster.brokers:
+        seen = ask(broker.address, DescribeSubscription(stream, "g"))
+        assert isinstance(seen, SubscriptionInfo), seen
+        assert {s.segment: s.backlog_events for s in seen.segments} == ends
+
+
+def test_a_subscription_description_shows_the_members_through_either_broker(
+    cluster: Cluster,
+) -> None:
+    """The members live on the broker coordinating the group: another one asks it."""
+    stream, name = "describe/members", "g"
+    with slipstream.connect(cluster.addresses()) as client:
+        client.create_stream(stream, 4)
+        client.create_subscription(stream, name)
+    served = cluster.wait_until_all_containers_served()
+    addresses = {f"b{i}": broker.address for i, broker in enumerate(cluster.brokers)}
+    member = RawConnection(addresses[served[coordinator(f"{stream}/{name}", 4)]])
+    try:
+        member.receive()  # Welcome
+        member.send_frame(JoinGroup(stream, name, "ordered", "worker-1", 60_000), 2)
+        joined = member.receive().message
+        assert isinstance(joined, GroupJoined), joined
+        for address in addresses.values():
+            info = ask(address, DescribeSubscription(stream, name))
+            assert isinstance(info, SubscriptionInfo), info
+            assert [(m.member_id, m.name) for m in info.members] == [
+                (joined.member_id, "worker-1")
+            ], (address, info)
+    finally:
+        member.close()
