@@ -53,6 +53,8 @@ from ..streams import (
     MAX_SEGMENTS,
     KeyRange,
     ProducerTable,
+    Rates,
+    ScalingDecision,
     ScalingPolicy,
     SegmentLoad,
     decide,
@@ -89,6 +91,7 @@ class RemotePrepare(Protocol):
     ends: dict[int, int]
     leases: list[Lease]
     deadline_ms: int
+    rates: dict[int, Rates]  # their rates as their brokers measured them
 
 
 class RemoteSeal(Protocol):
@@ -607,9 +610,13 @@ class Controller:
             crash_point("scale.before_record")
             ends = {s.number: s.next_offset for s in local}
             leases = [] if served is None else self._leases(local)
+            record = reason
             if prepared is not None:
                 ends.update(prepared.ends)
                 leases.extend(prepared.leases)
+                if prepared.rates and reason != "manual":  # the decision as its brokers saw it
+                    decision = ScalingDecision.from_json(reason).with_rates(prepared.rates)
+                    record = decision.to_json().decode()
             await self.in_catalog(
                 functools.partial(
                     self.meta.scale_stream,
@@ -618,7 +625,7 @@ class Controller:
                     int(time.time() * 1000),
                     ends,
                     records,
-                    reason.encode(),
+                    record.encode(),
                     leases=leases,
                     deadline_ms=None if prepared is None else prepared.deadline_ms,
                 )

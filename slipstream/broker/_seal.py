@@ -39,7 +39,7 @@ from .._errors import (
 )
 from ..protocol import Done, EndSeal, Message, PrepareSeal, SealPrepared
 from ..storage import Lease
-from ..streams import ScalingPolicy
+from ..streams import Rates, ScalingPolicy, WindowRates
 from ..streams._scaling import LONG_WINDOW_MS
 from ._cluster import Cluster
 from ._controller import Controller, Stream
@@ -63,6 +63,8 @@ class RemotePrepared:
     ends: dict[int, int]
     leases: list[Lease]
     deadline_ms: int
+    #: their rates as their brokers measured them (for the merge's recorded decision)
+    rates: dict[int, Rates] = field(default_factory=dict)
 
 
 class PeerSeals:
@@ -105,16 +107,19 @@ class PeerSeals:
             raise SlipstreamError(f"unexpected answer to PrepareSeal: {type(error).__name__}")
         ends: dict[int, int] = {}
         leases: list[Lease] = []
+        rates: dict[int, Rates] = {}
         deadline = None
         for owner, answer in answers.items():
             assert isinstance(answer, SealPrepared)
             ends.update(zip(numbers[owner], answer.ends, strict=True))
+            if len(answer.rates) == len(numbers[owner]):  # none from an older broker
+                rates.update(zip(numbers[owner], map(_rates_of, answer.rates), strict=True))
             leases.extend(
                 Lease(c, owner, e, 0) for c, e in zip(answer.containers, answer.leases, strict=True)
             )
             deadline = answer.deadline_ms if deadline is None else min(deadline, answer.deadline_ms)
         assert deadline is not None
-        return RemotePrepared(ends, leases, deadline)
+        return RemotePrepared(ends, leases, deadline, rates)
 
     async def finish(
         self, name: str, segments: Collection[Segment], epoch: int, *, committed: bool
@@ -234,11 +239,13 @@ class Preparations:
             epoch,
             ends,
         )
+        now_ms = scaling_now_ms()
         return SealPrepared(
             ends,
             [c.container for c in contracts],
             [c.epoch for c in contracts],
             entry.deadline_ms,
+            [_rates_row(s.rates(now_ms).rates(now_ms)) for s in segments],
         )
 
     async def end(
@@ -326,6 +333,20 @@ class Preparations:
         for watcher in watchers:
             watcher.cancel()
         await asyncio.gather(*watchers, return_exceptions=True)
+
+
+def _rates_row(rates: Rates) -> list[float]:
+    """``rates`` as ``SealPrepared.rates`` sends them."""
+    windows = (rates.events, rates.bytes)
+    return [float(rates.measured_ms)] + [
+        r for w in windows for r in (w.last_10s, w.last_60s, w.last_300s, w.peak_10s)
+    ]
+
+
+def _rates_of(row: Sequence[float]) -> Rates:
+    """A ``SealPrepared.rates`` row as Rates (zero where it is short)."""
+    padded = [*row, *[0.0] * 9][:9]
+    return Rates(int(padded[0]), WindowRates(*padded[1:5]), WindowRates(*padded[5:9]))
 
 
 def _check_cold(stream: Stream, segments: Sequence[Segment], max_rate: float) -> None:

@@ -835,12 +835,16 @@ class SealPrepared(Message, frozen=True):
     the epochs of their containers' leases (``containers[i]``), which fence the merge's
     catalog record (a container that moved since refuses it); ``deadline_ms``: the catalog's
     clock after which this broker stops waiting for ``EndSeal`` (the record is refused from
-    then on)."""
+    then on). ``rates[i]``: ``segments[i]``'s rates as this broker measured them (where its
+    appends land), for the merge's recorded decision: ``[measured_ms, events/s over the last
+    10 s, 60 s, 300 s, peak 10 s, then bytes/s the same four]`` (streams.Rates); empty from
+    a broker that sends none."""
 
     ends: list[int]
     containers: list[int]
     leases: list[int]
     deadline_ms: int
+    rates: list[list[float]] = []
 
 
 class EndSeal(Message, frozen=True):

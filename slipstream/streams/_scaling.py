@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import re
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import pairwise
 from typing import Literal
 
@@ -442,6 +442,22 @@ class ScalingDecision(msgspec.Struct, frozen=True):
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)
 
+    def with_rates(self, rates: Mapping[int, Rates]) -> ScalingDecision:
+        """This decision with the inputs of the segments in ``rates`` measured so, and a cold
+        merge's reason summed again from them. In a cluster the deciding broker sees no
+        appends to the segments other brokers serve (their rates look zero to it): the merge
+        records the rates those brokers measured (``SealPrepared.rates``)."""
+        inputs = tuple(
+            msgspec.structs.replace(s, rates=rates[s.segment]) if s.segment in rates else s
+            for s in self.inputs
+        )
+        reason = self.reason
+        if self.rule == "cold_300s" and len(inputs) == 2:
+            policy = ScalingPolicy.from_text(self.policy)
+            rate = sum(s.rates.of(policy.metric).peak_10s for s in inputs)
+            reason = _cold_reason(policy, inputs[0].segment, inputs[1].segment, rate)
+        return msgspec.structs.replace(self, inputs=inputs, reason=reason)
+
     @classmethod
     def from_json(cls, data: bytes | str) -> ScalingDecision:
         """Raises :class:`InvalidArgument` for anything :meth:`to_json` did not write."""
@@ -684,12 +700,18 @@ class _Plan:
                 self.add_merge(
                     pair,
                     "cold_300s",
-                    f"segments {pair[0].segment} and {pair[1].segment} together carried at "
-                    f"most {rate:,.0f} {self.unit} in every 10 s of the last 300 s, below "
-                    f"{MERGE_FRACTION:g} x the target of {self.policy.target:,} {self.unit} "
-                    f"({threshold:,.0f}): merge them",
+                    _cold_reason(self.policy, pair[0].segment, pair[1].segment, rate),
                     threshold,
                 )
+
+
+def _cold_reason(policy: ScalingPolicy, first: int, second: int, rate: float) -> str:
+    unit = "events/s" if policy.metric == "events" else "bytes/s"
+    return (
+        f"segments {first} and {second} together carried at most {rate:,.0f} {unit} in every "
+        f"10 s of the last 300 s, below {MERGE_FRACTION:g} x the target of "
+        f"{policy.target:,} {unit} ({MERGE_FRACTION * policy.target:,.0f}): merge them"
+    )
 
 
 def _is_cold(

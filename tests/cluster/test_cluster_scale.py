@@ -47,7 +47,7 @@ from slipstream.protocol import (
     TxnBegun,
     TxnEnded,
 )
-from slipstream.streams import key_hash
+from slipstream.streams import ScalingDecision, key_hash
 
 STREAM = "scale/orders"
 CONTAINERS = 4
@@ -446,13 +446,13 @@ def test_the_autoscaler_merges_cold_neighbours_on_two_brokers_and_not_a_busy_one
                 for i in range(5000)
                 if second.key_lo <= key_hash(k := b"k%d" % i) <= second.key_hi
             ]
-            stop = threading.Event()
+            stop, slow = threading.Event(), threading.Event()
 
             def produce() -> None:
                 with slipstream.connect(cluster.addresses()) as own, own.producer(name) as producer:
                     n = 0
                     while not stop.is_set():
-                        for _ in range(35):
+                        for _ in range(5 if slow.is_set() else 35):
                             producer.send(b"x", key=keys[n % len(keys)])
                             n += 1
                         time.sleep(0.05)
@@ -466,17 +466,24 @@ def test_the_autoscaler_merges_cold_neighbours_on_two_brokers_and_not_a_busy_one
                     assert time.monotonic() < deadline, _scaling_lines(cluster)  # a bound
                     time.sleep(0.2)
                 assert client.scale_history(name) == []
+                # 2. cold (100/s): the pair merges, coordinated by the first segment's broker
+                slow.set()
+                deadline = time.monotonic() + 120
+                while not (history := client.scale_history(name)):
+                    assert time.monotonic() < deadline, _scaling_lines(cluster)  # a bound
+                    time.sleep(0.2)
             finally:
                 stop.set()
                 busy.join(30)
-            # 2. quiet: the pair merges, coordinated by the first segment's broker
-            deadline = time.monotonic() + 120
-            while not (history := client.scale_history(name)):
-                assert time.monotonic() < deadline, _scaling_lines(cluster)  # a bound
-                time.sleep(0.2)
         (merge,) = history
         assert set(merge.sealed) == {first.number, second.number}
         assert '"cold_300s"' in merge.reason
+        # the decision records the rates the other broker measured, not the zero the
+        # coordinator sees of a segment whose appends land elsewhere
+        decision = ScalingDecision.from_json(merge.reason)
+        peaks = {load.segment: load.rates.events.peak_10s for load in decision.inputs}
+        assert peaks[second.number] > 0, decision
+        assert f"together carried at most {sum(peaks.values()):,.0f} events/s" in decision.reason
         deadline = time.monotonic() + 30  # its log line follows the record (a bound)
         while not (done_by := _scaled_by(cluster, name)):
             assert time.monotonic() < deadline, _scaling_lines(cluster)

@@ -538,6 +538,7 @@ MESSAGES[SealPrepared] = st.builds(
     containers=st.lists(I64, max_size=3),
     leases=st.lists(I64, max_size=3),
     deadline_ms=I64,
+    rates=st.lists(st.lists(st.floats(allow_nan=False), max_size=9), max_size=3),
 )
 MESSAGES[EndSeal] = st.builds(
     EndSeal, stream=TEXT, segments=st.lists(I64, max_size=3), epoch=I64, committed=st.booleans()

@@ -340,6 +340,22 @@ def test_cold_neighbours_merge_after_the_long_window() -> None:
     assert decide(EVENTS, loads(300, 300), NOW) == ()  # together at 0.6 x target: not cold
 
 
+def test_a_merge_recorded_with_the_rates_the_other_broker_measured() -> None:
+    # in a cluster the deciding broker sees segment 1 at 0 (its appends land elsewhere); the
+    # merge records segment 1 as its own broker measured it, and the reason's sum with it
+    (decision,) = decide(EVENTS, loads(100, 0), NOW)
+    assert "together carried at most 100 events/s" in decision.reason
+    measured = load(1, decision.inputs[1].key_range, 58).rates
+    recorded = decision.with_rates({1: measured})
+    assert recorded.inputs == (
+        decision.inputs[0],
+        msgspec.structs.replace(decision.inputs[1], rates=measured),
+    )
+    assert recorded.reason == decision.reason.replace("at most 100", "at most 158")
+    assert (recorded.segments, recorded.threshold) == (decision.segments, decision.threshold)
+    assert decision.with_rates({}) == decision
+
+
 def test_a_recent_peak_keeps_neighbours_apart() -> None:
     a, b = split_range(KeyRange(0, 2**64 - 1), 2)
     assert decide(EVENTS, [load(0, a, 50, peak=800), load(1, b, 50)], NOW) == ()
