@@ -55,6 +55,7 @@ from slipstream.protocol import (
     GrantRule,
     HandOverIdentity,
     Hello,
+    HoldPositions,
     InitProducer,
     JoinGroup,
     LeaveGroup,
@@ -70,6 +71,7 @@ from slipstream.protocol import (
     PrepareSeal,
     QuotaInfo,
     ReadSegment,
+    ReleasePositions,
     ResetSubscription,
     RevokeRule,
     RevokeToken,
@@ -77,6 +79,7 @@ from slipstream.protocol import (
     SetQuota,
     SettleEvents,
     StreamList,
+    TxnPositions,
     Unfollow,
     UpdateStream,
     Welcome,
@@ -245,6 +248,11 @@ def requests(s: Setup) -> dict[str, tuple[Message, bytes]]:
         "AppendAudit": (AppendAudit("b0"), b""),  # brokers (admin) only
         "PrepareSeal": (PrepareSeal("demo/orders", [0], 1, "b0"), b""),  # brokers only
         "EndSeal": (EndSeal("demo/orders", [0], 1, False), b""),  # brokers only
+        "HoldPositions": (  # brokers (admin) only
+            HoldPositions(1, 1, "", 5_000, TxnPositions("demo/orders", "sub", 1, 1, {0: 1})),
+            b"",
+        ),
+        "ReleasePositions": (ReleasePositions(1, 0), b""),  # brokers (admin) only
     }
 
 

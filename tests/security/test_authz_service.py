@@ -113,6 +113,21 @@ OPERATIONS: dict[str, tuple[Action | str | None, Call]] = {
         Action.ADMIN,
         lambda w, c: w.service.apply_batch(c, "demo/orders", 0, 1, 0, bytearray()),
     ),
+    "prepare_seal": (
+        Action.ADMIN,
+        lambda w, c: w.service.prepare_seal(c, "demo/orders", [0], 1, "b0", 1_000, 0.0),
+    ),
+    "end_seal": (
+        Action.ADMIN,
+        lambda w, c: w.service.end_seal(c, "demo/orders", [0], 1, False),
+    ),
+    "hold_positions": (
+        Action.ADMIN,
+        lambda w, c: w.service.hold_positions(
+            c, 1, 1, "", 5_000, TxnPositions("demo/orders", "sub", w.member, 1, {0: 1})
+        ),
+    ),
+    "release_positions": (Action.ADMIN, lambda w, c: w.service.release_positions(c, 1, 0)),
     "append": (Action.PRODUCE, _append),
     "append in a transaction": (Action.PRODUCE, lambda w, c: _append(w, c, w.txn)),
     "segment": (Action.CONSUME, lambda w, c: w.service.segment(c, "demo/orders", 0)),
