@@ -32,6 +32,7 @@ from ..cluster import assign, coordinator
 from ..protocol import BrokerInfo, ClusterInfo
 from ..storage import Lease, Member, MetaStore, StreamRecord
 from ..storage._meta import SegmentChunks
+from ._faults import FAULT, TAKE_PAUSE_S
 
 if TYPE_CHECKING:
     from ._broker import Broker
@@ -273,6 +274,11 @@ class Membership:
             self._taking[cid] = container
             await broker.refresh_catalog()  # the streams as they are now, before swapping in
             records, chunks = await self._call(_container_catalog, broker.meta, cid)
+            if FAULT == "cluster.take_pause":  # tests: a stream is created meanwhile
+                log.warning(
+                    "fault injection: takeover of container %d paused after its catalog read", cid
+                )
+                await asyncio.sleep(TAKE_PAUSE_S)
             segments = broker.controller.fresh_segments(records, chunks, cid)
             container.segments = {s.global_id: s for s in segments}
             loop = asyncio.get_running_loop()

@@ -279,7 +279,8 @@ class Controller:
         """Serve a taken container: it replaces the old one in the broker's list, and its
         recovered segments replace the old objects in their streams (a stream this broker
         has not loaded yet is added from ``records``, the catalog as the takeover read it).
-        A stream deleted since that read keeps its segments out."""
+        A stream deleted since that read keeps its segments out; the segments in the
+        container that read did not have (created or scaled since) are served too."""
         self.containers[container.id] = container
         by_id = {record.id: record for record in records}
         fresh: dict[int, list[Segment]] = {}
@@ -307,6 +308,15 @@ class Controller:
                     old.notify()
                 stream.segments[segment.number] = segment
             stream.add_segments(mine)
+        # segments in this container that the takeover's read did not have (a stream created
+        # or scaled since, here or elsewhere: registered in the container being replaced) are
+        # served too, as built from the catalog; nobody wrote to them meanwhile (they were in
+        # no served container). Without this the broker held their lease and answered every
+        # request for them wrong_broker until the container moved again.
+        for stream in self.streams.values():
+            for segment in stream.segments.values():
+                if segment.container == container.id and not segment.deleted:
+                    container.segments.setdefault(segment.global_id, segment)
 
     def _register(self, stream: Stream) -> None:
         self.streams[stream.name] = stream

@@ -10,7 +10,9 @@ group uploaded, its record not yet committed); ``broker.container_dies``.
 ``scale.prepared_pause`` is no crash: a merge across brokers waits PREPARED_PAUSE_S between
 the prepares and its record (a container moves meanwhile in the test). Nor is
 ``txn.held_pause``: a commit holding groups on other brokers waits HELD_PAUSE_S after its
-deadline check, before its record (its holds expire meanwhile in the test).
+deadline check, before its record (its holds expire meanwhile in the test). Nor is
+``cluster.take_pause``: a takeover waits TAKE_PAUSE_S after its catalog read, before it
+serves (a stream is created meanwhile in the test).
 
 ``SLIPSTREAM_SCALING_SPEEDUP=<factor>`` (a float > 0, default 1; for tests and demos) runs the
 broker's scaling clock that many times faster: see :func:`scaling_now_ms`.
@@ -30,6 +32,8 @@ FAULT = os.environ.get("SLIPSTREAM_FAULT", "")
 PREPARED_PAUSE_S = 3.0
 #: how long ``txn.held_pause`` holds a commit record (past a hold's 5 s, with room for the test)
 HELD_PAUSE_S = 20.0
+#: how long ``cluster.take_pause`` holds a takeover between its catalog read and serving
+TAKE_PAUSE_S = 3.0
 
 
 def _speedup(text: str) -> float:
