@@ -311,9 +311,10 @@ class Cluster:
     async def request(self, message: Message, target: Target = None) -> tuple[Message, Connection]:
         """Send ``message`` to the broker for ``target``; the reply and the connection that
         answered. A WrongBroker answer (the container is served elsewhere, or moving) sends it
-        again to the owner it names, or, while nobody serves the container, after describing
-        the cluster again, for up to ``reconnect_timeout``: nothing of a refused request was
-        done. A request whose connection is lost is not sent again (it may have been done)."""
+        again to the owner it names at once, or, while nobody serves the container (or the
+        broker that answered names itself), after a backoff and describing the cluster again,
+        for up to ``reconnect_timeout``: nothing of a refused request was done. A request
+        whose connection is lost is not sent again (it may have been done)."""
         deadline = time.monotonic() + self.reconnect_timeout
         delay = 0.02
         while True:
@@ -328,7 +329,10 @@ class Cluster:
                     target = container
                 if time.monotonic() + delay > deadline:
                     raise
-                if not exc.details.get("address"):
+                named = exc.details.get("address")
+                # nobody serves it, or the broker that answered names itself (it holds the
+                # container but does not serve it yet: taking it): wait, describe again
+                if not named or named == connection.address:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, _MAX_DELAY)
                     await self.refresh()

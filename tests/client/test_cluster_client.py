@@ -168,6 +168,66 @@ def old_broker() -> Iterator[str]:
     assert asked[:1] == ["DescribeCluster"]
 
 
+@pytest.fixture
+def taking_broker() -> Iterator[tuple[str, list[str]]]:
+    """A cluster's only broker while it takes its containers: it describes the cluster with
+    itself owning every container and answers every other request ``wrong_broker`` naming
+    itself (it holds the lease but does not serve yet). Yields its address and the requests
+    it was asked."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    asked: list[str] = []
+
+    def serve(peer: socket.socket) -> None:
+        decoder = FrameDecoder()
+        with peer:
+            while data := peer.recv(65536):
+                decoder.feed(data)
+                while (item := decoder.next_item()) is not None:
+                    assert isinstance(item, Frame)
+                    message = item.message
+                    reply: Welcome | ClusterInfo | Error
+                    if isinstance(message, Hello):
+                        reply = Welcome(PROTOCOL_VERSION, "0.1-taking", 8 << 20)
+                    elif type(message).__name__ == "DescribeCluster":
+                        me = BrokerInfo("b0", address, "", [0, 1], 1)
+                        reply = ClusterInfo(2, [me], ["b0", "b0"])
+                    else:
+                        asked.append(type(message).__name__)
+                        details = {"container": 1, "owner": "b0", "address": address}
+                        reply = Error("wrong_broker", "not served yet", details)
+                    peer.sendall(encode_frame(reply, item.correlation_id))
+
+    def accept() -> None:
+        while True:
+            try:
+                peer, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(peer,), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield address, asked
+    listener.close()
+    thread.join(5)
+
+
+def test_a_broker_naming_itself_is_asked_again_after_a_backoff_not_at_once(
+    taking_broker: tuple[str, list[str]],
+) -> None:
+    """A WrongBroker naming the broker that answered (taking the container, not serving it
+    yet) is retried with a growing delay until ``reconnect_timeout``, not in a tight loop
+    (which asked a broker thousands of times a second for as long as a takeover lasted)."""
+    address, asked = taking_broker
+    with (
+        slipstream.connect(address, timeout=2, reconnect_timeout=2.0) as client,
+        pytest.raises(slipstream.WrongBroker),
+    ):
+        client.create_subscription("t/s", "sub")
+    assert 2 <= len(asked) <= 15, f"asked {len(asked)} times in 2 s"
+
+
 def test_a_broker_without_describe_cluster_is_taken_for_standalone(old_broker: str) -> None:
     with slipstream.connect(old_broker, timeout=2) as client:
         cluster = client._async.cluster
