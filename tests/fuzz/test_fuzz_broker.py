@@ -69,7 +69,7 @@ def fuzzed(broker: BrokerProcess) -> BrokerProcess:
     """A broker with the session's stream (its own CreateStream runs as a task, so the
     appends pipelined right after it could come first)."""
     with broker.client() as client:
-        client.create_stream("fuzz/orders", segments=2)
+        client.create_stream("fuzz/orders", segments=1)
     return broker
 
 
