@@ -186,6 +186,13 @@ class PostgresServer:
             conn.execute(sql.encode())
 
 
+#: the master grows one volume per bucket (a collection), not its default 7: the volume slots
+#: (free disk / the volume size limit: 760 with 48 GB free and 64 MB volumes) ran out after
+#: 108 buckets, and every later upload failed with a 500 InternalError (the test suite makes a
+#: bucket per test)
+WEED_ENV = {"WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"}
+
+
 class SeaweedServer:
     """``weed server -s3`` on 127.0.0.1: a master, a volume server, a filer and the S3
     gateway in one process, on the ``ports`` named in WEED_PORT_NAMES, its data in
@@ -269,6 +276,7 @@ class SeaweedServer:
                 stderr=subprocess.STDOUT,
                 cwd=self.root,
                 start_new_session=True,
+                env={**os.environ, **WEED_ENV},
             )
         deadline = time.monotonic() + timeout
         while True:
