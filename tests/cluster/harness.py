@@ -43,6 +43,7 @@ from conftest import BrokerProcess
 from objectstores import ACCESS_KEY, SECRET_KEY, SeaweedFS
 from pg import PgCluster
 from psycopg.conninfo import conninfo_to_dict
+from raw import RawConnection
 
 from slipstream.client._connection import Connection
 from slipstream.protocol import Message
@@ -230,6 +231,26 @@ def ask(address: str, message: Message) -> Message:
         return reply
 
     return asyncio.run(asking())
+
+
+class Raw:
+    """A hand-driven connection that answers one request at a time."""
+
+    def __init__(self, address: str) -> None:
+        self.connection = RawConnection(address)
+        self.connection.receive()  # Welcome
+        self._cid = 100
+
+    def ask(self, message: Message, payload: bytes = b"") -> Any:
+        self._cid += 1
+        self.connection.send_frame(message, self._cid, payload)
+        while True:
+            frame = self.connection.receive()
+            if frame.correlation_id == self._cid:
+                return frame.message
+
+    def close(self) -> None:
+        self.connection.close()
 
 
 def _supports(option: str) -> bool:

@@ -17,14 +17,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from checker import Sent, check_history, encode
-from harness import Cluster, ask
+from harness import Cluster, Raw, ask
 from objectstores import SeaweedFS
 from pg import PgCluster
-from raw import RawConnection, batch
+from raw import batch
 
 import slipstream
 from slipstream import Position
@@ -39,7 +38,6 @@ from slipstream.protocol import (
     Error,
     GetCut,
     InitProducer,
-    Message,
     ProducerGrant,
     ScaleStream,
     SegmentInfo,
@@ -270,26 +268,6 @@ def test_a_coordinator_killed_after_the_prepare_leaves_the_stream_whole_and_appe
 
 
 # --- transactions against scales on other brokers ----------------------------------------------
-
-
-class Raw:
-    """A hand-driven connection that answers one request at a time."""
-
-    def __init__(self, address: str) -> None:
-        self.connection = RawConnection(address)
-        self.connection.receive()  # Welcome
-        self._cid = 100
-
-    def ask(self, message: Message, payload: bytes = b"") -> Any:
-        self._cid += 1
-        self.connection.send_frame(message, self._cid, payload)
-        while True:
-            frame = self.connection.receive()
-            if frame.correlation_id == self._cid:
-                return frame.message
-
-    def close(self) -> None:
-        self.connection.close()
 
 
 def _staged(cluster: Cluster, via: str, tid: str, segment: int, batches: int) -> tuple[Raw, int]:

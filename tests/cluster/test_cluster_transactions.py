@@ -13,13 +13,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from harness import Cluster
+from harness import Cluster, Raw
 from objectstores import SeaweedFS
 from pg import PgCluster
-from raw import RawConnection, batch
+from raw import batch
 
 import slipstream
 from slipstream.cluster import coordinator
@@ -37,7 +36,6 @@ from slipstream.protocol import (
     IdentityList,
     InitProducer,
     ListIdentities,
-    Message,
     ProducerGrant,
     StreamInfo,
     TxnBegun,
@@ -52,26 +50,6 @@ CONTAINERS = 4
 BATCHES = 20
 EVENTS = 3  # per batch
 ANONYMOUS = 2  # batches per segment of an anonymous transaction merged into the commit
-
-
-class Raw:
-    """A hand-driven connection that answers one request at a time."""
-
-    def __init__(self, address: str) -> None:
-        self.connection = RawConnection(address)
-        self.connection.receive()  # Welcome
-        self._cid = 100
-
-    def ask(self, message: Message, payload: bytes = b"") -> Any:
-        self._cid += 1
-        self.connection.send_frame(message, self._cid, payload)
-        while True:
-            frame = self.connection.receive()
-            if frame.correlation_id == self._cid:
-                return frame.message
-
-    def close(self) -> None:
-        self.connection.close()
 
 
 def _cluster(
